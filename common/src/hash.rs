@@ -1,0 +1,56 @@
+//! Chained block hashes for automatic prefix caching.
+//!
+//! A full block of `block_size` tokens is named by `chain_hash(parent, tokens)`, where `parent`
+//! is the previous block's hash (0 for the first block). Equal hashes therefore mean an equal
+//! whole prefix, not just an equal block. The function is fixed (FNV-style mixing with a
+//! splitmix finalizer) so that every node of a cluster computes the same names: coordinators use
+//! them for cache-aware placement, workers for reuse.
+
+const SEED: u64 = 0x5a65_726f_4c61_7972; // "ZeroLayr"
+
+#[inline]
+fn mix(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// The hash of a full block of `tokens` following a block whose hash is `parent`.
+pub fn chain_hash(parent: u64, tokens: &[u32]) -> u64 {
+    let mut h = mix(parent ^ SEED);
+    for &t in tokens {
+        h = mix(h ^ (t as u64).wrapping_add(0x9e37_79b9_7f4a_7c15));
+    }
+    // Never 0: 0 is the parent of the first block.
+    mix(h ^ tokens.len() as u64) | 1
+}
+
+/// Hashes of every *full* block of `tokens`, in order.
+pub fn block_hashes(tokens: &[u32], block_size: usize) -> Vec<u64> {
+    let mut out = Vec::with_capacity(tokens.len() / block_size);
+    let mut parent = 0;
+    for chunk in tokens.chunks_exact(block_size) {
+        parent = chain_hash(parent, chunk);
+        out.push(parent);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hashes_name_whole_prefixes() {
+        let a: Vec<u32> = (0..48).collect();
+        let mut b = a.clone();
+        b[3] = 999; // differs in the first block only
+        let ha = block_hashes(&a, 16);
+        let hb = block_hashes(&b, 16);
+        assert_eq!(ha.len(), 3);
+        assert!(ha.iter().zip(&hb).all(|(x, y)| x != y), "a change propagates to every later block");
+        assert_eq!(block_hashes(&a[..40], 16), ha[..2].to_vec(), "partial blocks are not hashed");
+        // Fixed across runs and builds (the cluster relies on it).
+        assert_eq!(chain_hash(0, &[1, 2, 3]), chain_hash(0, &[1, 2, 3]));
+    }
+}

@@ -1,0 +1,42 @@
+//! What each worker publishes about itself, for placement, metrics and `zerolayer status`.
+
+use serde::{Deserialize, Serialize};
+
+/// A snapshot of a worker's load, cache and memory, published at least every 100 ms.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct WorkerSignals {
+    pub kv_blocks_total: u32,
+    /// Blocks not referenced by any sequence (includes cached, evictable blocks).
+    pub kv_blocks_free: u32,
+    /// Free blocks that still hold a cached prefix (evictable).
+    pub kv_blocks_cached: u32,
+    /// 1 − live token slots ÷ slots in allocated blocks.
+    pub kv_fragmentation_ratio: f32,
+    pub block_size: u32,
+    pub memory_used_bytes: u64,
+    pub memory_limit_bytes: u64,
+    pub running: u32,
+    pub waiting: u32,
+    /// Prompt tokens of waiting and prefilling sequences not yet computed.
+    pub waiting_prefill_tokens: u64,
+    /// Blocks held by sequences that are decoding.
+    pub active_decode_blocks: u32,
+    /// Prefix-cache hit ratio over a recent window of admissions (tokens hit ÷ tokens queried).
+    pub prefix_hit_ratio: f32,
+    /// Cumulative prompt tokens found in the prefix cache, and queried.
+    pub prefix_cache_hits_total: u64,
+    pub prefix_cache_queries_total: u64,
+    pub preemptions_total: u64,
+    pub generated_tokens_total: u64,
+    /// Output tokens per second over the last second or so.
+    pub tokens_per_second: f32,
+    /// Milliseconds since the worker started, at the time of this snapshot.
+    pub at_ms: u64,
+}
+
+/// A change in a worker's prefix cache, by block hash.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum KvEvent {
+    Stored { hashes: Vec<u64> },
+    Evicted { hashes: Vec<u64> },
+}

@@ -1,0 +1,107 @@
+//! Request-level types exchanged between the coordinator and the worker.
+
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+/// Identifies a node in the cluster (from `cluster.toml`).
+pub type NodeId = String;
+
+/// A worker's id within its node (from `cluster.toml`), e.g. `cpu0`.
+pub type WorkerId = String;
+
+/// Sampling and stopping parameters for one sequence.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SamplingParams {
+    /// 0 means exact greedy decoding (argmax), never a small positive temperature.
+    pub temperature: f32,
+    /// Keep only the `k` most likely tokens (None or 0: no limit).
+    pub top_k: Option<u32>,
+    /// Nucleus sampling mass in (0, 1] (None: 1).
+    pub top_p: Option<f32>,
+    /// Seed for reproducible sampling; None draws one.
+    pub seed: Option<u64>,
+    /// The most tokens to generate. 0 only prefills (and caches) the prompt.
+    pub max_tokens: u32,
+    /// Generation stops before emitting any of these strings.
+    pub stop_sequences: Vec<String>,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams { temperature: 1.0, top_k: None, top_p: None, seed: None, max_tokens: 256, stop_sequences: vec![] }
+    }
+}
+
+impl SamplingParams {
+    pub fn greedy(max_tokens: u32) -> Self {
+        SamplingParams { temperature: 0.0, max_tokens, ..Default::default() }
+    }
+}
+
+/// Why a sequence stopped.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum StopReason {
+    /// The model produced one of its end tokens.
+    EndTurn,
+    /// `max_tokens` were generated.
+    MaxTokens,
+    /// A stop sequence matched; it names which one. Its text was not emitted.
+    StopSequence(String),
+    /// The request was cancelled (client gone, or explicit cancel).
+    Cancelled,
+    /// The worker failed the sequence.
+    Error(String),
+}
+
+impl StopReason {
+    /// The Anthropic `stop_reason` string.
+    pub fn as_anthropic(&self) -> &'static str {
+        match self {
+            StopReason::EndTurn => "end_turn",
+            StopReason::MaxTokens => "max_tokens",
+            StopReason::StopSequence(_) => "stop_sequence",
+            StopReason::Cancelled | StopReason::Error(_) => "end_turn",
+        }
+    }
+}
+
+impl fmt::Display for StopReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            StopReason::EndTurn => write!(f, "end_turn"),
+            StopReason::MaxTokens => write!(f, "max_tokens"),
+            StopReason::StopSequence(s) => write!(f, "stop_sequence({s:?})"),
+            StopReason::Cancelled => write!(f, "cancelled"),
+            StopReason::Error(e) => write!(f, "error: {e}"),
+        }
+    }
+}
+
+/// Prompt and output token counts for a finished sequence.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Usage {
+    /// Prompt tokens that were computed (not served from the prefix cache).
+    pub prompt_tokens_uncached: u32,
+    /// Prompt tokens served from cached KV blocks.
+    pub prompt_tokens_cached: u32,
+    /// Tokens generated.
+    pub output_tokens: u32,
+}
+
+impl Usage {
+    pub fn prompt_tokens(&self) -> u32 {
+        self.prompt_tokens_uncached + self.prompt_tokens_cached
+    }
+}
+
+/// What a worker streams back for one sequence.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum SeqEvent {
+    /// The prompt is admitted; `cached` prompt tokens came from the prefix cache.
+    Started { prompt_tokens: u32, cached_tokens: u32 },
+    /// New tokens and the text they completed (text may be empty while a multi-byte character
+    /// or a possible stop sequence is held back).
+    Delta { tokens: Vec<u32>, text: String },
+    /// The sequence is over. No event follows.
+    Finished { reason: StopReason, usage: Usage },
+}

@@ -1,0 +1,136 @@
+//! The `zerolayer` binary.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand};
+use indicatif::{ProgressBar, ProgressStyle};
+use zerolayer_common::ClusterConfig;
+use zerolayer_coordinator::node::Node;
+
+/// The default cluster config, embedded so the binary runs from anywhere.
+const DEFAULT_CONFIG: &str = include_str!("../../cluster.toml");
+
+#[derive(Parser)]
+#[command(name = "zerolayer", version, about = "A distributed LLM inference cluster with no proxy tier")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Start this process's node from the cluster config.
+    Up {
+        /// Cluster config (default: ./cluster.toml, else the embedded default).
+        #[arg(long, env = "ZEROLAYER_CONFIG")]
+        config: Option<PathBuf>,
+        /// Which node of the config this process is (default: the first).
+        #[arg(long)]
+        node: Option<String>,
+        /// HTTP listen address, overriding the config.
+        #[arg(long)]
+        http: Option<String>,
+        /// Model path (GGUF file or safetensors directory), overriding the config.
+        #[arg(long)]
+        model: Option<PathBuf>,
+    },
+    /// Cluster status (arrives with the cluster issue).
+    Status,
+    /// Drain a node for replacement (arrives with the cluster issue).
+    Drain,
+    /// Let traffic back into a drained node (arrives with the cluster issue).
+    Undrain,
+    /// Cluster CA and certificates (arrives with the cluster issue).
+    Cluster,
+}
+
+fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
+        .init();
+    let cli = Cli::parse();
+    match cli.cmd {
+        Cmd::Up { config, node, http, model } => up(config, node, http, model),
+        Cmd::Status | Cmd::Drain | Cmd::Undrain | Cmd::Cluster => {
+            eprintln!("this subcommand is reserved; it arrives with multi-node clusters");
+            std::process::exit(2);
+        }
+    }
+}
+
+fn up(config: Option<PathBuf>, node: Option<String>, http: Option<String>, model: Option<PathBuf>) -> anyhow::Result<()> {
+    let mut cfg = match config {
+        Some(p) => ClusterConfig::load(Some(&p))?,
+        None if std::path::Path::new("cluster.toml").exists() => ClusterConfig::load(Some(std::path::Path::new("cluster.toml")))?,
+        None => {
+            let dir = std::env::temp_dir().join(format!("zerolayer-default-{}", std::process::id()));
+            std::fs::create_dir_all(&dir)?;
+            let p = dir.join("cluster.toml");
+            std::fs::write(&p, DEFAULT_CONFIG)?;
+            let mut c = ClusterConfig::load(Some(&p))?;
+            // Relative paths in the embedded default are relative to the working directory.
+            c.model.path = ClusterConfig::default().model.path;
+            c
+        }
+    };
+    if let Some(m) = model {
+        cfg.model.path = m;
+    }
+    let node_id = node.unwrap_or_else(|| cfg.nodes[0].id.clone());
+    let idx = cfg.nodes.iter().position(|n| n.id == node_id).ok_or_else(|| anyhow::anyhow!("node {node_id:?} is not in the config"))?;
+    if let Some(h) = http {
+        cfg.nodes[idx].http = h;
+    }
+    cfg.validate()?;
+    let addr: SocketAddr = cfg.nodes[idx].http.parse().map_err(|e| anyhow::anyhow!("http address {:?}: {e}", cfg.nodes[idx].http))?;
+
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    rt.block_on(async move {
+        let bar = ProgressBar::new(0);
+        bar.set_style(ProgressStyle::with_template("loading {msg} [{bar:30}] {pos}/{len} layers").unwrap().progress_chars("=> "));
+        let model_path = cfg.model.path.display().to_string();
+        let node = Node::start(cfg, &node_id, |w, d, t| {
+            bar.set_length(t as u64);
+            bar.set_message(format!("{model_path} on {w}"));
+            bar.set_position(d as u64);
+        })
+        .await?;
+        bar.finish_and_clear();
+        let listener = tokio::net::TcpListener::bind(addr).await?;
+        let local = listener.local_addr()?;
+        let c = node.coordinator.clone();
+        tracing::info!(
+            "zerolayer ready: node {} serving {} on http://{} ({} worker{})",
+            c.node_id,
+            c.model.id,
+            local,
+            c.workers.len(),
+            if c.workers.len() == 1 { "" } else { "s" }
+        );
+        node.serve(listener, shutdown_signal()).await
+    })?;
+    tracing::info!("zerolayer stopped");
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
+}

@@ -1,0 +1,85 @@
+//! Prometheus metrics: request counters and latency histograms through the `metrics` crate, and
+//! the workers' live signals rendered at scrape time. Figures that vLLM also exports are
+//! repeated under vLLM's names so existing dashboards and autoscalers can scrape us.
+
+use std::fmt::Write as _;
+use std::sync::OnceLock;
+
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use zerolayer_common::WorkerSignals;
+
+const LATENCY_BUCKETS: &[f64] =
+    &[0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0];
+
+/// The process-wide recorder (one per process; series carry a `node` label).
+pub fn handle() -> &'static PrometheusHandle {
+    static H: OnceLock<PrometheusHandle> = OnceLock::new();
+    H.get_or_init(|| {
+        let builder = PrometheusBuilder::new()
+            .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), LATENCY_BUCKETS)
+            .expect("buckets are valid");
+        let recorder = builder.build_recorder();
+        let handle = recorder.handle();
+        // A second install (another component set one first) keeps rendering from our handle.
+        let _ = metrics::set_global_recorder(recorder);
+        handle
+    })
+}
+
+pub fn request_done(node: &str, endpoint: &'static str, status: u16) {
+    metrics::counter!("zerolayer_requests_total", "node" => node.to_string(), "endpoint" => endpoint, "status" => status.to_string())
+        .increment(1);
+}
+
+pub fn ttft(node: &str, secs: f64) {
+    metrics::histogram!("zerolayer_time_to_first_token_seconds", "node" => node.to_string()).record(secs);
+    metrics::histogram!("vllm:time_to_first_token_seconds", "node" => node.to_string()).record(secs);
+}
+
+pub fn inter_token(node: &str, secs: f64) {
+    metrics::histogram!("zerolayer_inter_token_latency_seconds", "node" => node.to_string()).record(secs);
+    metrics::histogram!("vllm:inter_token_latency_seconds", "node" => node.to_string()).record(secs);
+}
+
+pub fn tokens(node: &str, input: u64, cached: u64, output: u64) {
+    let n = node.to_string();
+    metrics::counter!("zerolayer_input_tokens_total", "node" => n.clone()).increment(input + cached);
+    metrics::counter!("zerolayer_cached_input_tokens_total", "node" => n.clone()).increment(cached);
+    metrics::counter!("zerolayer_output_tokens_total", "node" => n.clone()).increment(output);
+    metrics::counter!("vllm:prompt_tokens_total", "node" => n.clone()).increment(input + cached);
+    metrics::counter!("vllm:generation_tokens_total", "node" => n).increment(output);
+}
+
+/// Renders everything: recorded series plus one gauge set per local worker.
+pub fn render(node: &str, model: &str, workers: &[(String, WorkerSignals)]) -> String {
+    let h = handle();
+    h.run_upkeep();
+    let mut out = h.render();
+    let mut gauge = |name: &str, help: &str, kind: &str, f: &dyn Fn(&WorkerSignals) -> f64| {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+        for (w, s) in workers {
+            let _ = writeln!(out, "{name}{{node=\"{node}\",worker=\"{w}\",model_name=\"{model}\"}} {}", f(s));
+        }
+    };
+    gauge("zerolayer_kv_blocks_total", "KV cache blocks on the worker", "gauge", &|s| s.kv_blocks_total as f64);
+    gauge("zerolayer_kv_blocks_free", "KV blocks not referenced by any sequence (includes cached)", "gauge", &|s| s.kv_blocks_free as f64);
+    gauge("zerolayer_kv_blocks_cached", "Free KV blocks still holding a cached prefix", "gauge", &|s| s.kv_blocks_cached as f64);
+    gauge("zerolayer_kv_fragmentation_ratio", "1 - live token slots / allocated slots", "gauge", &|s| s.kv_fragmentation_ratio as f64);
+    gauge("zerolayer_memory_used_bytes", "Weights plus KV cache bytes", "gauge", &|s| s.memory_used_bytes as f64);
+    gauge("zerolayer_memory_limit_bytes", "Memory budget of the worker", "gauge", &|s| s.memory_limit_bytes as f64);
+    gauge("zerolayer_running_sequences", "Sequences in the running batch", "gauge", &|s| s.running as f64);
+    gauge("zerolayer_waiting_sequences", "Sequences waiting for admission", "gauge", &|s| s.waiting as f64);
+    gauge("zerolayer_waiting_prefill_tokens", "Prompt tokens not yet computed", "gauge", &|s| s.waiting_prefill_tokens as f64);
+    gauge("zerolayer_active_decode_blocks", "Blocks held by decoding sequences", "gauge", &|s| s.active_decode_blocks as f64);
+    gauge("zerolayer_prefix_hit_ratio", "Prefix-cache hit ratio over recent admissions", "gauge", &|s| s.prefix_hit_ratio as f64);
+    gauge("zerolayer_preemptions_total", "Sequences preempted by recompute", "counter", &|s| s.preemptions_total as f64);
+    gauge("zerolayer_tokens_per_second", "Output tokens per second, recent", "gauge", &|s| s.tokens_per_second as f64);
+    gauge("vllm:num_requests_running", "Number of requests in the running batch", "gauge", &|s| s.running as f64);
+    gauge("vllm:num_requests_waiting", "Number of requests waiting", "gauge", &|s| s.waiting as f64);
+    gauge("vllm:kv_cache_usage_perc", "KV cache usage, 1 = full", "gauge", &|s| {
+        if s.kv_blocks_total == 0 { 0.0 } else { 1.0 - s.kv_blocks_free as f64 / s.kv_blocks_total as f64 }
+    });
+    gauge("vllm:prefix_cache_hits_total", "Prompt tokens served from the prefix cache", "counter", &|s| s.prefix_cache_hits_total as f64);
+    gauge("vllm:prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache", "counter", &|s| s.prefix_cache_queries_total as f64);
+    out
+}

@@ -1,0 +1,106 @@
+//! Starting a node: load the model onto each worker, build the coordinator, serve HTTP on an
+//! already-bound listener until a shutdown future resolves, then drain within the grace period.
+
+use std::future::Future;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use zerolayer_common::ClusterConfig;
+use zerolayer_node::engine::{Engine, EngineConfig};
+use zerolayer_node::loader;
+use zerolayer_node::WorkerHandle;
+
+use crate::coordinator::{Coordinator, LocalWorker, ModelInfo};
+
+/// A started node: its coordinator and the switch that ends open streams.
+pub struct Node {
+    pub coordinator: Arc<Coordinator>,
+    hard_stop_tx: watch::Sender<bool>,
+}
+
+impl Node {
+    /// Loads the model for every worker of node `node_id` in `config`.
+    /// `progress(worker, done, total)` reports layers loaded.
+    pub async fn start(config: ClusterConfig, node_id: &str, mut progress: impl FnMut(&str, usize, usize) + Send) -> anyhow::Result<Node> {
+        let node = config.node(node_id).ok_or_else(|| anyhow::anyhow!("node {node_id:?} is not in the cluster config"))?.clone();
+        let mut workers = Vec::new();
+        let mut front = None;
+        let mut context_length = 0;
+        for wc in &node.workers {
+            let path = config.model.path.clone();
+            let tok = config.model.tokenizer.clone();
+            let threads = wc.threads;
+            let wid = wc.id.clone();
+            let loaded = {
+                let mut p = |d: usize, t: usize| progress(&wid, d, t);
+                loader::load(&path, tok.as_deref(), threads, &mut p)?
+            };
+            context_length = loaded.model.cfg.context_length;
+            let ecfg = EngineConfig {
+                block_size: wc.block_size,
+                kv_cache_bytes: wc.kv_cache_mb << 20,
+                max_batch_tokens: wc.max_batch_tokens,
+                max_running: wc.max_running,
+                max_waiting: wc.max_waiting,
+            };
+            if front.is_none() {
+                front = Some((loaded.tokenizer.clone(), loaded.template.clone()));
+            }
+            let engine = Engine::new(loaded.model, loaded.tokenizer, &ecfg)?;
+            let handle = WorkerHandle::spawn(engine, &format!("{node_id}-{}", wc.id)).await?;
+            workers.push(LocalWorker { id: wc.id.clone(), handle, max_waiting: wc.max_waiting });
+        }
+        let (tokenizer, template) = front.ok_or_else(|| anyhow::anyhow!("node {node_id:?} has no workers"))?;
+        let created_unix = std::fs::metadata(&config.model.path)
+            .and_then(|m| m.modified())
+            .ok()
+            .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+            .map(|d| d.as_secs() as i64)
+            .unwrap_or(0);
+        let model = ModelInfo {
+            id: config.model.id.clone(),
+            aliases: config.model.aliases.clone(),
+            display_name: config.model.display_name.clone(),
+            created_unix,
+            context_length,
+        };
+        let (hard_stop_tx, hard_stop_rx) = watch::channel(false);
+        let coordinator = Arc::new(Coordinator::new(node_id.to_string(), config, model, tokenizer, template, workers, hard_stop_rx));
+        Ok(Node { coordinator, hard_stop_tx })
+    }
+
+    /// Serves HTTP on `listener` until `shutdown` resolves; then stops accepting, lets
+    /// in-flight requests finish within the grace period, ends the rest with an error event,
+    /// and stops the workers.
+    pub async fn serve(self, listener: TcpListener, shutdown: impl Future<Output = ()> + Send + 'static) -> anyhow::Result<()> {
+        let app = crate::http::router(self.coordinator.clone());
+        let grace = Duration::from_secs(self.coordinator.config.server.shutdown_grace_secs);
+        let coord = self.coordinator.clone();
+        let hard = self.hard_stop_tx.clone();
+        let (begun_tx, mut begun_rx) = watch::channel(false);
+        let signal = async move {
+            shutdown.await;
+            coord.draining.store(true, Ordering::Release);
+            tracing::info!(grace_secs = grace.as_secs(), "shutting down: no new work; finishing in-flight requests");
+            let _ = begun_tx.send(true);
+        };
+        // The grace timer: once it runs out, open streams end with an error event.
+        let timer = tokio::spawn(async move {
+            if begun_rx.wait_for(|b| *b).await.is_ok() {
+                tokio::time::sleep(grace).await;
+                tracing::warn!("grace period over: ending the remaining streams");
+                let _ = hard.send(true);
+            }
+        });
+        axum::serve(listener, app).with_graceful_shutdown(signal).await?;
+        timer.abort();
+        for w in &self.coordinator.workers {
+            let h = w.handle.clone();
+            tokio::task::spawn_blocking(move || h.shutdown()).await.ok();
+        }
+        Ok(())
+    }
+}

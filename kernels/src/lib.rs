@@ -1,0 +1,40 @@
+//! zerolayer's compute kernels. The only crate in the workspace with `unsafe`.
+//!
+//! - [`quant`]: weight formats (F32, Q4_0, Q4_1, Q8_0) and the batched matrix kernel.
+//! - [`attention`]: paged attention reading K/V through block tables.
+//! - [`ops`]: RMSNorm, RoPE, SiLU·mul.
+//! - [`pool`]: a spin-then-park thread pool with no per-call spawn cost.
+//!
+//! Invariant: every kernel computes each output element with a fixed reduction order that does
+//! not depend on batch size, batch position, thread count or chunking (batch invariance).
+
+pub mod attention;
+pub mod ops;
+pub mod pool;
+pub mod quant;
+
+#[cfg(feature = "cuda")]
+pub mod cuda;
+
+/// Whether the AVX2+FMA code paths may run on this CPU (detected once).
+pub fn has_avx2() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::sync::OnceLock;
+        static AVX2: OnceLock<bool> = OnceLock::new();
+        *AVX2.get_or_init(|| is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"))
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// Views little-endian bytes as f32s. Panics if misaligned or of a length not a multiple of 4.
+pub fn cast_f32(bytes: &[u8]) -> &[f32] {
+    assert!(cfg!(target_endian = "little"), "zerolayer kernels assume a little-endian target");
+    assert_eq!(bytes.len() % 4, 0);
+    assert_eq!(bytes.as_ptr() as usize % std::mem::align_of::<f32>(), 0, "f32 data must be 4-byte aligned");
+    // SAFETY: length and alignment checked above; every bit pattern is a valid f32.
+    unsafe { std::slice::from_raw_parts(bytes.as_ptr() as *const f32, bytes.len() / 4) }
+}

@@ -1,0 +1,193 @@
+//! A fixed-size thread pool for data-parallel kernels, with no per-call spawn cost.
+//!
+//! Design: `n - 1` worker threads are created once. A parallel region publishes a job (a
+//! borrowed `Fn(usize)` and a task count) behind a generation counter; workers spin briefly on
+//! the counter, then park. Tasks are claimed with an atomic counter, so each index runs exactly
+//! once, on whichever thread gets there first. The caller participates and returns only after
+//! every task has finished, which is what makes lending a non-`'static` closure sound.
+//!
+//! Determinism: the pool decides *which thread* runs a task, never *what a task computes*.
+//! Kernels split work so that each output element is produced by one task with a fixed
+//! reduction order, which keeps results bit-identical whatever the thread count or timing.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+
+type Job = *const (dyn Fn(usize) + Sync);
+
+struct Shared {
+    generation: AtomicU64,
+    /// The current region's closure and task count; `None` between regions.
+    job: Mutex<Option<(SendPtr, usize)>>,
+    next: AtomicUsize,
+    done: AtomicUsize,
+    active_workers: AtomicUsize,
+    shutdown: AtomicBool,
+    park_lock: Mutex<()>,
+    park_cv: Condvar,
+}
+
+#[derive(Clone, Copy)]
+struct SendPtr(Job);
+// SAFETY: the pointer is only dereferenced while the owning `run` call is blocked waiting for
+// every task to finish, so the pointee outlives every use; the closure itself is `Sync`.
+unsafe impl Send for SendPtr {}
+
+/// A fixed pool of threads for kernel parallelism. Cheap to call many times per step.
+pub struct ThreadPool {
+    shared: Arc<Shared>,
+    threads: Vec<JoinHandle<()>>,
+    n_threads: usize,
+    run_lock: Mutex<()>,
+}
+
+impl ThreadPool {
+    /// A pool that runs regions on `n_threads` threads in total (the caller counts as one).
+    pub fn new(n_threads: usize) -> Self {
+        let n_threads = n_threads.max(1);
+        let shared = Arc::new(Shared {
+            generation: AtomicU64::new(0),
+            job: Mutex::new(None),
+            next: AtomicUsize::new(0),
+            done: AtomicUsize::new(0),
+            active_workers: AtomicUsize::new(0),
+            shutdown: AtomicBool::new(false),
+            park_lock: Mutex::new(()),
+            park_cv: Condvar::new(),
+        });
+        let threads = (1..n_threads)
+            .map(|i| {
+                let shared = shared.clone();
+                std::thread::Builder::new()
+                    .name(format!("zl-kernel-{i}"))
+                    .spawn(move || worker_loop(&shared))
+                    .expect("spawn kernel thread")
+            })
+            .collect();
+        ThreadPool { shared, threads, n_threads, run_lock: Mutex::new(()) }
+    }
+
+    pub fn n_threads(&self) -> usize {
+        self.n_threads
+    }
+
+    /// Runs `f(i)` for every `i in 0..n_tasks` across the pool and returns when all are done.
+    pub fn run<F: Fn(usize) + Sync>(&self, n_tasks: usize, f: F) {
+        if n_tasks == 0 {
+            return;
+        }
+        if self.n_threads == 1 || n_tasks == 1 {
+            for i in 0..n_tasks {
+                f(i);
+            }
+            return;
+        }
+        let _guard = self.run_lock.lock().unwrap_or_else(|e| e.into_inner());
+        let s = &*self.shared;
+        let dyn_f: &(dyn Fn(usize) + Sync) = &f;
+        // SAFETY: we erase the lifetime of `dyn_f`; it is only used by workers until
+        // `done == n_tasks` and `active_workers == 0`, both awaited below before returning.
+        let ptr: Job = unsafe { std::mem::transmute::<&(dyn Fn(usize) + Sync), Job>(dyn_f) };
+        // Counters are reset before the job is published, so a worker that sees the job
+        // (under the mutex) also sees fresh counters.
+        s.next.store(0, Ordering::SeqCst);
+        s.done.store(0, Ordering::SeqCst);
+        *s.job.lock().unwrap() = Some((SendPtr(ptr), n_tasks));
+        s.generation.fetch_add(1, Ordering::SeqCst);
+        {
+            let _l = s.park_lock.lock().unwrap();
+            s.park_cv.notify_all();
+        }
+        // Participate.
+        loop {
+            let i = s.next.fetch_add(1, Ordering::AcqRel);
+            if i >= n_tasks {
+                break;
+            }
+            f(i);
+            s.done.fetch_add(1, Ordering::AcqRel);
+        }
+        while s.done.load(Ordering::Acquire) < n_tasks || s.active_workers.load(Ordering::Acquire) > 0 {
+            std::hint::spin_loop();
+        }
+        *s.job.lock().unwrap() = None;
+        // A worker that registered after the wait above found `None` (or a later job); wait
+        // for stragglers so none can touch this closure after we return.
+        while s.active_workers.load(Ordering::Acquire) > 0 {
+            std::hint::spin_loop();
+        }
+    }
+}
+
+fn worker_loop(s: &Shared) {
+    let mut seen = 0u64;
+    loop {
+        // Spin a little for the next region (steps issue hundreds back to back), then park.
+        let mut spins = 0u32;
+        loop {
+            if s.shutdown.load(Ordering::Acquire) {
+                return;
+            }
+            let g = s.generation.load(Ordering::Acquire);
+            if g != seen {
+                seen = g;
+                break;
+            }
+            spins += 1;
+            if spins < 20_000 {
+                std::hint::spin_loop();
+            } else {
+                let l = s.park_lock.lock().unwrap();
+                if s.generation.load(Ordering::Acquire) == seen && !s.shutdown.load(Ordering::Acquire) {
+                    let _ = s.park_cv.wait_timeout(l, std::time::Duration::from_millis(50)).unwrap();
+                }
+                spins = 0;
+            }
+        }
+        s.active_workers.fetch_add(1, Ordering::AcqRel);
+        let job = *s.job.lock().unwrap();
+        if let Some((SendPtr(p), n)) = job {
+            // SAFETY: `run` keeps the closure alive until `active_workers` drops back to 0.
+            let f = unsafe { &*p };
+            loop {
+                let i = s.next.fetch_add(1, Ordering::AcqRel);
+                if i >= n {
+                    break;
+                }
+                f(i);
+                s.done.fetch_add(1, Ordering::AcqRel);
+            }
+        }
+        s.active_workers.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+impl Drop for ThreadPool {
+    fn drop(&mut self) {
+        self.shared.shutdown.store(true, Ordering::Release);
+        {
+            let _l = self.shared.park_lock.lock().unwrap();
+            self.shared.park_cv.notify_all();
+        }
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    #[test]
+    fn every_task_runs_once() {
+        let pool = ThreadPool::new(3);
+        for n in [1usize, 2, 7, 100] {
+            let hits: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
+            pool.run(n, |i| {
+                hits[i].fetch_add(1, Ordering::Relaxed);
+            });
+            assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1));
+        }
+    }
+}

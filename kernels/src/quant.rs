@@ -1,0 +1,447 @@
+//! Weight formats and the matrix kernels that read them.
+//!
+//! Weights stay in their GGUF block layout (`Q4_0`, `Q4_1`, `Q8_0`) or as `F32`. For quantized
+//! weights the activation rows are first quantized to 32-element int8 blocks ([`ActBlock`],
+//! the Q8_1 scheme of llama.cpp and candle: scale `d`, and `s = d * Σq` for the offset formats),
+//! then every output element is one integer-accumulated dot product per block, summed over the
+//! blocks in order.
+//!
+//! **Batch invariance.** Output `y[i][j]` depends only on activation row `i` and weight row `j`,
+//! and is computed by exactly one call of the same dot routine with a fixed reduction order. Work
+//! is split over weight-row tiles whose size depends only on the weight shape, never on the batch.
+//! So a row's result is bit-identical whatever else shares the batch, its position in it, or the
+//! number of threads.
+//!
+//! **Batch efficiency.** A tile of weight rows is read once per call and dotted against every
+//! activation row while it is hot in L1, so a batch of B rows costs far less than B mat-vecs.
+
+use crate::pool::ThreadPool;
+use half::f16;
+
+/// Elements per quantization block for the 32-element formats.
+pub const QK: usize = 32;
+
+/// Supported weight storage formats.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WeightFormat {
+    F32,
+    Q4_0,
+    Q4_1,
+    Q8_0,
+}
+
+impl WeightFormat {
+    /// Bytes per 32-element block (per element for F32 × 32).
+    pub fn block_bytes(self) -> usize {
+        match self {
+            WeightFormat::F32 => 4 * QK,
+            WeightFormat::Q4_0 => 18,
+            WeightFormat::Q4_1 => 20,
+            WeightFormat::Q8_0 => 34,
+        }
+    }
+}
+
+/// A weight matrix of `rows` output features by `cols` input features, row-major in blocks.
+#[derive(Clone)]
+pub struct Weight {
+    pub format: WeightFormat,
+    pub rows: usize,
+    pub cols: usize,
+    /// Raw bytes: `rows * cols / 32` blocks in GGUF layout, or little-endian f32 for `F32`.
+    pub data: Vec<u8>,
+}
+
+impl Weight {
+    pub fn new(format: WeightFormat, rows: usize, cols: usize, data: Vec<u8>) -> Self {
+        assert!(cols % QK == 0 || format == WeightFormat::F32, "cols {cols} not a multiple of {QK}");
+        let want = if format == WeightFormat::F32 { rows * cols * 4 } else { rows * cols / QK * format.block_bytes() };
+        assert_eq!(data.len(), want, "weight data size for {format:?} {rows}x{cols}");
+        Weight { format, rows, cols, data }
+    }
+
+    pub fn from_f32(rows: usize, cols: usize, values: &[f32]) -> Self {
+        assert_eq!(values.len(), rows * cols);
+        let mut data = Vec::with_capacity(values.len() * 4);
+        for v in values {
+            data.extend_from_slice(&v.to_le_bytes());
+        }
+        Weight::new(WeightFormat::F32, rows, cols, data)
+    }
+
+    fn row_bytes(&self) -> usize {
+        match self.format {
+            WeightFormat::F32 => self.cols * 4,
+            f => self.cols / QK * f.block_bytes(),
+        }
+    }
+
+    /// Dequantizes row `r` into `out` (length `cols`). Used for embeddings and tests.
+    pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
+        assert_eq!(out.len(), self.cols);
+        let rb = self.row_bytes();
+        let row = &self.data[r * rb..(r + 1) * rb];
+        match self.format {
+            WeightFormat::F32 => {
+                for (o, c) in out.iter_mut().zip(row.chunks_exact(4)) {
+                    *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+                }
+            }
+            WeightFormat::Q8_0 => {
+                for (b, o) in row.chunks_exact(34).zip(out.chunks_exact_mut(QK)) {
+                    let d = f16_at(b, 0);
+                    for i in 0..QK {
+                        o[i] = d * (b[2 + i] as i8) as f32;
+                    }
+                }
+            }
+            WeightFormat::Q4_0 => {
+                for (b, o) in row.chunks_exact(18).zip(out.chunks_exact_mut(QK)) {
+                    let d = f16_at(b, 0);
+                    for i in 0..16 {
+                        o[i] = d * ((b[2 + i] & 0xF) as i32 - 8) as f32;
+                        o[i + 16] = d * ((b[2 + i] >> 4) as i32 - 8) as f32;
+                    }
+                }
+            }
+            WeightFormat::Q4_1 => {
+                for (b, o) in row.chunks_exact(20).zip(out.chunks_exact_mut(QK)) {
+                    let d = f16_at(b, 0);
+                    let m = f16_at(b, 2);
+                    for i in 0..16 {
+                        o[i] = d * (b[4 + i] & 0xF) as f32 + m;
+                        o[i + 16] = d * (b[4 + i] >> 4) as f32 + m;
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[inline(always)]
+fn f16_at(b: &[u8], at: usize) -> f32 {
+    f16::from_bits(u16::from_le_bytes([b[at], b[at + 1]])).to_f32()
+}
+
+/// One quantized activation block: `x[i] ≈ d * qs[i]`, and `s = d * Σ qs` (both rounded to f16).
+#[derive(Clone, Copy, Debug, Default)]
+#[repr(C)]
+pub struct ActBlock {
+    pub d: f32,
+    pub s: f32,
+    pub qs: [i8; QK],
+}
+
+/// Quantizes one activation row (length a multiple of 32) into `out` (length/32 blocks).
+pub fn quantize_row(x: &[f32], out: &mut [ActBlock]) {
+    assert_eq!(x.len(), out.len() * QK);
+    for (xb, ob) in x.chunks_exact(QK).zip(out.iter_mut()) {
+        let mut amax = 0f32;
+        for &v in xb {
+            amax = amax.max(v.abs());
+        }
+        let d = amax / 127.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        let mut sum = 0i32;
+        for (q, &v) in ob.qs.iter_mut().zip(xb) {
+            let r = (v * id).round() as i32;
+            *q = r as i8;
+            sum += r;
+        }
+        // Scales are kept at f16 precision, as in ggml's and candle's Q8_0/Q8_1 blocks, so
+        // results match those references (and llama.cpp) closely.
+        let d16 = f16::from_f32(d);
+        ob.d = d16.to_f32();
+        ob.s = (f16::from_f32(sum as f32) * d16).to_f32();
+    }
+}
+
+#[inline(always)]
+fn dot_q8_0(w: &[u8], a: &[ActBlock]) -> f32 {
+    let mut acc = 0f32;
+    for (b, ab) in w.chunks_exact(34).zip(a) {
+        let mut sumi = 0i32;
+        for i in 0..QK {
+            sumi += (b[2 + i] as i8) as i32 * ab.qs[i] as i32;
+        }
+        acc += sumi as f32 * f16_at(b, 0) * ab.d;
+    }
+    acc
+}
+
+#[inline(always)]
+fn dot_q4_0(w: &[u8], a: &[ActBlock]) -> f32 {
+    let mut acc = 0f32;
+    for (b, ab) in w.chunks_exact(18).zip(a) {
+        let mut sumi = 0i32;
+        for i in 0..16 {
+            let q = b[2 + i];
+            sumi += ((q & 0xF) as i32 - 8) * ab.qs[i] as i32 + ((q >> 4) as i32 - 8) * ab.qs[i + 16] as i32;
+        }
+        acc += sumi as f32 * f16_at(b, 0) * ab.d;
+    }
+    acc
+}
+
+#[inline(always)]
+fn dot_q4_1(w: &[u8], a: &[ActBlock]) -> f32 {
+    let mut acc = 0f32;
+    for (b, ab) in w.chunks_exact(20).zip(a) {
+        let mut sumi = 0i32;
+        for i in 0..16 {
+            let q = b[4 + i];
+            sumi += (q & 0xF) as i32 * ab.qs[i] as i32 + (q >> 4) as i32 * ab.qs[i + 16] as i32;
+        }
+        acc += sumi as f32 * f16_at(b, 0) * ab.d + f16_at(b, 2) * ab.s;
+    }
+    acc
+}
+
+/// f32 dot product with eight independent lanes, reduced in a fixed tree order.
+#[inline(always)]
+pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+    debug_assert_eq!(a.len(), b.len());
+    let mut acc = [0f32; 8];
+    let ca = a.chunks_exact(8);
+    let cb = b.chunks_exact(8);
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for l in 0..8 {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    let mut s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (x, y) in ra.iter().zip(rb) {
+        s += x * y;
+    }
+    s
+}
+
+#[inline(always)]
+fn f32_row(bytes: &[u8]) -> &[f32] {
+    // Weight data is built from f32 values in `Weight::from_f32` or loaded little-endian; on a
+    // little-endian target reinterpretation is exact. Alignment is checked.
+    crate::cast_f32(bytes)
+}
+
+/// Scratch space reused across calls so the decode loop does not allocate.
+#[derive(Default)]
+pub struct MatmulScratch {
+    act: Vec<ActBlock>,
+}
+
+/// Rows of weights per task: a function of the weight shape only (never of the batch).
+fn tile_rows(w: &Weight) -> usize {
+    let rb = w.row_bytes().max(1);
+    // About 16 KiB of weights per task, between 4 and 64 rows.
+    (16384 / rb).clamp(4, 64)
+}
+
+/// `y[b × rows] = x[b × cols] · Wᵀ` for `b = x.len() / cols` activation rows.
+pub fn matmul(pool: &ThreadPool, w: &Weight, x: &[f32], y: &mut [f32], scratch: &mut MatmulScratch) {
+    let k = w.cols;
+    let n = w.rows;
+    assert_eq!(x.len() % k, 0);
+    let b = x.len() / k;
+    assert_eq!(y.len(), b * n);
+    if b == 0 {
+        return;
+    }
+    let quantized = w.format != WeightFormat::F32;
+    if quantized {
+        let nb = k / QK;
+        scratch.act.resize(b * nb, ActBlock::default());
+        for (xr, ar) in x.chunks_exact(k).zip(scratch.act.chunks_exact_mut(nb)) {
+            quantize_row(xr, ar);
+        }
+    }
+    let act: &[ActBlock] = &scratch.act;
+    let tile = tile_rows(w);
+    let n_tasks = n.div_ceil(tile);
+    let yp = SyncPtr(y.as_mut_ptr());
+    let use_avx2 = crate::has_avx2();
+    pool.run(n_tasks, |t| {
+        let r0 = t * tile;
+        let r1 = (r0 + tile).min(n);
+        // SAFETY: each task writes only columns r0..r1 of every output row, disjoint across
+        // tasks, and `y` outlives `pool.run`.
+        let y = unsafe { std::slice::from_raw_parts_mut(yp.get(), b * n) };
+        #[cfg(target_arch = "x86_64")]
+        if use_avx2 {
+            // SAFETY: AVX2 and FMA were detected at run time.
+            unsafe { tile_avx2(w, x, act, y, r0, r1, b) };
+            return;
+        }
+        let _ = use_avx2;
+        tile_portable(w, x, act, y, r0, r1, b);
+    });
+}
+
+#[derive(Clone, Copy)]
+struct SyncPtr(*mut f32);
+// SAFETY: used only to hand disjoint output ranges to pool tasks (see `matmul`).
+unsafe impl Send for SyncPtr {}
+unsafe impl Sync for SyncPtr {}
+impl SyncPtr {
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
+#[inline(always)]
+fn tile_impl(w: &Weight, x: &[f32], act: &[ActBlock], y: &mut [f32], r0: usize, r1: usize, b: usize) {
+    let k = w.cols;
+    let n = w.rows;
+    let rb = w.row_bytes();
+    let nb = k / QK;
+    for r in r0..r1 {
+        let wr = &w.data[r * rb..(r + 1) * rb];
+        match w.format {
+            WeightFormat::F32 => {
+                let wf = f32_row(wr);
+                for i in 0..b {
+                    y[i * n + r] = dot_f32(wf, &x[i * k..(i + 1) * k]);
+                }
+            }
+            WeightFormat::Q8_0 => {
+                for i in 0..b {
+                    y[i * n + r] = dot_q8_0(wr, &act[i * nb..(i + 1) * nb]);
+                }
+            }
+            WeightFormat::Q4_0 => {
+                for i in 0..b {
+                    y[i * n + r] = dot_q4_0(wr, &act[i * nb..(i + 1) * nb]);
+                }
+            }
+            WeightFormat::Q4_1 => {
+                for i in 0..b {
+                    y[i * n + r] = dot_q4_1(wr, &act[i * nb..(i + 1) * nb]);
+                }
+            }
+        }
+    }
+}
+
+fn tile_portable(w: &Weight, x: &[f32], act: &[ActBlock], y: &mut [f32], r0: usize, r1: usize, b: usize) {
+    tile_impl(w, x, act, y, r0, r1, b)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn tile_avx2(w: &Weight, x: &[f32], act: &[ActBlock], y: &mut [f32], r0: usize, r1: usize, b: usize) {
+    // The same code, compiled for AVX2: LLVM vectorizes the integer block dots. Rust never
+    // contracts a*b+c into FMA on its own, so results equal the portable path bit for bit.
+    tile_impl(w, x, act, y, r0, r1, b)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    fn rand_vec(rng: &mut impl Rng, n: usize) -> Vec<f32> {
+        (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
+    }
+
+    fn quantize_weight(format: WeightFormat, rows: usize, cols: usize, v: &[f32]) -> Weight {
+        let mut data = Vec::new();
+        for blk in v.chunks_exact(QK) {
+            let amax = blk.iter().fold(0f32, |m, x| m.max(x.abs()));
+            match format {
+                WeightFormat::Q8_0 => {
+                    let d = amax / 127.0;
+                    data.extend_from_slice(&f16::from_f32(d).to_bits().to_le_bytes());
+                    for x in blk {
+                        data.push(((x / d).round() as i8) as u8);
+                    }
+                }
+                WeightFormat::Q4_0 => {
+                    let d = amax / 8.0;
+                    data.extend_from_slice(&f16::from_f32(d).to_bits().to_le_bytes());
+                    for i in 0..16 {
+                        let q = |x: f32| (((x / d) + 8.5) as i32).clamp(0, 15) as u8;
+                        data.push(q(blk[i]) | (q(blk[i + 16]) << 4));
+                    }
+                }
+                WeightFormat::Q4_1 => {
+                    let mn = blk.iter().cloned().fold(f32::MAX, f32::min);
+                    let mx = blk.iter().cloned().fold(f32::MIN, f32::max);
+                    let d = (mx - mn) / 15.0;
+                    data.extend_from_slice(&f16::from_f32(d).to_bits().to_le_bytes());
+                    data.extend_from_slice(&f16::from_f32(mn).to_bits().to_le_bytes());
+                    for i in 0..16 {
+                        let q = |x: f32| (((x - mn) / d + 0.5) as i32).clamp(0, 15) as u8;
+                        data.push(q(blk[i]) | (q(blk[i + 16]) << 4));
+                    }
+                }
+                WeightFormat::F32 => unreachable!(),
+            }
+        }
+        Weight::new(format, rows, cols, data)
+    }
+
+    /// Reference: dequantize the weights, use the f32 activations, accumulate in f64.
+    fn reference(w: &Weight, x: &[f32], b: usize) -> Vec<f32> {
+        let mut row = vec![0f32; w.cols];
+        let mut y = vec![0f32; b * w.rows];
+        for r in 0..w.rows {
+            w.dequantize_row(r, &mut row);
+            for i in 0..b {
+                let xr = &x[i * w.cols..(i + 1) * w.cols];
+                y[i * w.rows + r] = row.iter().zip(xr).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() as f32;
+            }
+        }
+        y
+    }
+
+    #[test]
+    fn matmul_matches_reference_and_is_batch_invariant() {
+        let pool = ThreadPool::new(2);
+        let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+        for format in [WeightFormat::F32, WeightFormat::Q8_0, WeightFormat::Q4_0, WeightFormat::Q4_1] {
+            for &(rows, cols) in &[(1usize, 32usize), (7, 64), (130, 96), (576, 576)] {
+                let wv = rand_vec(&mut rng, rows * cols);
+                let w = if format == WeightFormat::F32 {
+                    Weight::from_f32(rows, cols, &wv)
+                } else {
+                    quantize_weight(format, rows, cols, &wv)
+                };
+                for &b in &[1usize, 3, 8] {
+                    let x = rand_vec(&mut rng, b * cols);
+                    let mut y = vec![0f32; b * rows];
+                    let mut scratch = MatmulScratch::default();
+                    matmul(&pool, &w, &x, &mut y, &mut scratch);
+                    let want = reference(&w, &x, b);
+                    // Activation quantization to int8 bounds the error relative to the row norm.
+                    for i in 0..b * rows {
+                        let tol = if format == WeightFormat::F32 { 1e-4 } else { 0.02 * (cols as f32).sqrt() };
+                        assert!((y[i] - want[i]).abs() <= tol, "{format:?} {rows}x{cols} b={b} i={i}: {} vs {}", y[i], want[i]);
+                    }
+                    // Each row alone gives bit-identical results (ragged batches included).
+                    for i in 0..b {
+                        let mut y1 = vec![0f32; rows];
+                        matmul(&pool, &w, &x[i * cols..(i + 1) * cols], &mut y1, &mut scratch);
+                        assert_eq!(&y[i * rows..(i + 1) * rows], &y1[..], "{format:?} row {i} of {b}");
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl Weight {
+    /// Stacks weights with the same format and column count into one (rows concatenated), so
+    /// that e.g. Q, K and V projections run as a single matmul.
+    pub fn concat_rows(parts: &[&Weight]) -> Option<Weight> {
+        let first = parts.first()?;
+        if parts.iter().any(|p| p.format != first.format || p.cols != first.cols) {
+            return None;
+        }
+        let rows = parts.iter().map(|p| p.rows).sum();
+        let mut data = Vec::with_capacity(parts.iter().map(|p| p.data.len()).sum());
+        for p in parts {
+            data.extend_from_slice(&p.data);
+        }
+        Some(Weight::new(first.format, rows, first.cols, data))
+    }
+}

@@ -1,0 +1,371 @@
+//! The KV block pool with automatic prefix caching. Sans-IO: a plain struct.
+//!
+//! - Fixed-size blocks (`block_size` tokens each), identified by `BlockId`.
+//! - O(1) allocate and free: blocks that hold nothing sit on a free stack; blocks that hold a
+//!   cached, unreferenced prefix sit on an intrusive LRU list (oldest release first).
+//! - Reference counts: a block shared by several sequences (a common prefix) is freed only
+//!   when the last one releases it.
+//! - Prefix caching: a *full* block is registered under the chained hash of its tokens
+//!   ([`zerolayer_common::chain_hash`]). Released cached blocks keep their hash and stay
+//!   reusable until allocation needs them, which evicts the least recently released first.
+//! - Every store and eviction is recorded as a [`KvEvent`] for the cluster's prefix index.
+//!
+//! Invariants (checked by [`BlockPool::check_invariants`] and `debug_assert!`s): a block is in
+//! exactly one of {free stack, LRU list, referenced}; refcounts never go below zero; the hash
+//! map and the blocks' hashes agree.
+
+use std::collections::HashMap;
+use zerolayer_common::KvEvent;
+
+pub type BlockId = u32;
+
+const NIL: u32 = u32::MAX;
+
+/// Where a block is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Place {
+    Free,
+    Lru,
+    Used,
+}
+
+pub struct BlockPool {
+    block_size: usize,
+    refcount: Vec<u32>,
+    hash: Vec<Option<u64>>,
+    place: Vec<Place>,
+    free: Vec<BlockId>,
+    // Intrusive doubly linked LRU list of cached, unreferenced blocks.
+    prev: Vec<u32>,
+    next: Vec<u32>,
+    lru_head: u32,
+    lru_tail: u32,
+    lru_len: usize,
+    cached: HashMap<u64, BlockId>,
+    events: Vec<KvEvent>,
+    /// Events dropped because nobody drained them (the consumer must resync from a snapshot).
+    events_overflowed: bool,
+    max_pending_events: usize,
+}
+
+impl BlockPool {
+    pub fn new(num_blocks: usize, block_size: usize) -> Self {
+        assert!(num_blocks > 0 && num_blocks < NIL as usize, "num_blocks {num_blocks}");
+        assert!(block_size > 0);
+        BlockPool {
+            block_size,
+            refcount: vec![0; num_blocks],
+            hash: vec![None; num_blocks],
+            place: vec![Place::Free; num_blocks],
+            // Pop from the end: hand out low ids first.
+            free: (0..num_blocks as u32).rev().collect(),
+            prev: vec![NIL; num_blocks],
+            next: vec![NIL; num_blocks],
+            lru_head: NIL,
+            lru_tail: NIL,
+            lru_len: 0,
+            cached: HashMap::new(),
+            events: Vec::new(),
+            events_overflowed: false,
+            max_pending_events: 4096,
+        }
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+    pub fn num_blocks(&self) -> usize {
+        self.refcount.len()
+    }
+    /// Blocks not referenced by any sequence (free or cached-evictable).
+    pub fn num_free(&self) -> usize {
+        self.free.len() + self.lru_len
+    }
+    /// Unreferenced blocks that still hold a cached prefix.
+    pub fn num_cached_evictable(&self) -> usize {
+        self.lru_len
+    }
+    /// Blocks registered in the prefix index (referenced or not).
+    pub fn num_cached(&self) -> usize {
+        self.cached.len()
+    }
+    pub fn refcount(&self, b: BlockId) -> u32 {
+        self.refcount[b as usize]
+    }
+
+    /// Allocates an empty block (refcount 1), evicting the least recently used cached block
+    /// when no plain free block is left. `None` when every block is referenced.
+    pub fn allocate(&mut self) -> Option<BlockId> {
+        let b = if let Some(b) = self.free.pop() {
+            b
+        } else if self.lru_head != NIL {
+            let b = self.lru_head;
+            self.lru_unlink(b);
+            let h = self.hash[b as usize].take().expect("LRU block has a hash");
+            self.cached.remove(&h);
+            self.push_event(KvEvent::Evicted { hashes: vec![h] });
+            b
+        } else {
+            return None;
+        };
+        debug_assert_eq!(self.refcount[b as usize], 0);
+        self.refcount[b as usize] = 1;
+        self.place[b as usize] = Place::Used;
+        Some(b)
+    }
+
+    /// The cached block holding the prefix named by `hash`, if any.
+    pub fn lookup(&self, hash: u64) -> Option<BlockId> {
+        self.cached.get(&hash).copied()
+    }
+
+    /// Takes a reference to a block (a cached prefix block being reused).
+    pub fn acquire(&mut self, b: BlockId) {
+        let i = b as usize;
+        match self.place[i] {
+            Place::Lru => {
+                self.lru_unlink(b);
+                self.place[i] = Place::Used;
+            }
+            Place::Used => {}
+            Place::Free => panic!("acquire of free block {b}"),
+        }
+        self.refcount[i] += 1;
+    }
+
+    /// Drops a reference. At zero a cached block joins the LRU tail; others become free.
+    pub fn release(&mut self, b: BlockId) {
+        let i = b as usize;
+        assert!(self.place[i] == Place::Used && self.refcount[i] > 0, "release of unreferenced block {b}");
+        self.refcount[i] -= 1;
+        if self.refcount[i] == 0 {
+            if self.hash[i].is_some() {
+                self.lru_push_tail(b);
+                self.place[i] = Place::Lru;
+            } else {
+                self.free.push(b);
+                self.place[i] = Place::Free;
+            }
+        }
+    }
+
+    /// Registers a full, computed block under `hash`. If another block already holds that
+    /// prefix, nothing changes (this one stays private and is freed normally). Returns whether
+    /// the block is now the cached holder of `hash`.
+    pub fn register(&mut self, b: BlockId, hash: u64) -> bool {
+        let i = b as usize;
+        debug_assert_eq!(self.place[i], Place::Used);
+        if let Some(h) = self.hash[i] {
+            return h == hash;
+        }
+        if self.cached.contains_key(&hash) {
+            return false;
+        }
+        self.cached.insert(hash, b);
+        self.hash[i] = Some(hash);
+        self.push_event(KvEvent::Stored { hashes: vec![hash] });
+        true
+    }
+
+    /// Takes the KV events recorded since the last call, and whether some were dropped.
+    pub fn drain_events(&mut self) -> (Vec<KvEvent>, bool) {
+        let overflowed = std::mem::replace(&mut self.events_overflowed, false);
+        (std::mem::take(&mut self.events), overflowed)
+    }
+
+    /// Every hash currently in the prefix index (a snapshot for resync).
+    pub fn cached_hashes(&self) -> Vec<u64> {
+        self.cached.keys().copied().collect()
+    }
+
+    fn push_event(&mut self, e: KvEvent) {
+        if self.events.len() >= self.max_pending_events {
+            self.events.clear();
+            self.events_overflowed = true;
+        }
+        // Coalesce consecutive events of the same kind.
+        match (self.events.last_mut(), e) {
+            (Some(KvEvent::Stored { hashes }), KvEvent::Stored { hashes: h }) => hashes.extend(h),
+            (Some(KvEvent::Evicted { hashes }), KvEvent::Evicted { hashes: h }) => hashes.extend(h),
+            (_, e) => self.events.push(e),
+        }
+    }
+
+    fn lru_unlink(&mut self, b: BlockId) {
+        let i = b as usize;
+        let (p, n) = (self.prev[i], self.next[i]);
+        if p != NIL {
+            self.next[p as usize] = n;
+        } else {
+            self.lru_head = n;
+        }
+        if n != NIL {
+            self.prev[n as usize] = p;
+        } else {
+            self.lru_tail = p;
+        }
+        self.prev[i] = NIL;
+        self.next[i] = NIL;
+        self.lru_len -= 1;
+    }
+
+    fn lru_push_tail(&mut self, b: BlockId) {
+        let i = b as usize;
+        self.prev[i] = self.lru_tail;
+        self.next[i] = NIL;
+        if self.lru_tail != NIL {
+            self.next[self.lru_tail as usize] = b;
+        } else {
+            self.lru_head = b;
+        }
+        self.lru_tail = b;
+        self.lru_len += 1;
+    }
+
+    /// Checks every invariant; panics with a description on the first violation. O(n).
+    pub fn check_invariants(&self) {
+        let n = self.num_blocks();
+        let mut seen = vec![0u8; n];
+        for &b in &self.free {
+            let i = b as usize;
+            assert_eq!(self.place[i], Place::Free, "block {b} on free stack but {:?}", self.place[i]);
+            assert_eq!(self.refcount[i], 0, "free block {b} is referenced");
+            assert!(self.hash[i].is_none(), "free block {b} has a hash");
+            seen[i] += 1;
+        }
+        let mut cur = self.lru_head;
+        let mut count = 0;
+        let mut prev = NIL;
+        while cur != NIL {
+            let i = cur as usize;
+            assert_eq!(self.place[i], Place::Lru);
+            assert_eq!(self.refcount[i], 0, "LRU block {cur} is referenced");
+            assert!(self.hash[i].is_some(), "LRU block {cur} has no hash");
+            assert_eq!(self.prev[i], prev, "LRU links broken at {cur}");
+            seen[i] += 1;
+            count += 1;
+            prev = cur;
+            cur = self.next[i];
+        }
+        assert_eq!(prev, self.lru_tail);
+        assert_eq!(count, self.lru_len);
+        for i in 0..n {
+            if self.place[i] == Place::Used {
+                assert!(self.refcount[i] > 0, "used block {i} has refcount 0");
+                seen[i] += 1;
+            }
+            assert_eq!(seen[i], 1, "block {i} is in {} places", seen[i]);
+            if let Some(h) = self.hash[i] {
+                assert_eq!(self.cached.get(&h), Some(&(i as u32)), "block {i} hash not indexed");
+            }
+        }
+        for (&h, &b) in &self.cached {
+            assert_eq!(self.hash[b as usize], Some(h), "index entry {h:x} -> {b} disagrees");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn cached_blocks_survive_release_until_evicted_lru_first() {
+        let mut p = BlockPool::new(3, 16);
+        let a = p.allocate().unwrap();
+        let b = p.allocate().unwrap();
+        assert!(p.register(a, 11));
+        assert!(p.register(b, 22));
+        p.release(a);
+        p.release(b);
+        assert_eq!(p.num_free(), 3);
+        assert_eq!(p.lookup(11), Some(a));
+        // Reuse b: it leaves the LRU list.
+        p.acquire(b);
+        let c = p.allocate().unwrap(); // the plain free block
+        let d = p.allocate().unwrap(); // evicts a (the only LRU entry)
+        assert_eq!(d, a);
+        assert_eq!(p.lookup(11), None);
+        assert!(p.allocate().is_none());
+        let (ev, overflow) = p.drain_events();
+        assert!(!overflow);
+        assert_eq!(ev, vec![KvEvent::Stored { hashes: vec![11, 22] }, KvEvent::Evicted { hashes: vec![11] }]);
+        p.release(c);
+        p.release(d);
+        p.release(b);
+        p.check_invariants();
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Alloc,
+        Share(usize),
+        Release(usize),
+        Register(usize, u8),
+        Reuse(u8),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            3 => Just(Op::Alloc),
+            2 => any::<usize>().prop_map(Op::Share),
+            3 => any::<usize>().prop_map(Op::Release),
+            2 => (any::<usize>(), any::<u8>()).prop_map(|(i, h)| Op::Register(i, h)),
+            2 => any::<u8>().prop_map(Op::Reuse),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+        /// Random alloc/share/release/register/reuse/evict sequences never leak a block,
+        /// double-free one, or break a refcount; releasing everything returns every block.
+        #[test]
+        fn pool_invariants_hold(ops in proptest::collection::vec(op(), 1..300), n in 1usize..12) {
+            let mut p = BlockPool::new(n, 4);
+            // Our model of who holds references: one entry per reference.
+            let mut held: Vec<BlockId> = vec![];
+            for o in ops {
+                match o {
+                    Op::Alloc => {
+                        match p.allocate() {
+                            Some(b) => { prop_assert_eq!(p.refcount(b), 1); held.push(b) }
+                            None => prop_assert_eq!(p.num_free(), 0),
+                        }
+                    }
+                    Op::Share(i) if !held.is_empty() => {
+                        let b = held[i % held.len()];
+                        p.acquire(b);
+                        held.push(b);
+                    }
+                    Op::Release(i) if !held.is_empty() => {
+                        let b = held.swap_remove(i % held.len());
+                        p.release(b);
+                    }
+                    Op::Register(i, h) if !held.is_empty() => {
+                        let b = held[i % held.len()];
+                        p.register(b, h as u64 + 1);
+                    }
+                    Op::Reuse(h) => {
+                        if let Some(b) = p.lookup(h as u64 + 1) {
+                            p.acquire(b);
+                            held.push(b);
+                        }
+                    }
+                    _ => {}
+                }
+                p.check_invariants();
+                for b in 0..n as u32 {
+                    let refs = held.iter().filter(|&&x| x == b).count() as u32;
+                    prop_assert_eq!(p.refcount(b), refs, "refcount of {}", b);
+                }
+                prop_assert_eq!(p.num_free() + held.iter().collect::<std::collections::HashSet<_>>().len(), n);
+            }
+            for b in held.drain(..) {
+                p.release(b);
+            }
+            p.check_invariants();
+            prop_assert_eq!(p.num_free(), n);
+        }
+    }
+}

@@ -1,0 +1,60 @@
+//! Loading a model directory or file into everything a worker and its coordinator need:
+//! the model, its tokenizer and its chat template.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use crate::chat::ChatTemplate;
+use crate::error::{NodeError, Result};
+use crate::model::Model;
+use crate::tokenizer::Tokenizer;
+
+/// A loaded model and its text front end.
+pub struct Loaded {
+    pub model: Model,
+    pub tokenizer: Arc<Tokenizer>,
+    pub template: Arc<ChatTemplate>,
+}
+
+/// Loads `path`: a `.gguf` file, or a directory with `config.json` + `*.safetensors`
+/// (+ `tokenizer.json`, and optionally `tokenizer_config.json` for the chat template).
+/// `tokenizer` overrides where the tokenizer comes from. `progress(done, total)` reports layers.
+pub fn load(path: &Path, tokenizer: Option<&Path>, threads: usize, progress: impl FnMut(usize, usize)) -> Result<Loaded> {
+    if !path.exists() {
+        return Err(NodeError::Model(format!(
+            "model not found at {} (run scripts/fetch-model for the default model)",
+            path.display()
+        )));
+    }
+    if path.is_dir() {
+        let (model, cfg_json) = Model::from_safetensors(path, threads, progress)?;
+        let tok_path = tokenizer.map(Path::to_path_buf).unwrap_or_else(|| path.join("tokenizer.json"));
+        let eos: Vec<u32> = match cfg_json.get("eos_token_id") {
+            Some(serde_json::Value::Number(n)) => n.as_u64().map(|v| vec![v as u32]).unwrap_or_default(),
+            Some(serde_json::Value::Array(a)) => a.iter().filter_map(|v| v.as_u64()).map(|v| v as u32).collect(),
+            _ => vec![],
+        };
+        let tok = Tokenizer::from_file(&tok_path, &eos)?;
+        let tc: Option<serde_json::Value> =
+            std::fs::read(path.join("tokenizer_config.json")).ok().and_then(|b| serde_json::from_slice(&b).ok());
+        let tmpl_src = tc.as_ref().and_then(|v| v.get("chat_template")).and_then(|v| v.as_str());
+        let bos = tc.as_ref().and_then(|v| v.get("bos_token")).and_then(|v| v.as_str()).unwrap_or("");
+        let eos_s = tc.as_ref().and_then(|v| v.get("eos_token")).and_then(|v| v.as_str()).unwrap_or("");
+        let template = ChatTemplate::new(tmpl_src, bos, eos_s)?;
+        return Ok(Loaded { model, tokenizer: Arc::new(tok), template: Arc::new(template) });
+    }
+    let (model, md) = Model::from_gguf(path, threads, progress)?;
+    let tok = match tokenizer {
+        Some(t) => Tokenizer::from_file(t, &[])?,
+        None => Tokenizer::from_gguf(&md)?,
+    };
+    let tmpl_src = md.get("tokenizer.chat_template").and_then(|v| v.to_string().ok()).cloned();
+    let token_str = |key: &str| -> String {
+        md.get(key)
+            .and_then(|v| v.to_u32().ok())
+            .and_then(|id| tok.decode_with_special(&[id]).ok())
+            .unwrap_or_default()
+    };
+    let template = ChatTemplate::new(tmpl_src.as_deref(), &token_str("tokenizer.ggml.bos_token_id"), &token_str("tokenizer.ggml.eos_token_id"))?;
+    Ok(Loaded { model, tokenizer: Arc::new(tok), template: Arc::new(template) })
+}

@@ -1,0 +1,447 @@
+//! Our Llama-family forward pass over a paged KV cache.
+//!
+//! One call runs one engine step: a *batch of sequences of different lengths* (decodes of one
+//! token and prefill chunks of many) flattened into `T` token rows. Every projection runs as
+//! one batched matmul over all rows; attention reads and writes K/V through each sequence's
+//! block table. Logits are computed only for rows that are sampled.
+//!
+//! Weights load from GGUF (through candle's quantized types: Q4_0, Q4_1 and Q8_0 stay in their
+//! block format; F32, F16, BF16, K-quants and others are dequantized to F32) or from Hugging
+//! Face safetensors with `config.json`. The architecture is read from metadata; nothing about
+//! a particular model is hard-coded.
+//!
+//! Invariant (batch invariance): each row's arithmetic depends only on that row, its cached
+//! K/V and the weights — never on the batch size, its position in the batch, or chunk
+//! boundaries — because every kernel in `zerolayer-kernels` keeps a fixed per-row reduction order.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+
+use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
+use candle_core::{DType, Device, Tensor};
+use zerolayer_kernels::attention::{paged_attention, write_kv, AttnRow, KvElem, KvLayout, KV_ZERO};
+use zerolayer_kernels::ops::{add_assign, rms_norm, RopeStyle, RopeTable};
+use zerolayer_kernels::pool::ThreadPool;
+use zerolayer_kernels::quant::{matmul, MatmulScratch, Weight, WeightFormat};
+
+use crate::error::{NodeError, Result};
+
+/// Architecture hyper-parameters.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelConfig {
+    pub arch: String,
+    pub n_layers: usize,
+    pub dim: usize,
+    pub ffn_dim: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub vocab_size: usize,
+    pub rope_base: f32,
+    pub rms_eps: f32,
+    pub context_length: usize,
+    pub rope_style: RopeStyle,
+}
+
+impl ModelConfig {
+    pub fn q_dim(&self) -> usize {
+        self.n_heads * self.head_dim
+    }
+    pub fn kv_dim(&self) -> usize {
+        self.n_kv_heads * self.head_dim
+    }
+    /// Bytes of KV cache per token across all layers (K and V).
+    pub fn kv_bytes_per_token(&self) -> usize {
+        self.n_layers * 2 * self.kv_dim() * std::mem::size_of::<KvElem>()
+    }
+}
+
+struct Layer {
+    attn_norm: Vec<f32>,
+    /// Q, K and V stacked: `q_dim + 2 * kv_dim` output rows.
+    wqkv: Weight,
+    wo: Weight,
+    ffn_norm: Vec<f32>,
+    /// Gate and up stacked: `2 * ffn_dim` output rows.
+    wgate_up: Weight,
+    wdown: Weight,
+}
+
+/// The paged KV cache: per layer, K and V arrays of `num_blocks` blocks.
+pub struct KvCache {
+    pub layout: KvLayout,
+    pub num_blocks: usize,
+    k: Vec<Vec<KvElem>>,
+    v: Vec<Vec<KvElem>>,
+}
+
+impl KvCache {
+    /// A cache holding as many blocks as fit in `budget_bytes`.
+    pub fn with_budget(cfg: &ModelConfig, block_size: usize, budget_bytes: usize) -> Result<Self> {
+        let per_block = cfg.kv_bytes_per_token() * block_size;
+        let num_blocks = budget_bytes / per_block;
+        if num_blocks == 0 {
+            return Err(NodeError::Invalid(format!("KV budget {budget_bytes} B is below one block ({per_block} B)")));
+        }
+        Ok(Self::new(cfg, block_size, num_blocks))
+    }
+
+    pub fn new(cfg: &ModelConfig, block_size: usize, num_blocks: usize) -> Self {
+        let layout = KvLayout { block_size, n_kv_heads: cfg.n_kv_heads, head_dim: cfg.head_dim };
+        let n = num_blocks * layout.block_elems();
+        KvCache {
+            layout,
+            num_blocks,
+            k: (0..cfg.n_layers).map(|_| vec![KV_ZERO; n]).collect(),
+            v: (0..cfg.n_layers).map(|_| vec![KV_ZERO; n]).collect(),
+        }
+    }
+
+    pub fn bytes(&self) -> usize {
+        (self.k.len() + self.v.len()) * self.num_blocks * self.layout.block_elems() * std::mem::size_of::<KvElem>()
+    }
+}
+
+/// One sequence's share of a forward call.
+pub struct ForwardItem<'a> {
+    /// The tokens to compute, at positions `start_pos..start_pos + tokens.len()`.
+    pub tokens: &'a [u32],
+    pub start_pos: usize,
+    /// Blocks covering positions `0..start_pos + tokens.len()`.
+    pub block_table: &'a [u32],
+    /// Whether to return logits for the last token.
+    pub want_logits: bool,
+}
+
+#[derive(Default)]
+struct Scratch {
+    x: Vec<f32>,
+    xn: Vec<f32>,
+    qkv: Vec<f32>,
+    att: Vec<f32>,
+    proj: Vec<f32>,
+    gu: Vec<f32>,
+    h: Vec<f32>,
+    last: Vec<f32>,
+    mm: MatmulScratch,
+}
+
+/// A loaded model, ready to run forward steps.
+pub struct Model {
+    pub cfg: ModelConfig,
+    embed: Arc<Weight>,
+    layers: Vec<Layer>,
+    norm: Vec<f32>,
+    output: Arc<Weight>,
+    rope: RopeTable,
+    pool: ThreadPool,
+    scratch: Scratch,
+    weight_bytes: usize,
+}
+
+fn resize(v: &mut Vec<f32>, n: usize) {
+    v.clear();
+    v.resize(n, 0.0);
+}
+
+impl Model {
+    fn assemble(cfg: ModelConfig, embed: Weight, output: Option<Weight>, norm: Vec<f32>, layers: Vec<Layer>, threads: usize) -> Result<Self> {
+        let embed = Arc::new(embed);
+        let output = match output {
+            Some(o) => Arc::new(o),
+            None => embed.clone(), // tied embeddings
+        };
+        if embed.cols != cfg.dim || output.cols != cfg.dim || output.rows != cfg.vocab_size {
+            return Err(NodeError::Model(format!(
+                "embedding/output shapes {}x{} / {}x{} do not match dim {} vocab {}",
+                embed.rows, embed.cols, output.rows, output.cols, cfg.dim, cfg.vocab_size
+            )));
+        }
+        let weight_bytes = embed.data.len()
+            + if Arc::ptr_eq(&embed, &output) { 0 } else { output.data.len() }
+            + layers.iter().map(|l| l.wqkv.data.len() + l.wo.data.len() + l.wgate_up.data.len() + l.wdown.data.len()).sum::<usize>();
+        let threads = if threads == 0 { std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) } else { threads };
+        let rope = RopeTable::new(cfg.head_dim, cfg.context_length, cfg.rope_base, cfg.rope_style);
+        Ok(Model { cfg, embed, layers, norm, output, rope, pool: ThreadPool::new(threads), scratch: Scratch::default(), weight_bytes })
+    }
+
+    /// Bytes of weights held in memory.
+    pub fn weight_bytes(&self) -> usize {
+        self.weight_bytes
+    }
+
+    /// Loads a GGUF file (llama-family architectures).
+    pub fn from_gguf(path: &Path, threads: usize, mut progress: impl FnMut(usize, usize)) -> Result<(Self, HashMap<String, gguf_file::Value>)> {
+        let mut file = std::fs::File::open(path).map_err(|e| NodeError::Model(format!("opening {}: {e}", path.display())))?;
+        let content = gguf_file::Content::read(&mut file).map_err(|e| NodeError::Model(format!("reading GGUF {}: {e}", path.display())))?;
+        let md = &content.metadata;
+        let arch = md.get("general.architecture").and_then(|v| v.to_string().ok()).cloned().unwrap_or_else(|| "llama".into());
+        if !matches!(arch.as_str(), "llama" | "mistral" | "granite" | "smollm") {
+            return Err(NodeError::Model(format!("GGUF architecture {arch:?} is not a Llama-family model this engine runs")));
+        }
+        let u = |k: &str| -> Result<usize> {
+            md.get(&format!("{arch}.{k}"))
+                .ok_or_else(|| NodeError::Model(format!("GGUF metadata lacks {arch}.{k}")))?
+                .to_u64()
+                .map(|v| v as usize)
+                .or_else(|_| md[&format!("{arch}.{k}")].to_u32().map(|v| v as usize))
+                .map_err(NodeError::candle)
+        };
+        let f = |k: &str, default: f32| -> f32 { md.get(&format!("{arch}.{k}")).and_then(|v| v.to_f32().ok()).unwrap_or(default) };
+        let n_heads = u("attention.head_count")?;
+        let dim = u("embedding_length")?;
+        let n_layers = u("block_count")?;
+        let mut get = |name: &str| -> Result<QTensor> {
+            content.tensor(&mut file, name, &Device::Cpu).map_err(|e| NodeError::Model(format!("tensor {name}: {e}")))
+        };
+        let embed = to_weight(get("token_embd.weight")?)?;
+        let cfg = ModelConfig {
+            arch: arch.clone(),
+            n_layers,
+            dim,
+            ffn_dim: u("feed_forward_length")?,
+            n_heads,
+            n_kv_heads: u("attention.head_count_kv").unwrap_or(n_heads),
+            head_dim: u("rope.dimension_count").unwrap_or(dim / n_heads),
+            vocab_size: embed.rows,
+            rope_base: f("rope.freq_base", 10000.0),
+            rms_eps: f("attention.layer_norm_rms_epsilon", 1e-5),
+            context_length: u("context_length").unwrap_or(4096),
+            rope_style: RopeStyle::Interleaved,
+        };
+        if cfg.head_dim * cfg.n_heads != dim {
+            return Err(NodeError::Model(format!("head_dim {} × heads {} != dim {dim}", cfg.head_dim, cfg.n_heads)));
+        }
+        let output = if content.tensor_infos.contains_key("output.weight") { Some(to_weight(get("output.weight")?)?) } else { None };
+        let norm = to_vec(get("output_norm.weight")?)?;
+        let mut layers = Vec::with_capacity(n_layers);
+        for i in 0..n_layers {
+            let p = |s: &str| format!("blk.{i}.{s}.weight");
+            let wq = to_weight(get(&p("attn_q"))?)?;
+            let wk = to_weight(get(&p("attn_k"))?)?;
+            let wv = to_weight(get(&p("attn_v"))?)?;
+            let wg = to_weight(get(&p("ffn_gate"))?)?;
+            let wu = to_weight(get(&p("ffn_up"))?)?;
+            layers.push(Layer {
+                attn_norm: to_vec(get(&p("attn_norm"))?)?,
+                wqkv: stack(&[&wq, &wk, &wv]),
+                wo: to_weight(get(&p("attn_output"))?)?,
+                ffn_norm: to_vec(get(&p("ffn_norm"))?)?,
+                wgate_up: stack(&[&wg, &wu]),
+                wdown: to_weight(get(&p("ffn_down"))?)?,
+            });
+            progress(i + 1, n_layers);
+        }
+        let md = content.metadata.clone();
+        Ok((Self::assemble(cfg, embed, output, norm, layers, threads)?, md))
+    }
+
+    /// Loads a Hugging Face checkpoint: a directory with `config.json` and `*.safetensors`
+    /// (F32, F16 or BF16).
+    pub fn from_safetensors(dir: &Path, threads: usize, mut progress: impl FnMut(usize, usize)) -> Result<(Self, serde_json::Value)> {
+        let cfg_json: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.join("config.json"))?)
+            .map_err(|e| NodeError::Model(format!("config.json: {e}")))?;
+        let gu = |k: &str| cfg_json.get(k).and_then(|v| v.as_u64()).map(|v| v as usize);
+        let need = |k: &str| gu(k).ok_or_else(|| NodeError::Model(format!("config.json lacks {k}")));
+        let dim = need("hidden_size")?;
+        let n_heads = need("num_attention_heads")?;
+        let vocab_size = need("vocab_size")?;
+        let cfg = ModelConfig {
+            arch: cfg_json.get("model_type").and_then(|v| v.as_str()).unwrap_or("llama").to_string(),
+            n_layers: need("num_hidden_layers")?,
+            dim,
+            ffn_dim: need("intermediate_size")?,
+            n_heads,
+            n_kv_heads: gu("num_key_value_heads").unwrap_or(n_heads),
+            head_dim: gu("head_dim").unwrap_or(dim / n_heads),
+            vocab_size,
+            rope_base: cfg_json.get("rope_theta").and_then(|v| v.as_f64()).unwrap_or(10000.0) as f32,
+            rms_eps: cfg_json.get("rms_norm_eps").and_then(|v| v.as_f64()).unwrap_or(1e-5) as f32,
+            context_length: gu("max_position_embeddings").unwrap_or(4096),
+            rope_style: RopeStyle::HalfSplit,
+        };
+        let mut files: Vec<_> = std::fs::read_dir(dir)?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+            .collect();
+        files.sort();
+        if files.is_empty() {
+            return Err(NodeError::Model(format!("no *.safetensors in {}", dir.display())));
+        }
+        let mut tensors: HashMap<String, Tensor> = HashMap::new();
+        for f in &files {
+            tensors.extend(candle_core::safetensors::load(f, &Device::Cpu).map_err(NodeError::candle)?);
+        }
+        let mut take = |name: &str| tensors.remove(name).ok_or_else(|| NodeError::Model(format!("safetensors lack {name}")));
+        let embed = dense_weight(&take("model.embed_tokens.weight")?)?;
+        let output = match take("lm_head.weight") {
+            Ok(t) => Some(dense_weight(&t)?),
+            Err(_) => None,
+        };
+        let norm = dense_vec(&take("model.norm.weight")?)?;
+        let mut layers = Vec::with_capacity(cfg.n_layers);
+        for i in 0..cfg.n_layers {
+            let p = |s: &str| format!("model.layers.{i}.{s}.weight");
+            let wq = dense_weight(&take(&p("self_attn.q_proj"))?)?;
+            let wk = dense_weight(&take(&p("self_attn.k_proj"))?)?;
+            let wv = dense_weight(&take(&p("self_attn.v_proj"))?)?;
+            let wg = dense_weight(&take(&p("mlp.gate_proj"))?)?;
+            let wu = dense_weight(&take(&p("mlp.up_proj"))?)?;
+            layers.push(Layer {
+                attn_norm: dense_vec(&take(&p("input_layernorm"))?)?,
+                wqkv: stack(&[&wq, &wk, &wv]),
+                wo: dense_weight(&take(&p("self_attn.o_proj"))?)?,
+                ffn_norm: dense_vec(&take(&p("post_attention_layernorm"))?)?,
+                wgate_up: stack(&[&wg, &wu]),
+                wdown: dense_weight(&take(&p("mlp.down_proj"))?)?,
+            });
+            progress(i + 1, cfg.n_layers);
+        }
+        Ok((Self::assemble(cfg, embed, output, norm, layers, threads)?, cfg_json))
+    }
+
+    /// Runs one engine step. Writes K/V for every token through the block tables and returns
+    /// the logits (`vocab_size` each) of the last token of every item with `want_logits`, in
+    /// item order.
+    pub fn forward(&mut self, cache: &mut KvCache, items: &[ForwardItem<'_>]) -> Result<Vec<Vec<f32>>> {
+        let cfg = &self.cfg;
+        let (d, qd, kvd, hd) = (cfg.dim, cfg.q_dim(), cfg.kv_dim(), cfg.head_dim);
+        let qkv_w = qd + 2 * kvd;
+        let t_total: usize = items.iter().map(|it| it.tokens.len()).sum();
+        if t_total == 0 {
+            return Ok(vec![]);
+        }
+        // Row bookkeeping: each row's position and block table.
+        let mut rows: Vec<AttnRow<'_>> = Vec::with_capacity(t_total);
+        for it in items {
+            let end = it.start_pos + it.tokens.len();
+            if end > self.rope.max_pos() {
+                return Err(NodeError::TooLong { needed: end, limit: self.rope.max_pos() });
+            }
+            if it.block_table.len() * cache.layout.block_size < end {
+                return Err(NodeError::Invalid(format!("block table covers {} tokens, need {end}", it.block_table.len() * cache.layout.block_size)));
+            }
+            for (j, _) in it.tokens.iter().enumerate() {
+                rows.push(AttnRow { table: it.block_table, pos: it.start_pos + j });
+            }
+        }
+        let s = &mut self.scratch;
+        resize(&mut s.x, t_total * d);
+        let mut r = 0;
+        for it in items {
+            for &tok in it.tokens {
+                if tok as usize >= self.embed.rows {
+                    return Err(NodeError::Invalid(format!("token id {tok} out of vocabulary")));
+                }
+                self.embed.dequantize_row(tok as usize, &mut s.x[r * d..(r + 1) * d]);
+                r += 1;
+            }
+        }
+        resize(&mut s.xn, t_total * d);
+        resize(&mut s.qkv, t_total * qkv_w);
+        resize(&mut s.att, t_total * qd);
+        resize(&mut s.proj, t_total * d);
+        resize(&mut s.gu, t_total * 2 * cfg.ffn_dim);
+        resize(&mut s.h, t_total * cfg.ffn_dim);
+        let scale = 1.0 / (hd as f32).sqrt();
+        for (li, layer) in self.layers.iter().enumerate() {
+            rms_norm(&s.x, &layer.attn_norm, cfg.rms_eps, &mut s.xn);
+            matmul(&self.pool, &layer.wqkv, &s.xn, &mut s.qkv, &mut s.mm);
+            let (kc, vc) = (&mut cache.k[li], &mut cache.v[li]);
+            for (t, row) in rows.iter().enumerate() {
+                let rr = &mut s.qkv[t * qkv_w..(t + 1) * qkv_w];
+                let (q, rest) = rr.split_at_mut(qd);
+                let (k, v) = rest.split_at_mut(kvd);
+                self.rope.apply(q, row.pos);
+                self.rope.apply(k, row.pos);
+                write_kv(&cache.layout, kc, vc, row.table, row.pos, k, v);
+            }
+            paged_attention(&self.pool, &cache.layout, kc, vc, &rows, &s.qkv, qkv_w, cfg.n_heads, scale, &mut s.att);
+            matmul(&self.pool, &layer.wo, &s.att, &mut s.proj, &mut s.mm);
+            add_assign(&mut s.x, &s.proj);
+            rms_norm(&s.x, &layer.ffn_norm, cfg.rms_eps, &mut s.xn);
+            matmul(&self.pool, &layer.wgate_up, &s.xn, &mut s.gu, &mut s.mm);
+            let f = cfg.ffn_dim;
+            for t in 0..t_total {
+                let (g, u) = s.gu[t * 2 * f..(t + 1) * 2 * f].split_at(f);
+                let h = &mut s.h[t * f..(t + 1) * f];
+                for ((hv, &gv), &uv) in h.iter_mut().zip(g).zip(u) {
+                    *hv = gv / (1.0 + (-gv).exp()) * uv;
+                }
+            }
+            matmul(&self.pool, &layer.wdown, &s.h, &mut s.proj, &mut s.mm);
+            add_assign(&mut s.x, &s.proj);
+        }
+        // Final norm and logits, only for the rows that are sampled.
+        let mut last_rows = Vec::new();
+        let mut r = 0;
+        for it in items {
+            r += it.tokens.len();
+            if it.want_logits {
+                last_rows.push(r - 1);
+            }
+        }
+        if last_rows.is_empty() {
+            return Ok(vec![]);
+        }
+        resize(&mut s.last, last_rows.len() * d);
+        for (i, &row) in last_rows.iter().enumerate() {
+            zerolayer_kernels::ops::rms_norm_row(&s.x[row * d..(row + 1) * d], &self.norm, cfg.rms_eps, &mut s.last[i * d..(i + 1) * d]);
+        }
+        let v = cfg.vocab_size;
+        let mut logits = vec![0f32; last_rows.len() * v];
+        matmul(&self.pool, &self.output, &s.last, &mut logits, &mut s.mm);
+        Ok(logits.chunks_exact(v).map(|c| c.to_vec()).collect())
+    }
+}
+
+fn stack(parts: &[&Weight]) -> Weight {
+    Weight::concat_rows(parts).unwrap_or_else(|| {
+        // Mixed formats: fall back to F32 for the stacked weight.
+        let cols = parts[0].cols;
+        let mut vals = Vec::new();
+        let mut row = vec![0f32; cols];
+        for p in parts {
+            for r in 0..p.rows {
+                p.dequantize_row(r, &mut row);
+                vals.extend_from_slice(&row);
+            }
+        }
+        Weight::from_f32(vals.len() / cols, cols, &vals)
+    })
+}
+
+fn to_vec(qt: QTensor) -> Result<Vec<f32>> {
+    qt.dequantize(&Device::Cpu).and_then(|t| t.flatten_all()).and_then(|t| t.to_vec1::<f32>()).map_err(NodeError::candle)
+}
+
+/// Converts a GGUF tensor to a kernel weight: native block formats are kept as they are;
+/// everything else is dequantized through candle to F32.
+fn to_weight(qt: QTensor) -> Result<Weight> {
+    let (rows, cols) = qt.shape().dims2().map_err(NodeError::candle)?;
+    let fmt = match qt.dtype() {
+        GgmlDType::Q4_0 => Some(WeightFormat::Q4_0),
+        GgmlDType::Q4_1 => Some(WeightFormat::Q4_1),
+        GgmlDType::Q8_0 => Some(WeightFormat::Q8_0),
+        GgmlDType::F32 => Some(WeightFormat::F32),
+        _ => None,
+    };
+    match fmt {
+        Some(f) => Ok(Weight::new(f, rows, cols, qt.data().map_err(NodeError::candle)?.into_owned())),
+        None => {
+            let t = qt.dequantize(&Device::Cpu).map_err(NodeError::candle)?;
+            dense_weight(&t)
+        }
+    }
+}
+
+fn dense_weight(t: &Tensor) -> Result<Weight> {
+    let (rows, cols) = t.dims2().map_err(NodeError::candle)?;
+    let v = dense_vec(t)?;
+    Ok(Weight::from_f32(rows, cols, &v))
+}
+
+fn dense_vec(t: &Tensor) -> Result<Vec<f32>> {
+    t.to_dtype(DType::F32).and_then(|t| t.flatten_all()).and_then(|t| t.to_vec1::<f32>()).map_err(NodeError::candle)
+}

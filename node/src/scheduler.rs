@@ -1,0 +1,473 @@
+//! The continuous-batching scheduler. Sans-IO: a plain struct, driven by the engine and by tests.
+//!
+//! Each [`Scheduler::schedule`] call plans one engine step under a token budget:
+//! 1. Running sequences, oldest first: a decode needs one token; a prompt being prefilled gets
+//!    its next chunk (chunked prefill), so a long prompt never stalls running decodes for more
+//!    than one step's budget.
+//! 2. Then waiting sequences are admitted in arrival order while the budget, the running-batch
+//!    limit and free blocks allow. Admission reuses every cached full block of the prompt's
+//!    prefix (automatic prefix caching), so only the uncached tail is computed.
+//!
+//! When a running sequence needs a block and none is free, the *youngest* running sequence is
+//! preempted by recompute: its blocks are released (its full blocks stay cached, so re-admission
+//! is usually cheap) and it returns to the front of the waiting queue. A request is refused at
+//! [`Scheduler::add`] only if it could not fit even alone; anything that fits alone completes,
+//! because the oldest sequence is never preempted for a younger one.
+//!
+//! Bounds: at most `max_waiting` queued sequences, `max_running` running, and
+//! `max_batch_tokens` tokens per step.
+
+use std::collections::{HashMap, VecDeque};
+
+use zerolayer_common::chain_hash;
+
+use crate::block_pool::{BlockId, BlockPool};
+use crate::error::{NodeError, Result};
+
+pub type SeqId = u64;
+
+/// Scheduler limits.
+#[derive(Clone, Debug)]
+pub struct SchedulerConfig {
+    pub block_size: usize,
+    pub num_blocks: usize,
+    pub max_batch_tokens: usize,
+    pub max_running: usize,
+    pub max_waiting: usize,
+    /// Longest sequence (prompt + output) the model accepts.
+    pub max_model_len: usize,
+}
+
+/// A sequence's scheduling state.
+#[derive(Debug)]
+pub struct Sequence {
+    pub id: SeqId,
+    /// Prompt followed by generated tokens.
+    pub tokens: Vec<u32>,
+    pub prompt_len: usize,
+    pub max_tokens: usize,
+    /// Tokens whose K/V are in the cache.
+    pub num_computed: usize,
+    pub blocks: Vec<BlockId>,
+    /// Chained hashes of the full blocks of `tokens` computed so far.
+    hashes: Vec<u64>,
+    /// Leading blocks already registered in (or taken from) the prefix cache.
+    num_registered: usize,
+    /// Prompt tokens served from the prefix cache at first admission.
+    pub cached_prompt_tokens: usize,
+    /// Whether the sequence has been admitted at least once.
+    pub started: bool,
+    pub preemptions: u32,
+    arrival: u64,
+}
+
+impl Sequence {
+    pub fn generated(&self) -> usize {
+        self.tokens.len() - self.prompt_len
+    }
+    pub fn is_prefilling(&self) -> bool {
+        self.num_computed + 1 < self.tokens.len()
+    }
+}
+
+/// One sequence's work in a step.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ScheduledItem {
+    pub seq: SeqId,
+    /// First position computed.
+    pub start: usize,
+    /// Tokens computed.
+    pub len: usize,
+    /// The chunk reaches the end of the sequence's tokens, so its logits pick the next token.
+    pub completes: bool,
+}
+
+/// The plan for one step.
+#[derive(Debug, Default)]
+pub struct Plan {
+    pub items: Vec<ScheduledItem>,
+    /// Sequences admitted for the first time in this step.
+    pub started: Vec<SeqId>,
+    pub preempted: Vec<SeqId>,
+}
+
+/// Counters exposed as signals.
+#[derive(Clone, Debug, Default)]
+pub struct SchedulerStats {
+    pub preemptions_total: u64,
+    pub prefix_cache_queries_total: u64,
+    pub prefix_cache_hits_total: u64,
+}
+
+pub struct Scheduler {
+    cfg: SchedulerConfig,
+    pub pool: BlockPool,
+    seqs: HashMap<SeqId, Sequence>,
+    waiting: VecDeque<SeqId>,
+    /// In arrival order (oldest first).
+    running: Vec<SeqId>,
+    next_arrival: u64,
+    pub stats: SchedulerStats,
+}
+
+impl Scheduler {
+    pub fn new(cfg: SchedulerConfig) -> Self {
+        assert!(cfg.block_size > 0 && cfg.max_batch_tokens > 0 && cfg.max_running > 0);
+        let pool = BlockPool::new(cfg.num_blocks, cfg.block_size);
+        Scheduler { cfg, pool, seqs: HashMap::new(), waiting: VecDeque::new(), running: Vec::new(), next_arrival: 0, stats: Default::default() }
+    }
+
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.cfg
+    }
+
+    fn blocks_for(&self, tokens: usize) -> usize {
+        tokens.div_ceil(self.cfg.block_size)
+    }
+
+    /// Queues a sequence. Refuses one that could never fit alone, or a full queue.
+    pub fn add(&mut self, id: SeqId, prompt: Vec<u32>, max_tokens: usize) -> Result<()> {
+        if prompt.is_empty() {
+            return Err(NodeError::Invalid("empty prompt".into()));
+        }
+        if self.seqs.contains_key(&id) {
+            return Err(NodeError::Invalid(format!("duplicate sequence id {id}")));
+        }
+        let total = prompt.len() + max_tokens;
+        if total > self.cfg.max_model_len {
+            return Err(NodeError::TooLong { needed: total, limit: self.cfg.max_model_len });
+        }
+        let cap = self.cfg.num_blocks * self.cfg.block_size;
+        if self.blocks_for(total) > self.cfg.num_blocks {
+            return Err(NodeError::TooLong { needed: total, limit: cap });
+        }
+        if self.waiting.len() >= self.cfg.max_waiting {
+            return Err(NodeError::QueueFull(self.waiting.len()));
+        }
+        let prompt_len = prompt.len();
+        self.seqs.insert(
+            id,
+            Sequence {
+                id,
+                tokens: prompt,
+                prompt_len,
+                max_tokens,
+                num_computed: 0,
+                blocks: vec![],
+                hashes: vec![],
+                num_registered: 0,
+                cached_prompt_tokens: 0,
+                started: false,
+                preemptions: 0,
+                arrival: self.next_arrival,
+            },
+        );
+        self.next_arrival += 1;
+        self.waiting.push_back(id);
+        Ok(())
+    }
+
+    pub fn get(&self, id: SeqId) -> Option<&Sequence> {
+        self.seqs.get(&id)
+    }
+
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+    pub fn is_idle(&self) -> bool {
+        self.running.is_empty() && self.waiting.is_empty()
+    }
+    pub fn running_ids(&self) -> &[SeqId] {
+        &self.running
+    }
+
+    /// Plans the next step.
+    pub fn schedule(&mut self) -> Plan {
+        let mut plan = Plan::default();
+        let mut budget = self.cfg.max_batch_tokens;
+        let bs = self.cfg.block_size;
+
+        // 1. Running sequences, oldest first.
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let id = self.running[i];
+            let (need, computed, have_blocks) = {
+                let s = &self.seqs[&id];
+                (s.tokens.len() - s.num_computed, s.num_computed, s.blocks.len())
+            };
+            debug_assert!(need > 0, "running sequence {id} has nothing to compute");
+            let mut n = need.min(budget);
+            // Make room: shrink a prefill chunk to what fits, else preempt the youngest.
+            loop {
+                let capacity = (have_blocks + self.pool.num_free()) * bs - computed;
+                if capacity >= n {
+                    break;
+                }
+                if capacity > 0 && need > 1 {
+                    n = capacity;
+                    break;
+                }
+                let victim = *self.running.last().expect("running is non-empty");
+                self.preempt(victim, &mut plan);
+                if victim == id {
+                    break;
+                }
+            }
+            if !self.running.contains(&id) {
+                break; // preempted itself: it was the youngest
+            }
+            let want_blocks = self.blocks_for(computed + n);
+            let s = self.seqs.get_mut(&id).unwrap();
+            while s.blocks.len() < want_blocks {
+                s.blocks.push(self.pool.allocate().expect("capacity checked"));
+            }
+            plan.items.push(ScheduledItem { seq: id, start: computed, len: n, completes: computed + n == s.tokens.len() });
+            budget -= n;
+            i += 1;
+        }
+
+        // 2. Admit waiting sequences in order.
+        while budget > 0 && self.running.len() < self.cfg.max_running {
+            let Some(&id) = self.waiting.front() else { break };
+            if plan.preempted.contains(&id) {
+                break; // don't re-admit in the step that preempted it
+            }
+            let s = self.seqs.get_mut(&id).unwrap();
+            extend_hashes(s, bs);
+            // Reuse cached full blocks, but always compute at least the last token.
+            let max_match = (s.tokens.len() - 1) / bs;
+            let mut matched: Vec<BlockId> = Vec::new();
+            for &h in s.hashes.iter().take(max_match) {
+                match self.pool.lookup(h) {
+                    Some(b) => matched.push(b),
+                    None => break,
+                }
+            }
+            let matched_tokens = matched.len() * bs;
+            let remaining = s.tokens.len() - matched_tokens;
+            let idle_matched = matched.iter().filter(|&&b| self.pool.refcount(b) == 0).count();
+            let free = self.pool.num_free();
+            if free < idle_matched {
+                break;
+            }
+            let free_after_match = free - idle_matched;
+            // Largest chunk that fits the budget and the free blocks.
+            let partial_slots = 0; // matched blocks are full
+            let cap_tokens = free_after_match * bs + partial_slots;
+            let n = remaining.min(budget).min(cap_tokens);
+            if n == 0 {
+                break;
+            }
+            for &b in &matched {
+                self.pool.acquire(b);
+            }
+            s.blocks = matched;
+            s.num_registered = s.blocks.len();
+            s.num_computed = matched_tokens;
+            let want_blocks = (matched_tokens + n).div_ceil(bs);
+            while s.blocks.len() < want_blocks {
+                s.blocks.push(self.pool.allocate().expect("capacity checked"));
+            }
+            if !s.started {
+                s.started = true;
+                s.cached_prompt_tokens = matched_tokens.min(s.prompt_len);
+                self.stats.prefix_cache_queries_total += s.prompt_len as u64;
+                self.stats.prefix_cache_hits_total += s.cached_prompt_tokens as u64;
+                plan.started.push(id);
+            }
+            plan.items.push(ScheduledItem { seq: id, start: matched_tokens, len: n, completes: matched_tokens + n == s.tokens.len() });
+            budget -= n;
+            self.waiting.pop_front();
+            // Keep `running` in arrival order.
+            let arrival = s.arrival;
+            let pos = self.running.partition_point(|r| self.seqs[r].arrival < arrival);
+            self.running.insert(pos, id);
+        }
+        plan
+    }
+
+    fn preempt(&mut self, id: SeqId, plan: &mut Plan) {
+        self.running.retain(|&r| r != id);
+        plan.items.retain(|it| it.seq != id);
+        let s = self.seqs.get_mut(&id).unwrap();
+        // Release tail blocks first so they are evicted before the (more reusable) prefix.
+        for &b in s.blocks.iter().rev() {
+            self.pool.release(b);
+        }
+        s.blocks.clear();
+        s.num_computed = 0;
+        s.num_registered = 0;
+        s.preemptions += 1;
+        self.stats.preemptions_total += 1;
+        let arrival = s.arrival;
+        let pos = self.waiting.partition_point(|w| self.seqs[w].arrival < arrival);
+        self.waiting.insert(pos, id);
+        plan.preempted.push(id);
+    }
+
+    /// Records that a step computed `plan`'s items: advances computed counts and registers
+    /// every newly completed full block in the prefix cache.
+    pub fn on_computed(&mut self, plan: &Plan) {
+        let bs = self.cfg.block_size;
+        for it in &plan.items {
+            let Some(s) = self.seqs.get_mut(&it.seq) else { continue };
+            debug_assert_eq!(s.num_computed, it.start);
+            s.num_computed = it.start + it.len;
+            extend_hashes(s, bs);
+            let full = s.num_computed / bs;
+            while s.num_registered < full {
+                let j = s.num_registered;
+                self.pool.register(s.blocks[j], s.hashes[j]);
+                s.num_registered += 1;
+            }
+        }
+    }
+
+    /// Appends a sampled token to a sequence.
+    pub fn append_token(&mut self, id: SeqId, tok: u32) {
+        if let Some(s) = self.seqs.get_mut(&id) {
+            s.tokens.push(tok);
+        }
+    }
+
+    /// Removes a sequence (finished or cancelled) and releases its blocks.
+    pub fn remove(&mut self, id: SeqId) -> Option<Sequence> {
+        let s = self.seqs.remove(&id)?;
+        self.running.retain(|&r| r != id);
+        self.waiting.retain(|&w| w != id);
+        for &b in s.blocks.iter().rev() {
+            self.pool.release(b);
+        }
+        Some(s)
+    }
+
+    /// Prompt tokens of waiting and prefilling sequences not yet computed.
+    pub fn waiting_prefill_tokens(&self) -> u64 {
+        self.seqs.values().map(|s| s.tokens.len().saturating_sub(s.num_computed + 1) as u64).sum()
+    }
+
+    /// Blocks held by decoding sequences.
+    pub fn active_decode_blocks(&self) -> usize {
+        self.running.iter().map(|r| &self.seqs[r]).filter(|s| !s.is_prefilling()).map(|s| s.blocks.len()).sum()
+    }
+
+    /// 1 − live token slots ÷ slots in allocated blocks.
+    pub fn fragmentation(&self) -> f32 {
+        let bs = self.cfg.block_size;
+        let allocated = self.pool.num_blocks() - self.pool.num_free();
+        if allocated == 0 {
+            return 0.0;
+        }
+        let empty: usize = self.running.iter().map(|r| &self.seqs[r]).map(|s| s.blocks.len() * bs - s.num_computed.min(s.blocks.len() * bs)).sum();
+        (empty as f32 / (allocated * bs) as f32).clamp(0.0, 1.0)
+    }
+}
+
+fn extend_hashes(s: &mut Sequence, bs: usize) {
+    let full = s.tokens.len() / bs;
+    while s.hashes.len() < full {
+        let j = s.hashes.len();
+        let parent = if j == 0 { 0 } else { s.hashes[j - 1] };
+        s.hashes.push(chain_hash(parent, &s.tokens[j * bs..(j + 1) * bs]));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(num_blocks: usize, budget: usize) -> SchedulerConfig {
+        SchedulerConfig { block_size: 4, num_blocks, max_batch_tokens: budget, max_running: 8, max_waiting: 4, max_model_len: 1000 }
+    }
+
+    /// Runs the plan as if computed, sampling token 7 for every completing item.
+    fn step(s: &mut Scheduler) -> Plan {
+        let p = s.schedule();
+        s.on_computed(&p);
+        for it in &p.items {
+            if it.completes {
+                s.append_token(it.seq, 7);
+            }
+        }
+        s.pool.check_invariants();
+        p
+    }
+
+    #[test]
+    fn chunked_prefill_shares_the_budget_with_decodes() {
+        let mut s = Scheduler::new(cfg(64, 8));
+        s.add(1, vec![1, 2, 3], 10).unwrap();
+        let p = step(&mut s);
+        assert_eq!(p.items, vec![ScheduledItem { seq: 1, start: 0, len: 3, completes: true }]);
+        s.add(2, (0..20).collect(), 10).unwrap();
+        let p = step(&mut s);
+        // The decode goes first, the long prompt gets the rest of the budget.
+        assert_eq!(p.items[0], ScheduledItem { seq: 1, start: 3, len: 1, completes: true });
+        assert_eq!(p.items[1], ScheduledItem { seq: 2, start: 0, len: 7, completes: false });
+        let p = step(&mut s);
+        assert_eq!(p.items[1], ScheduledItem { seq: 2, start: 7, len: 7, completes: false });
+    }
+
+    #[test]
+    fn prefix_blocks_are_reused() {
+        let mut s = Scheduler::new(cfg(64, 64));
+        let prompt: Vec<u32> = (0..13).collect();
+        s.add(1, prompt.clone(), 2).unwrap();
+        step(&mut s);
+        s.remove(1);
+        let mut p2 = prompt.clone();
+        p2.extend([100, 101]);
+        s.add(2, p2, 2).unwrap();
+        let p = step(&mut s);
+        // 3 full blocks (12 tokens) cached; 3 tokens computed.
+        assert_eq!(p.items, vec![ScheduledItem { seq: 2, start: 12, len: 3, completes: true }]);
+        assert_eq!(s.get(2).unwrap().cached_prompt_tokens, 12);
+        // A fully cached prompt still computes its last token.
+        s.remove(2);
+        s.add(3, (0..12).collect(), 2).unwrap();
+        let p = step(&mut s);
+        assert_eq!(p.items, vec![ScheduledItem { seq: 3, start: 8, len: 4, completes: true }]);
+    }
+
+    #[test]
+    fn preempts_the_youngest_and_everything_finishes() {
+        // 6 blocks of 4 tokens; each sequence needs up to 3 blocks (8 prompt + 4 out).
+        let mut s = Scheduler::new(cfg(6, 64));
+        for id in 0..4 {
+            s.add(id, (0..8).map(|t| t + 100 * id as u32).collect(), 4).unwrap();
+        }
+        let mut done = vec![];
+        for _ in 0..200 {
+            step(&mut s);
+            for id in 0..4u64 {
+                if let Some(q) = s.get(id) {
+                    if q.generated() >= q.max_tokens {
+                        s.remove(id);
+                        done.push(id);
+                    }
+                }
+            }
+            if s.is_idle() {
+                break;
+            }
+        }
+        assert_eq!(done.len(), 4, "all finish");
+        assert!(s.stats.preemptions_total > 0, "the pool was too small, so something was preempted");
+        assert_eq!(s.pool.num_free(), 6);
+        s.pool.check_invariants();
+    }
+
+    #[test]
+    fn refuses_only_what_cannot_fit_alone_and_bounds_the_queue() {
+        let mut s = Scheduler::new(cfg(4, 64));
+        assert!(matches!(s.add(1, vec![1; 10], 7), Err(NodeError::TooLong { .. })));
+        s.add(1, vec![1; 10], 6).unwrap();
+        for id in 2..5 {
+            s.add(id, vec![1], 1).unwrap();
+        }
+        assert!(matches!(s.add(9, vec![1], 1), Err(NodeError::QueueFull(4))));
+    }
+}

@@ -1,0 +1,196 @@
+//! The tokenizer: built from GGUF metadata, or loaded from a `tokenizer.json`.
+//!
+//! GGUF `gpt2`-model tokenizers (SmolLM2, Llama 3, …) are byte-level BPE: the vocabulary and
+//! merges come from `tokenizer.ggml.tokens` / `tokenizer.ggml.merges`, and the pre-tokenizer is
+//! chosen by `tokenizer.ggml.pre` to match llama.cpp's reference splitting (SmolLM2's `smollm`
+//! splits every digit on its own before the GPT-2 pattern). Control and user-defined tokens are
+//! registered as special tokens, so `<|im_start|>` in a rendered chat template encodes to one id.
+
+use candle_core::quantized::gguf_file;
+use std::collections::HashMap;
+use std::path::Path;
+use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
+use tokenizers::models::bpe::BPE;
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::pre_tokenizers::digits::Digits;
+use tokenizers::pre_tokenizers::sequence::Sequence;
+use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
+use tokenizers::pre_tokenizers::PreTokenizerWrapper;
+use tokenizers::{AddedToken, SplitDelimiterBehavior};
+
+use crate::error::{NodeError, Result};
+
+/// A tokenizer plus the ids that end a turn.
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    /// Token ids that end generation (the model's EOS and the chat end-of-turn tokens).
+    pub end_tokens: Vec<u32>,
+    pub bos_token: Option<u32>,
+    vocab_size: usize,
+}
+
+const END_TOKEN_NAMES: &[&str] = &["<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "</s>", "<end_of_turn>"];
+
+// llama.cpp's `llama-bpe` / Llama 3 pattern.
+const LLAMA3_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+impl Tokenizer {
+    /// Builds the tokenizer from GGUF metadata.
+    pub fn from_gguf(md: &HashMap<String, gguf_file::Value>) -> Result<Self> {
+        let get = |k: &str| md.get(k).ok_or_else(|| NodeError::Model(format!("GGUF metadata lacks {k}")));
+        let model = get("tokenizer.ggml.model")?.to_string().map_err(NodeError::candle)?.clone();
+        if model != "gpt2" {
+            return Err(NodeError::Model(format!(
+                "GGUF tokenizer model {model:?} is not supported (byte-level BPE `gpt2` is); pass a tokenizer.json instead"
+            )));
+        }
+        let tokens: Vec<String> = get("tokenizer.ggml.tokens")?
+            .to_vec()
+            .map_err(NodeError::candle)?
+            .iter()
+            .map(|v| v.to_string().cloned())
+            .collect::<std::result::Result<_, _>>()
+            .map_err(NodeError::candle)?;
+        let merges: Vec<(String, String)> = get("tokenizer.ggml.merges")?
+            .to_vec()
+            .map_err(NodeError::candle)?
+            .iter()
+            .map(|v| {
+                let s = v.to_string().map_err(NodeError::candle)?;
+                s.split_once(' ').map(|(a, b)| (a.to_string(), b.to_string())).ok_or_else(|| NodeError::Model(format!("bad merge {s:?}")))
+            })
+            .collect::<Result<_>>()?;
+        let types: Vec<i32> = match md.get("tokenizer.ggml.token_type") {
+            Some(v) => v.to_vec().map_err(NodeError::candle)?.iter().map(|t| t.to_i32().unwrap_or(1)).collect(),
+            None => vec![1; tokens.len()],
+        };
+        let pre = md.get("tokenizer.ggml.pre").and_then(|v| v.to_string().ok()).cloned().unwrap_or_else(|| "default".into());
+
+        let vocab: tokenizers::models::bpe::Vocab = tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
+        let bpe = BPE::builder()
+            .vocab_and_merges(vocab, merges)
+            .build()
+            .map_err(|e| NodeError::Model(format!("building BPE: {e}")))?;
+        let mut inner = tokenizers::Tokenizer::new(bpe);
+        let byte_level = ByteLevel::new(false, true, true);
+        let pre_tok: PreTokenizerWrapper = match pre.as_str() {
+            "smollm" => Sequence::new(vec![Digits::new(true).into(), byte_level.into()]).into(),
+            "llama-bpe" | "llama3" | "dbrx" | "smaug-bpe" => {
+                let split = Split::new(SplitPattern::Regex(LLAMA3_PATTERN.into()), SplitDelimiterBehavior::Isolated, false)
+                    .map_err(|e| NodeError::Model(format!("pre-tokenizer regex: {e}")))?;
+                Sequence::new(vec![split.into(), ByteLevel::new(false, true, false).into()]).into()
+            }
+            "gpt2" | "default" | "gpt-2" | "starcoder" => byte_level.into(),
+            other => {
+                tracing::warn!(pre = other, "unknown GGUF pre-tokenizer; using the GPT-2 pattern");
+                byte_level.into()
+            }
+        };
+        inner.with_pre_tokenizer(Some(pre_tok));
+        inner.with_decoder(Some(ByteLevelDecoder::default()));
+        // Control (3) and user-defined (4) tokens are matched before pre-tokenization.
+        let specials: Vec<AddedToken> = tokens
+            .iter()
+            .zip(&types)
+            .filter(|(_, &t)| t == 3 || t == 4)
+            .map(|(s, &t)| AddedToken::from(s.clone(), t == 3).normalized(false))
+            .collect();
+        inner.add_special_tokens(specials).map_err(|e| NodeError::Model(format!("registering special tokens: {e}")))?;
+
+        let mut end_tokens = Vec::new();
+        if let Some(eos) = md.get("tokenizer.ggml.eos_token_id").and_then(|v| v.to_u32().ok()) {
+            end_tokens.push(eos);
+        }
+        if let Some(eot) = md.get("tokenizer.ggml.eot_token_id").and_then(|v| v.to_u32().ok()) {
+            end_tokens.push(eot);
+        }
+        for name in END_TOKEN_NAMES {
+            if let Some(id) = tokens.iter().position(|t| t == name) {
+                end_tokens.push(id as u32);
+            }
+        }
+        end_tokens.sort_unstable();
+        end_tokens.dedup();
+        let bos_token = md.get("tokenizer.ggml.bos_token_id").and_then(|v| v.to_u32().ok());
+        Ok(Tokenizer { inner, end_tokens, bos_token, vocab_size: tokens.len() })
+    }
+
+    /// Loads a Hugging Face `tokenizer.json`; end tokens come from the vocabulary's well-known names
+    /// plus `extra_end_tokens` (e.g. from `config.json`'s `eos_token_id`).
+    pub fn from_file(path: &Path, extra_end_tokens: &[u32]) -> Result<Self> {
+        let inner = tokenizers::Tokenizer::from_file(path)
+            .map_err(|e| NodeError::Model(format!("loading {}: {e}", path.display())))?;
+        let mut end_tokens: Vec<u32> = END_TOKEN_NAMES.iter().filter_map(|n| inner.token_to_id(n)).collect();
+        end_tokens.extend_from_slice(extra_end_tokens);
+        end_tokens.sort_unstable();
+        end_tokens.dedup();
+        let vocab_size = inner.get_vocab_size(true);
+        Ok(Tokenizer { inner, end_tokens, bos_token: None, vocab_size })
+    }
+
+    /// Encodes text; special tokens written in the text (e.g. `<|im_start|>`) become their ids.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        let enc = self.inner.encode_fast(text, false).map_err(|e| NodeError::Tokenizer(e.to_string()))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// Decodes ids to text, dropping special tokens.
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        self.inner.decode(ids, true).map_err(|e| NodeError::Tokenizer(e.to_string()))
+    }
+
+    /// Decodes ids to text, keeping special tokens.
+    pub fn decode_with_special(&self, ids: &[u32]) -> Result<String> {
+        self.inner.decode(ids, false).map_err(|e| NodeError::Tokenizer(e.to_string()))
+    }
+
+    pub fn token_to_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+
+    pub fn is_end_token(&self, id: u32) -> bool {
+        self.end_tokens.contains(&id)
+    }
+}
+
+/// Incremental detokenization: turns a growing list of ids into text deltas without ever
+/// emitting a broken UTF-8 character (the approach of vLLM and TGI: decode a short window
+/// and emit only what became final).
+#[derive(Default, Clone, Debug)]
+pub struct IncrementalDecoder {
+    prefix_offset: usize,
+    read_offset: usize,
+}
+
+impl IncrementalDecoder {
+    /// Given all generated ids so far (the new one last), returns newly completed text.
+    pub fn step(&mut self, tok: &Tokenizer, ids: &[u32]) -> Result<String> {
+        let prefix = tok.decode(&ids[self.prefix_offset..self.read_offset])?;
+        let full = tok.decode(&ids[self.prefix_offset..])?;
+        if full.len() > prefix.len() && !full.ends_with('\u{FFFD}') && full.is_char_boundary(prefix.len()) {
+            let delta = full[prefix.len()..].to_string();
+            self.prefix_offset = self.read_offset;
+            self.read_offset = ids.len();
+            Ok(delta)
+        } else {
+            Ok(String::new())
+        }
+    }
+
+    /// Whatever is left when the sequence ends (a trailing partial character decodes lossily).
+    pub fn flush(&mut self, tok: &Tokenizer, ids: &[u32]) -> Result<String> {
+        let prefix = tok.decode(&ids[self.prefix_offset..self.read_offset])?;
+        let full = tok.decode(&ids[self.prefix_offset..])?;
+        self.prefix_offset = ids.len();
+        self.read_offset = ids.len();
+        if full.len() > prefix.len() && full.is_char_boundary(prefix.len()) {
+            Ok(full[prefix.len()..].trim_end_matches('\u{FFFD}').to_string())
+        } else {
+            Ok(String::new())
+        }
+    }
+}
