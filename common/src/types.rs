@@ -24,11 +24,14 @@ pub struct SamplingParams {
     pub max_tokens: u32,
     /// Generation stops before emitting any of these strings.
     pub stop_sequences: Vec<String>,
+    /// Keep generating past the model's end tokens (benchmarks only).
+    #[serde(default)]
+    pub ignore_eos: bool,
 }
 
 impl Default for SamplingParams {
     fn default() -> Self {
-        SamplingParams { temperature: 1.0, top_k: None, top_p: None, seed: None, max_tokens: 256, stop_sequences: vec![] }
+        SamplingParams { temperature: 1.0, top_k: None, top_p: None, seed: None, max_tokens: 256, stop_sequences: vec![], ignore_eos: false }
     }
 }
 

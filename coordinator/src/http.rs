@@ -219,6 +219,7 @@ async fn messages(State(c): State<AppState>, Extension(rid): Extension<RequestId
             seed: None,
             max_tokens: 0,
             stop_sequences: req.stop_sequences.clone(),
+            ignore_eos: false,
         },
     };
     let acc = match c.start(gen).await {
@@ -437,7 +438,7 @@ async fn chat_completions(State(c): State<AppState>, headers: HeaderMap, body: R
         system: req.system.clone(),
         turns: req.turns.clone(),
         max_tokens: req.max_tokens,
-        params: SamplingParams { temperature: req.temperature, top_k: None, top_p: req.top_p, seed: req.seed, max_tokens: 0, stop_sequences: req.stop.clone() },
+        params: SamplingParams { temperature: req.temperature, top_k: None, top_p: req.top_p, seed: req.seed, max_tokens: 0, stop_sequences: req.stop.clone(), ignore_eos: false },
     };
     let acc = match c.start(gen).await {
         Ok(a) => a,

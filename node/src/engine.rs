@@ -178,7 +178,7 @@ impl Engine {
             let tok = st.sampler.sample(&row);
             self.sched.append_token(id, tok);
             self.generated_total += 1;
-            if self.tokenizer.is_end_token(tok) {
+            if self.tokenizer.is_end_token(tok) && !st.params.ignore_eos {
                 let st = self.states.get_mut(&id).unwrap();
                 let s = self.sched.get(id).unwrap();
                 let gen = &s.tokens[s.prompt_len..s.tokens.len() - 1];

@@ -445,3 +445,38 @@ fn dense_weight(t: &Tensor) -> Result<Weight> {
 fn dense_vec(t: &Tensor) -> Result<Vec<f32>> {
     t.to_dtype(DType::F32).and_then(|t| t.flatten_all()).and_then(|t| t.to_vec1::<f32>()).map_err(NodeError::candle)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Module;
+
+    /// Our view of candle's block formats agrees with candle's own dequantization and matmul.
+    #[test]
+    fn native_formats_match_candle() {
+        let (rows, cols) = (48, 256);
+        let vals: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919 % 1013) as f32 / 1013.0 - 0.5) * (1.0 + (i % 13) as f32)).collect();
+        let t = Tensor::from_vec(vals, (rows, cols), &Device::Cpu).unwrap();
+        let x: Vec<f32> = (0..3 * cols).map(|i| ((i * 31 % 97) as f32 / 97.0 - 0.5)).collect();
+        let xt = Tensor::from_vec(x.clone(), (3, cols), &Device::Cpu).unwrap();
+        let pool = ThreadPool::new(2);
+        for dt in [GgmlDType::Q4_0, GgmlDType::Q4_1, GgmlDType::Q8_0, GgmlDType::F32, GgmlDType::Q4K, GgmlDType::Q6K, GgmlDType::F16] {
+            let q = QTensor::quantize(&t, dt).unwrap();
+            let want = q.dequantize(&Device::Cpu).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let q2 = QTensor::quantize(&t, dt).unwrap();
+            let w = to_weight(q2).unwrap();
+            let mut row = vec![0f32; cols];
+            for r in 0..rows {
+                w.dequantize_row(r, &mut row);
+                assert_eq!(&row[..], &want[r * cols..(r + 1) * cols], "{dt:?} row {r}");
+            }
+            let qm = candle_core::quantized::QMatMul::from_qtensor(QTensor::quantize(&t, dt).unwrap()).unwrap();
+            let cand = qm.forward(&xt).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let mut ours = vec![0f32; 3 * rows];
+            matmul(&pool, &w, &x, &mut ours, &mut MatmulScratch::default());
+            let err = ours.iter().zip(&cand).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            let scale = cand.iter().map(|v| v.abs()).fold(0f32, f32::max);
+            assert!(err <= 2e-2 * scale, "{dt:?}: matmul differs from candle by {err} (scale {scale})");
+        }
+    }
+}

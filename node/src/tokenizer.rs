@@ -144,6 +144,11 @@ impl Tokenizer {
         self.inner.decode(ids, false).map_err(|e| NodeError::Tokenizer(e.to_string()))
     }
 
+    /// Writes the tokenizer as a Hugging Face `tokenizer.json`.
+    pub fn save_json(&self, path: &Path) -> Result<()> {
+        self.inner.save(path, false).map_err(|e| NodeError::Tokenizer(e.to_string()))
+    }
+
     pub fn token_to_id(&self, token: &str) -> Option<u32> {
         self.inner.token_to_id(token)
     }

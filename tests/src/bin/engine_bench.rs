@@ -1,0 +1,81 @@
+//! Engine throughput on the real model, measured directly on the engine (no HTTP).
+//!
+//! `cargo run -p zerolayer-tests --bin engine_bench -- [--threads N] [--json PATH]`
+//!
+//! Reports batch-1 decode tokens/s, prefill tokens/s, and aggregate decode tokens/s with 8 and
+//! 16 concurrent sequences. Run it on an idle machine.
+
+use std::time::Instant;
+
+use zerolayer_common::{SamplingParams, SeqEvent};
+use zerolayer_node::engine::{Engine, EngineConfig};
+use zerolayer_node::loader::load;
+use zerolayer_tests::{model_path, LOREM};
+
+fn prompt(engine: &Engine, n: usize, salt: usize) -> Vec<u32> {
+    let mut t = engine.tokenizer.encode(&format!("Note {salt}: {}", LOREM.repeat(1 + n / 150))).unwrap();
+    t.truncate(n);
+    t
+}
+
+/// Runs `n` sequences of `prompt_len` + `gen` tokens concurrently; returns (prefill seconds,
+/// decode seconds, generated tokens). Decode time runs from the step after the last prompt
+/// finished prefilling to the end.
+fn run(engine: &mut Engine, n: usize, prompt_len: usize, gen: u32, salt: usize) -> (f64, f64, usize) {
+    for i in 0..n {
+        let p = prompt(engine, prompt_len, salt * 100 + i);
+        engine.add((salt * 100 + i) as u64, p, SamplingParams { max_tokens: gen, ignore_eos: true, ..SamplingParams::greedy(gen) }).unwrap();
+    }
+    let t0 = Instant::now();
+    let mut first_tokens = 0;
+    let mut t_decode = None;
+    let mut generated = 0;
+    while engine.has_work() {
+        let out = engine.step().unwrap();
+        for (_, ev) in out.events {
+            if let SeqEvent::Delta { tokens, .. } = ev {
+                if !tokens.is_empty() {
+                    if t_decode.is_some() {
+                        generated += tokens.len();
+                    } else {
+                        first_tokens += 1;
+                    }
+                }
+            }
+        }
+        if t_decode.is_none() && first_tokens == n {
+            t_decode = Some(Instant::now());
+        }
+    }
+    let end = Instant::now();
+    let td = t_decode.unwrap_or(end);
+    (td.duration_since(t0).as_secs_f64(), end.duration_since(td).as_secs_f64(), generated)
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let get = |k: &str| args.iter().position(|a| a == k).and_then(|i| args.get(i + 1)).cloned();
+    let threads: usize = get("--threads").map(|v| v.parse().unwrap()).unwrap_or(2);
+    let json_path = get("--json");
+    let l = load(&model_path(), None, threads, |_, _| {}).unwrap();
+    let mut engine = Engine::new(l.model, l.tokenizer, &EngineConfig { max_batch_tokens: 512, kv_cache_bytes: 1 << 30, ..Default::default() }).unwrap();
+    // Warm-up.
+    run(&mut engine, 1, 32, 8, 1);
+    let (_, d1, g1) = run(&mut engine, 1, 32, 128, 2);
+    let b1 = g1 as f64 / d1;
+    let (p, _, _) = run(&mut engine, 1, 512, 1, 3);
+    let prefill = 512.0 / p;
+    let (_, d8, g8) = run(&mut engine, 8, 32, 64, 4);
+    let a8 = g8 as f64 / d8;
+    let (_, d16, g16) = run(&mut engine, 16, 32, 64, 5);
+    let a16 = g16 as f64 / d16;
+    println!("| figure | tokens/s |\n|---|---|");
+    println!("| batch-1 decode (32-token prompt, 128 generated) | {b1:.1} |");
+    println!("| prefill, one 512-token prompt | {prefill:.1} |");
+    println!("| aggregate decode, 8 concurrent sequences | {a8:.1} |");
+    println!("| aggregate decode, 16 concurrent sequences | {a16:.1} |");
+    if let Some(p) = json_path {
+        let j = serde_json::json!({"threads": threads, "batch1_decode_tps": b1, "prefill_tps": prefill, "agg8_decode_tps": a8, "agg16_decode_tps": a16});
+        std::fs::write(p, serde_json::to_string_pretty(&j).unwrap()).unwrap();
+    }
+}
