@@ -16,13 +16,13 @@ pub mod quant;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 
-/// Whether the AVX2+FMA code paths may run on this CPU (detected once).
+/// Whether the AVX2+FMA+F16C code paths may run on this CPU (detected once).
 pub fn has_avx2() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         use std::sync::OnceLock;
         static AVX2: OnceLock<bool> = OnceLock::new();
-        *AVX2.get_or_init(|| is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"))
+        *AVX2.get_or_init(|| is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c"))
     }
     #[cfg(not(target_arch = "x86_64"))]
     {

@@ -327,11 +327,131 @@ fn tile_portable(w: &Weight, x: &[f32], act: &[ActBlock], y: &mut [f32], r0: usi
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn tile_avx2(w: &Weight, x: &[f32], act: &[ActBlock], y: &mut [f32], r0: usize, r1: usize, b: usize) {
-    // The same code, compiled for AVX2: LLVM vectorizes the integer block dots. Rust never
-    // contracts a*b+c into FMA on its own, so results equal the portable path bit for bit.
-    tile_impl(w, x, act, y, r0, r1, b)
+    let k = w.cols;
+    let n = w.rows;
+    let rb = w.row_bytes();
+    let nb = k / QK;
+    for r in r0..r1 {
+        let wr = &w.data[r * rb..(r + 1) * rb];
+        for i in 0..b {
+            let a = || &act[i * nb..(i + 1) * nb];
+            y[i * n + r] = match w.format {
+                // SAFETY (all arms): AVX2/FMA/F16C are enabled for this function; slices
+                // have exactly `nb` blocks (checked by `Weight::new` and `matmul`).
+                WeightFormat::Q4_1 => avx2::dot_q4_1(wr, a()),
+                WeightFormat::Q8_0 => avx2::dot_q8_0(wr, a()),
+                WeightFormat::Q4_0 => avx2::dot_q4_0(wr, a()),
+                WeightFormat::F32 => dot_f32(f32_row(wr), &x[i * k..(i + 1) * k]),
+            };
+        }
+    }
+}
+
+/// AVX2 block dot products. Each block's integer sum is exact, and the float arithmetic per
+/// block is the portable code's, in the same order, so results are bit-identical to
+/// `dot_q4_1` & co. (asserted by `avx2_equals_portable`).
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::{f16_at, ActBlock, QK};
+    use std::arch::x86_64::*;
+
+    /// The four lane-sums of `a`, `b`, `c`, `d`.
+    #[inline(always)]
+    unsafe fn hsum4(a: __m256i, b: __m256i, c: __m256i, d: __m256i) -> [i32; 4] {
+        let ab = _mm256_hadd_epi32(a, b);
+        let cd = _mm256_hadd_epi32(c, d);
+        let abcd = _mm256_hadd_epi32(ab, cd);
+        let s = _mm_add_epi32(_mm256_castsi256_si128(abcd), _mm256_extracti128_si256::<1>(abcd));
+        let mut out = [0i32; 4];
+        _mm_storeu_si128(out.as_mut_ptr() as *mut __m128i, s);
+        out
+    }
+
+    #[inline(always)]
+    unsafe fn hsum1(a: __m256i) -> i32 {
+        hsum4(a, a, a, a)[0]
+    }
+
+    /// u8 weights (0..15) × i8 activations → 8 i32 partial sums.
+    #[inline(always)]
+    unsafe fn nibbles(qs: *const u8) -> __m256i {
+        let raw = _mm_loadu_si128(qs as *const __m128i);
+        let m = _mm_set1_epi8(0x0F);
+        let lo = _mm_and_si128(raw, m);
+        let hi = _mm_and_si128(_mm_srli_epi16::<4>(raw), m);
+        _mm256_set_m128i(hi, lo)
+    }
+
+    #[inline(always)]
+    unsafe fn udot(w: __m256i, a: *const i8) -> __m256i {
+        let av = _mm256_loadu_si256(a as *const __m256i);
+        _mm256_madd_epi16(_mm256_maddubs_epi16(w, av), _mm256_set1_epi16(1))
+    }
+
+    /// Signed × signed through the sign trick (|w| ≤ 128, |a| ≤ 127: no i16 saturation).
+    #[inline(always)]
+    unsafe fn sdot(w: __m256i, a: *const i8) -> __m256i {
+        let av = _mm256_loadu_si256(a as *const __m256i);
+        let aw = _mm256_sign_epi8(w, w);
+        let sa = _mm256_sign_epi8(av, w);
+        _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sa), _mm256_set1_epi16(1))
+    }
+
+    #[inline(always)]
+    unsafe fn blocks<const BB: usize>(w: &[u8], a: &[ActBlock], isum: impl Fn(*const u8, *const i8) -> __m256i, mut fin: impl FnMut(&[u8], &ActBlock, i32)) {
+        let nb = a.len();
+        debug_assert_eq!(w.len(), nb * BB);
+        let wp = w.as_ptr();
+        let mut i = 0;
+        while i + 4 <= nb {
+            let s = hsum4(
+                isum(wp.add(i * BB), a[i].qs.as_ptr()),
+                isum(wp.add((i + 1) * BB), a[i + 1].qs.as_ptr()),
+                isum(wp.add((i + 2) * BB), a[i + 2].qs.as_ptr()),
+                isum(wp.add((i + 3) * BB), a[i + 3].qs.as_ptr()),
+            );
+            for j in 0..4 {
+                fin(&w[(i + j) * BB..(i + j + 1) * BB], &a[i + j], s[j]);
+            }
+            i += 4;
+        }
+        while i < nb {
+            let s = hsum1(isum(wp.add(i * BB), a[i].qs.as_ptr()));
+            fin(&w[i * BB..(i + 1) * BB], &a[i], s);
+            i += 1;
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_q4_1(w: &[u8], a: &[ActBlock]) -> f32 {
+        let mut acc = 0f32;
+        blocks::<20>(w, a, |p, q| udot(nibbles(p.add(4)), q), |b, ab, sumi| {
+            acc += sumi as f32 * f16_at(b, 0) * ab.d + f16_at(b, 2) * ab.s;
+        });
+        acc
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_q4_0(w: &[u8], a: &[ActBlock]) -> f32 {
+        let mut acc = 0f32;
+        blocks::<18>(w, a, |p, q| sdot(_mm256_sub_epi8(nibbles(p.add(2)), _mm256_set1_epi8(8)), q), |b, ab, sumi| {
+            acc += sumi as f32 * f16_at(b, 0) * ab.d;
+        });
+        acc
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_q8_0(w: &[u8], a: &[ActBlock]) -> f32 {
+        let mut acc = 0f32;
+        blocks::<34>(w, a, |p, q| sdot(_mm256_loadu_si256(p.add(2) as *const __m256i), q), |b, ab, sumi| {
+            acc += sumi as f32 * f16_at(b, 0) * ab.d;
+        });
+        acc
+    }
+
+    const _: () = assert!(QK == 32);
 }
 
 #[cfg(test)]
@@ -392,6 +512,36 @@ mod tests {
             }
         }
         y
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx2_equals_portable() {
+        if !crate::has_avx2() {
+            return;
+        }
+        let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+        for format in [WeightFormat::Q8_0, WeightFormat::Q4_0, WeightFormat::Q4_1] {
+            for cols in [32usize, 96, 160, 576, 1536] {
+                let w = quantize_weight(format, 3, cols, &rand_vec(&mut rng, 3 * cols));
+                let x = rand_vec(&mut rng, cols);
+                let mut act = vec![ActBlock::default(); cols / QK];
+                quantize_row(&x, &mut act);
+                let rb = w.row_bytes();
+                for r in 0..3 {
+                    let wr = &w.data[r * rb..(r + 1) * rb];
+                    // SAFETY: AVX2/FMA/F16C detected above.
+                    let (fast, slow) = unsafe {
+                        match format {
+                            WeightFormat::Q8_0 => (avx2::dot_q8_0(wr, &act), dot_q8_0(wr, &act)),
+                            WeightFormat::Q4_0 => (avx2::dot_q4_0(wr, &act), dot_q4_0(wr, &act)),
+                            _ => (avx2::dot_q4_1(wr, &act), dot_q4_1(wr, &act)),
+                        }
+                    };
+                    assert_eq!(fast.to_bits(), slow.to_bits(), "{format:?} cols {cols} row {r}");
+                }
+            }
+        }
     }
 
     #[test]
