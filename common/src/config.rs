@@ -22,7 +22,31 @@ pub enum ConfigError {
 pub struct ClusterConfig {
     pub model: ModelSection,
     pub server: ServerSection,
+    pub auth: AuthSection,
+    pub limits: LimitsSection,
     pub nodes: Vec<NodeConfig>,
+}
+
+/// API keys. With none configured the node is open (a development default, announced at
+/// startup). Keys are compared in constant time and never logged.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+#[serde(default)]
+pub struct AuthSection {
+    /// Keys accepted as `x-api-key` or `Authorization: Bearer` on the API.
+    pub api_keys: Vec<String>,
+    /// A file with one API key per line (blank lines and `#` comments ignored).
+    pub api_keys_file: Option<PathBuf>,
+    /// The key for `/admin/*` and the admin CLI. A user key there gets 403.
+    pub admin_key: Option<String>,
+}
+
+/// Per-key rate limits (token buckets). 0 means unlimited.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+#[serde(default)]
+pub struct LimitsSection {
+    pub requests_per_minute: u32,
+    /// Prompt tokens per minute.
+    pub tokens_per_minute: u32,
 }
 
 /// The served model.
@@ -127,7 +151,13 @@ impl Default for WorkerConfig {
 
 impl Default for ClusterConfig {
     fn default() -> Self {
-        ClusterConfig { model: ModelSection::default(), server: ServerSection::default(), nodes: vec![NodeConfig::default()] }
+        ClusterConfig {
+            model: ModelSection::default(),
+            server: ServerSection::default(),
+            auth: AuthSection::default(),
+            limits: LimitsSection::default(),
+            nodes: vec![NodeConfig::default()],
+        }
     }
 }
 
@@ -162,6 +192,11 @@ impl ClusterConfig {
     fn resolve_paths(&mut self, dir: &Path) {
         if self.model.path.is_relative() && !dir.as_os_str().is_empty() {
             self.model.path = dir.join(&self.model.path);
+        }
+        if let Some(f) = &self.auth.api_keys_file {
+            if f.is_relative() && !dir.as_os_str().is_empty() {
+                self.auth.api_keys_file = Some(dir.join(f));
+            }
         }
         if let Some(t) = &self.model.tokenizer {
             if t.is_relative() && !dir.as_os_str().is_empty() {
@@ -202,6 +237,20 @@ impl ClusterConfig {
             return bad("model.id must not be empty".into());
         }
         Ok(())
+    }
+
+    /// Every configured API key: `auth.api_keys` plus the lines of `auth.api_keys_file`.
+    pub fn api_keys(&self) -> Result<Vec<String>, ConfigError> {
+        let mut keys = self.auth.api_keys.clone();
+        if let Some(f) = &self.auth.api_keys_file {
+            let text = std::fs::read_to_string(f)
+                .map_err(|e| ConfigError::Invalid(format!("auth.api_keys_file {}: {e}", f.display())))?;
+            keys.extend(text.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with('#')).map(String::from));
+        }
+        if keys.iter().any(|k| k.len() < 8) {
+            return Err(ConfigError::Invalid("API keys must be at least 8 characters".into()));
+        }
+        Ok(keys)
     }
 
     pub fn node(&self, id: &str) -> Option<&NodeConfig> {

@@ -13,6 +13,7 @@ use zerolayer_node::tokenizer::Tokenizer;
 use zerolayer_node::{SeqStream, SubmitRequest, WorkerHandle};
 
 use crate::anthropic::{Role, Turn};
+use crate::auth::{Caller, Guard};
 use crate::error::ApiError;
 
 /// A worker on this node.
@@ -41,6 +42,8 @@ impl ModelInfo {
 
 /// What a generation needs, whichever API it came from.
 pub struct Generation {
+    /// Who asked (for the token rate limit).
+    pub caller: Caller,
     pub system: Option<String>,
     pub turns: Vec<Turn>,
     /// None: as many as fit in the context.
@@ -66,6 +69,7 @@ pub struct Coordinator {
     pub tokenizer: Arc<Tokenizer>,
     pub template: Arc<ChatTemplate>,
     pub workers: Vec<LocalWorker>,
+    pub guard: Guard,
     inflight: Arc<Semaphore>,
     /// Set on SIGTERM / drain: `/ready` turns 503 and new work is refused.
     pub draining: AtomicBool,
@@ -82,10 +86,28 @@ impl Coordinator {
         tokenizer: Arc<Tokenizer>,
         template: Arc<ChatTemplate>,
         workers: Vec<LocalWorker>,
+        guard: Guard,
         hard_stop: watch::Receiver<bool>,
     ) -> Self {
         let inflight = Arc::new(Semaphore::new(config.server.max_inflight));
-        Coordinator { node_id, config, model, tokenizer, template, workers, inflight, draining: AtomicBool::new(false), hard_stop, rr: AtomicUsize::new(0) }
+        Coordinator {
+            node_id,
+            config,
+            model,
+            tokenizer,
+            template,
+            workers,
+            guard,
+            inflight,
+            draining: AtomicBool::new(false),
+            hard_stop,
+            rr: AtomicUsize::new(0),
+        }
+    }
+
+    /// Requests holding an in-flight slot (generations being served).
+    pub fn in_flight(&self) -> usize {
+        self.config.server.max_inflight - self.inflight.available_permits()
     }
 
     pub fn is_ready(&self) -> bool {
@@ -140,6 +162,7 @@ impl Coordinator {
             None => (ctx - ids.len()) as u32,
         };
         gen.params.max_tokens = max_tokens;
+        self.guard.take_tokens(&gen.caller, ids.len())?;
         let permit = self
             .inflight
             .clone()

@@ -22,6 +22,7 @@ use tokio::sync::mpsc;
 use zerolayer_common::{SamplingParams, SeqEvent, StopReason, Usage};
 
 use crate::anthropic::{self, Endpoint};
+use crate::auth::Caller;
 use crate::coordinator::{Accepted, Coordinator, Generation};
 use crate::error::ApiError;
 use crate::metrics;
@@ -35,12 +36,19 @@ type AppState = Arc<Coordinator>;
 
 pub fn router(state: AppState) -> Router {
     let limit = state.config.server.max_body_bytes;
-    Router::new()
+    let api = Router::new()
         .route("/v1/messages", post(messages))
         .route("/v1/messages/count_tokens", post(count_tokens))
         .route("/v1/models", get(list_models))
         .route("/v1/models/{id}", get(get_model))
         .route("/v1/chat/completions", post(chat_completions))
+        .route_layer(middleware::from_fn_with_state(state.clone(), api_guard));
+    let admin = Router::new()
+        .route("/admin/status", get(admin_status))
+        .route_layer(middleware::from_fn_with_state(state.clone(), admin_guard));
+    Router::new()
+        .merge(api)
+        .merge(admin)
         .route("/health", get(health))
         .route("/ready", get(ready))
         .route("/metrics", get(metrics_handler))
@@ -64,6 +72,43 @@ async fn request_id_layer(mut req: Request, next: Next) -> Response {
     resp
 }
 
+fn is_openai(req: &Request) -> bool {
+    req.uri().path().starts_with("/v1/chat/")
+}
+
+/// Authenticates API calls and applies the per-key request limit; adds rate-limit headers.
+async fn api_guard(State(c): State<AppState>, mut req: Request, next: Next) -> Response {
+    let rid = req.extensions().get::<RequestId>().map(|r| r.0.clone()).unwrap_or_default();
+    let openai = is_openai(&req);
+    let shape = |e: ApiError| if openai { e.into_openai() } else { e.into_anthropic(&rid) };
+    let caller = match c.guard.authorize_api(req.headers()) {
+        Ok(caller) => caller,
+        Err(e) => return finish(&c, "auth", shape(e), None),
+    };
+    if let Err(e) = c.guard.take_request(&caller) {
+        let mut r = finish(&c, "rate_limit", shape(e), None);
+        c.guard.add_headers(&caller, r.headers_mut());
+        return r;
+    }
+    req.extensions_mut().insert(caller.clone());
+    let mut resp = next.run(req).await;
+    c.guard.add_headers(&caller, resp.headers_mut());
+    resp
+}
+
+async fn admin_guard(State(c): State<AppState>, req: Request, next: Next) -> Response {
+    let rid = req.extensions().get::<RequestId>().map(|r| r.0.clone()).unwrap_or_default();
+    match c.guard.authorize_admin(req.headers()) {
+        Ok(_) => next.run(req).await,
+        Err(e) => finish(&c, "admin", e.into_anthropic(&rid), None),
+    }
+}
+
+async fn admin_status(State(c): State<AppState>) -> Json<Value> {
+    let workers: Vec<Value> = c.worker_signals().into_iter().map(|(id, s)| json!({"id": id, "signals": s})).collect();
+    Json(json!({"node": c.node_id, "ready": c.is_ready(), "model": c.model.id, "in_flight": c.in_flight(), "workers": workers}))
+}
+
 async fn not_found(Extension(rid): Extension<RequestId>, req: Request) -> Response {
     ApiError::NotFound(format!("{} {} does not exist", req.method(), req.uri().path())).into_anthropic(&rid.0)
 }
@@ -83,6 +128,12 @@ async fn ready(State(c): State<AppState>) -> Response {
 async fn metrics_handler(State(c): State<AppState>) -> Response {
     let body = metrics::render(&c.node_id, &c.model.id, &c.worker_signals());
     ([("content-type", "text/plain; version=0.0.4")], body).into_response()
+}
+
+/// RFC 3339 (UTC, seconds) for a system time.
+pub fn rfc3339_system(t: SystemTime) -> String {
+    let secs = t.duration_since(UNIX_EPOCH).map(|d| d.as_secs() as i64 + i64::from(d.subsec_nanos() > 0)).unwrap_or(0);
+    rfc3339(secs)
 }
 
 fn rfc3339(unix: i64) -> String {
@@ -194,7 +245,13 @@ fn stop_fields(reason: &StopReason) -> (Value, Value) {
     }
 }
 
-async fn messages(State(c): State<AppState>, Extension(rid): Extension<RequestId>, headers: HeaderMap, body: Result<Bytes, BytesRejection>) -> Response {
+async fn messages(
+    State(c): State<AppState>,
+    Extension(rid): Extension<RequestId>,
+    Extension(caller): Extension<Caller>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
     let parsed = (|| {
         check_headers(&headers)?;
         let v = json_body(body, c.config.server.max_body_bytes)?;
@@ -209,6 +266,7 @@ async fn messages(State(c): State<AppState>, Extension(rid): Extension<RequestId
         Err(e) => return finish(&c, "messages", e.into_anthropic(&rid.0), None),
     };
     let gen = Generation {
+        caller,
         system: req.system.clone(),
         turns: req.turns.clone(),
         max_tokens: req.max_tokens,
@@ -420,8 +478,7 @@ fn finish_reason(r: &StopReason) -> &'static str {
     }
 }
 
-async fn chat_completions(State(c): State<AppState>, headers: HeaderMap, body: Result<Bytes, BytesRejection>) -> Response {
-    let _ = headers;
+async fn chat_completions(State(c): State<AppState>, Extension(caller): Extension<Caller>, body: Result<Bytes, BytesRejection>) -> Response {
     let parsed = (|| {
         let v = json_body(body, c.config.server.max_body_bytes)?;
         let req = openai::parse(&v)?;
@@ -435,6 +492,7 @@ async fn chat_completions(State(c): State<AppState>, headers: HeaderMap, body: R
         Err(e) => return finish(&c, "chat_completions", e.into_openai(), None),
     };
     let gen = Generation {
+        caller,
         system: req.system.clone(),
         turns: req.turns.clone(),
         max_tokens: req.max_tokens,

@@ -10,6 +10,7 @@
 //! This crate never touches tensors.
 
 pub mod anthropic;
+pub mod auth;
 pub mod coordinator;
 pub mod error;
 pub mod http;

@@ -67,36 +67,38 @@ impl Node {
             created_unix,
             context_length,
         };
+        let guard = crate::auth::Guard::from_config(&config)?;
+        if !guard.enabled() {
+            tracing::warn!("auth disabled: no API keys configured, so the API is open (development mode)");
+        }
         let (hard_stop_tx, hard_stop_rx) = watch::channel(false);
-        let coordinator = Arc::new(Coordinator::new(node_id.to_string(), config, model, tokenizer, template, workers, hard_stop_rx));
+        let coordinator = Arc::new(Coordinator::new(node_id.to_string(), config, model, tokenizer, template, workers, guard, hard_stop_rx));
         Ok(Node { coordinator, hard_stop_tx })
     }
 
-    /// Serves HTTP on `listener` until `shutdown` resolves; then stops accepting, lets
-    /// in-flight requests finish within the grace period, ends the rest with an error event,
-    /// and stops the workers.
+    /// Serves HTTP on `listener` until `shutdown` resolves. Then: `/ready` turns 503 and new
+    /// generations get 529 while in-flight requests finish, for up to the grace period; streams
+    /// still open after it end with an SSE `error` event; then the listener closes, the
+    /// workers stop, and this returns.
     pub async fn serve(self, listener: TcpListener, shutdown: impl Future<Output = ()> + Send + 'static) -> anyhow::Result<()> {
         let app = crate::http::router(self.coordinator.clone());
         let grace = Duration::from_secs(self.coordinator.config.server.shutdown_grace_secs);
         let coord = self.coordinator.clone();
         let hard = self.hard_stop_tx.clone();
-        let (begun_tx, mut begun_rx) = watch::channel(false);
         let signal = async move {
             shutdown.await;
             coord.draining.store(true, Ordering::Release);
-            tracing::info!(grace_secs = grace.as_secs(), "shutting down: no new work; finishing in-flight requests");
-            let _ = begun_tx.send(true);
-        };
-        // The grace timer: once it runs out, open streams end with an error event.
-        let timer = tokio::spawn(async move {
-            if begun_rx.wait_for(|b| *b).await.is_ok() {
-                tokio::time::sleep(grace).await;
-                tracing::warn!("grace period over: ending the remaining streams");
+            tracing::info!(grace_secs = grace.as_secs(), in_flight = coord.in_flight(), "shutting down: no new work; finishing in-flight requests");
+            let deadline = tokio::time::Instant::now() + grace;
+            while coord.in_flight() > 0 && tokio::time::Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            if coord.in_flight() > 0 {
+                tracing::warn!(in_flight = coord.in_flight(), "grace period over: ending the remaining streams with an error event");
                 let _ = hard.send(true);
             }
-        });
+        };
         axum::serve(listener, app).with_graceful_shutdown(signal).await?;
-        timer.abort();
         for w in &self.coordinator.workers {
             let h = w.handle.clone();
             tokio::task::spawn_blocking(move || h.shutdown()).await.ok();

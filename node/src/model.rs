@@ -457,7 +457,7 @@ mod tests {
         let (rows, cols) = (48, 256);
         let vals: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919 % 1013) as f32 / 1013.0 - 0.5) * (1.0 + (i % 13) as f32)).collect();
         let t = Tensor::from_vec(vals, (rows, cols), &Device::Cpu).unwrap();
-        let x: Vec<f32> = (0..3 * cols).map(|i| ((i * 31 % 97) as f32 / 97.0 - 0.5)).collect();
+        let x: Vec<f32> = (0..3 * cols).map(|i| (i * 31 % 97) as f32 / 97.0 - 0.5).collect();
         let xt = Tensor::from_vec(x.clone(), (3, cols), &Device::Cpu).unwrap();
         let pool = ThreadPool::new(2);
         for dt in [GgmlDType::Q4_0, GgmlDType::Q4_1, GgmlDType::Q8_0, GgmlDType::F32, GgmlDType::Q4K, GgmlDType::Q6K, GgmlDType::F16] {
