@@ -16,6 +16,22 @@ use crate::anthropic::{Role, Turn};
 use crate::auth::{Caller, Guard};
 use crate::error::ApiError;
 
+/// Renders a conversation with a chat template. A final assistant turn is a prefill: the prompt
+/// ends with its text, so generation continues it.
+pub fn render_prompt(template: &ChatTemplate, system: Option<&str>, turns: &[Turn]) -> Result<String, ApiError> {
+    let mut msgs = Vec::with_capacity(turns.len() + 1);
+    if let Some(s) = system {
+        msgs.push(ChatMessage::new("system", s));
+    }
+    msgs.extend(turns.iter().map(|t| ChatMessage::new(t.role.as_str(), t.text.clone())));
+    let prompt = if turns.last().is_some_and(|t| t.role == Role::Assistant) {
+        template.render_for_generation(&msgs)
+    } else {
+        template.render(&msgs, true)
+    };
+    prompt.map_err(|e| ApiError::invalid(e.to_string()))
+}
+
 /// A worker on this node.
 #[derive(Clone)]
 pub struct LocalWorker {
@@ -120,17 +136,7 @@ impl Coordinator {
 
     /// Renders the conversation with the model's chat template.
     pub fn render(&self, system: Option<&str>, turns: &[Turn]) -> Result<String, ApiError> {
-        let mut msgs = Vec::with_capacity(turns.len() + 1);
-        if let Some(s) = system {
-            msgs.push(ChatMessage::new("system", s));
-        }
-        msgs.extend(turns.iter().map(|t| ChatMessage::new(t.role.as_str(), t.text.clone())));
-        let prompt = if turns.last().is_some_and(|t| t.role == Role::Assistant) {
-            self.template.render_for_generation(&msgs)
-        } else {
-            self.template.render(&msgs, true)
-        };
-        prompt.map_err(|e| ApiError::invalid(e.to_string()))
+        render_prompt(&self.template, system, turns)
     }
 
     pub fn tokenize(&self, text: &str) -> Result<Vec<u32>, ApiError> {

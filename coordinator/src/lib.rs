@@ -13,6 +13,7 @@ pub mod anthropic;
 pub mod auth;
 pub mod coordinator;
 pub mod error;
+pub mod fuzzing;
 pub mod http;
 pub mod metrics;
 pub mod node;

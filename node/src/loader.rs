@@ -58,3 +58,18 @@ pub fn load(path: &Path, tokenizer: Option<&Path>, threads: usize, progress: imp
     let template = ChatTemplate::new(tmpl_src.as_deref(), &token_str("tokenizer.ggml.bos_token_id"), &token_str("tokenizer.ggml.eos_token_id"))?;
     Ok(Loaded { model, tokenizer: Arc::new(tok), template: Arc::new(template) })
 }
+
+/// Just the text front end of a GGUF model (tokenizer and chat template), from its metadata,
+/// without loading any weights. Used by fuzzing and tools.
+pub fn load_frontend(path: &Path) -> Result<(Arc<Tokenizer>, Arc<ChatTemplate>)> {
+    let mut f = std::fs::File::open(path).map_err(|e| NodeError::Model(format!("opening {}: {e}", path.display())))?;
+    let content = candle_core::quantized::gguf_file::Content::read(&mut f).map_err(NodeError::candle)?;
+    let md = &content.metadata;
+    let tok = Tokenizer::from_gguf(md)?;
+    let tmpl_src = md.get("tokenizer.chat_template").and_then(|v| v.to_string().ok()).cloned();
+    let token_str = |key: &str| -> String {
+        md.get(key).and_then(|v| v.to_u32().ok()).and_then(|id| tok.decode_with_special(&[id]).ok()).unwrap_or_default()
+    };
+    let template = ChatTemplate::new(tmpl_src.as_deref(), &token_str("tokenizer.ggml.bos_token_id"), &token_str("tokenizer.ggml.eos_token_id"))?;
+    Ok((Arc::new(tok), Arc::new(template)))
+}

@@ -90,12 +90,17 @@ impl KvCache {
     pub fn new(cfg: &ModelConfig, block_size: usize, num_blocks: usize) -> Self {
         let layout = KvLayout { block_size, n_kv_heads: cfg.n_kv_heads, head_dim: cfg.head_dim };
         let n = num_blocks * layout.block_elems();
-        KvCache {
-            layout,
-            num_blocks,
-            k: (0..cfg.n_layers).map(|_| vec![KV_ZERO; n]).collect(),
-            v: (0..cfg.n_layers).map(|_| vec![KV_ZERO; n]).collect(),
-        }
+        // Commit every page now (as vLLM reserves its KV cache at startup): the budget is real
+        // memory from the start, a machine without it fails at load rather than mid-request,
+        // and RSS stays flat while blocks are first used.
+        let committed = || {
+            let mut v = vec![KV_ZERO; n];
+            for x in v.iter_mut().step_by(1024) {
+                *x = std::hint::black_box(KV_ZERO);
+            }
+            v
+        };
+        KvCache { layout, num_blocks, k: (0..cfg.n_layers).map(|_| committed()).collect(), v: (0..cfg.n_layers).map(|_| committed()).collect() }
     }
 
     pub fn bytes(&self) -> usize {

@@ -262,3 +262,102 @@ async fn overload_gets_fast_529_and_admitted_streams_complete() {
     assert!(peak < 1_500_000_000, "peak RSS {peak} bytes");
     s.stop().await.unwrap();
 }
+
+fn rss_bytes() -> u64 {
+    let s = std::fs::read_to_string("/proc/self/status").unwrap();
+    let kb: u64 = s.lines().find(|l| l.starts_with("VmRSS:")).unwrap().split_whitespace().nth(1).unwrap().parse().unwrap();
+    kb * 1024
+}
+
+/// 2,000 mixed requests (generations, streams cut short, errors, token counts) leave the KV
+/// cache back at baseline and the process's memory flat.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_thousand_mixed_requests_leak_nothing() {
+    let _g = heavy();
+    let s = TestServer::start(|_| {}).await;
+    let c = client();
+    let sys = "You are a helpful assistant. Answer in one word.";
+    let one = |c: reqwest::Client, url: String, i: usize| async move {
+        match i % 10 {
+            // Generations (prefix-cached system prompt, a few tokens each).
+            0..=3 => {
+                let b = json!({"model": MODEL, "max_tokens": 1 + (i % 3), "temperature": 0, "system": sys,
+                               "messages": [{"role": "user", "content": format!("Item {i}?")}]});
+                let r = c.post(format!("{url}/v1/messages")).json(&b).send().await.unwrap();
+                assert_eq!(r.status(), 200);
+                r.bytes().await.unwrap();
+            }
+            // A stream the client abandons after the first bytes.
+            4 => {
+                let b = json!({"model": MODEL, "max_tokens": 64, "stream": true, "system": sys,
+                               "messages": [{"role": "user", "content": format!("Tell a story {i}.")}]});
+                let r = c.post(format!("{url}/v1/messages")).json(&b).send().await.unwrap();
+                assert_eq!(r.status(), 200);
+                let mut st = r.bytes_stream();
+                let _ = st.next().await;
+            }
+            // Errors of several kinds.
+            5 => {
+                let r = c.post(format!("{url}/v1/messages")).body("{nope").header("content-type", "application/json").send().await.unwrap();
+                assert_eq!(r.status(), 400);
+            }
+            6 => {
+                let b = json!({"model": "missing", "max_tokens": 1, "messages": [{"role": "user", "content": "x"}]});
+                assert_eq!(c.post(format!("{url}/v1/messages")).json(&b).send().await.unwrap().status(), 404);
+            }
+            7 => {
+                let b = json!({"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": [{"type": "image"}]}]});
+                assert_eq!(c.post(format!("{url}/v1/messages")).json(&b).send().await.unwrap().status(), 400);
+            }
+            // Token counting and the OpenAI path.
+            8 => {
+                let b = json!({"model": MODEL, "system": sys, "messages": [{"role": "user", "content": format!("Count {i}")}]});
+                assert_eq!(c.post(format!("{url}/v1/messages/count_tokens")).json(&b).send().await.unwrap().status(), 200);
+            }
+            _ => {
+                let b = json!({"model": MODEL, "max_tokens": 1, "temperature": 0,
+                               "messages": [{"role": "system", "content": sys}, {"role": "user", "content": format!("Q{i}")}]});
+                let r = c.post(format!("{url}/v1/chat/completions")).json(&b).send().await.unwrap();
+                assert_eq!(r.status(), 200);
+                r.bytes().await.unwrap();
+            }
+        }
+    };
+    let run = |from: usize, to: usize| {
+        let c = c.clone();
+        let base = s.base.clone();
+        async move {
+            let mut next = from;
+            let mut inflight = futures::stream::FuturesUnordered::new();
+            while next < to || !inflight.is_empty() {
+                while next < to && inflight.len() < 8 {
+                    inflight.push(tokio::spawn(one(c.clone(), base.clone(), next)));
+                    next += 1;
+                }
+                if let Some(r) = inflight.next().await {
+                    r.unwrap();
+                }
+            }
+        }
+    };
+    // Warm-up, then the baseline.
+    tokio::time::timeout(Duration::from_secs(300), run(0, 200)).await.expect("warm-up finishes");
+    let rss0 = rss_bytes();
+    tokio::time::timeout(Duration::from_secs(900), run(200, 2000)).await.expect("2,000 requests finish");
+    // KV blocks all free again (cached blocks count as free).
+    tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            let page = c.get(s.url("/metrics")).send().await.unwrap().text().await.unwrap();
+            if metric(&page, "zerolayer_kv_blocks_free") == metric(&page, "zerolayer_kv_blocks_total") {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .await
+    .expect("KV blocks back at baseline");
+    let rss1 = rss_bytes();
+    eprintln!("RSS after warm-up {rss0} bytes, after 2,000 requests {rss1} bytes");
+    assert!((rss1 as f64) < rss0 as f64 * 1.10, "RSS grew more than 10%: {rss0} -> {rss1}");
+    s.stop().await.unwrap();
+}

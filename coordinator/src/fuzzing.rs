@@ -1,0 +1,29 @@
+//! The request front end as one function, for the fuzz target (`fuzz/`) and for the test
+//! suite's deterministic pass over the fuzz corpus: bytes → JSON → validation → chat template
+//! → tokenization. It must return (an error or a prompt) for every input, never panic.
+
+use zerolayer_node::chat::ChatTemplate;
+use zerolayer_node::tokenizer::Tokenizer;
+
+use crate::anthropic::{self, Endpoint};
+use crate::coordinator::render_prompt;
+use crate::error::ApiError;
+
+/// Runs one input through the whole front end. Returns the prompt's token count.
+pub fn exercise(data: &[u8], tokenizer: &Tokenizer, template: &ChatTemplate) -> Result<usize, ApiError> {
+    let endpoint = if data.first().is_some_and(|b| b % 2 == 1) { Endpoint::CountTokens } else { Endpoint::Messages };
+    let req = match anthropic::parse_bytes(data, endpoint) {
+        Ok(r) => r,
+        Err(e) => {
+            // Errors are always well-formed API errors.
+            assert!(e.status().is_client_error(), "validation produced {e:?}");
+            return Err(e);
+        }
+    };
+    let prompt = render_prompt(template, req.system.as_deref(), &req.turns)?;
+    let ids = tokenizer.encode(&prompt).map_err(|e| ApiError::Internal(e.to_string()))?;
+    // The rendered prompt round-trips through the tokenizer.
+    let back = tokenizer.decode_with_special(&ids).map_err(|e| ApiError::Internal(e.to_string()))?;
+    assert_eq!(back, prompt, "tokenizer round trip");
+    Ok(ids.len())
+}

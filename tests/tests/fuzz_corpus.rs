@@ -1,0 +1,28 @@
+//! A deterministic pass of the fuzz target's body over its corpus (`fuzz/corpus/request`) and
+//! over every crash regression (`fuzz/regressions`): no input may panic the front end.
+
+use zerolayer_node::loader::load_frontend;
+use zerolayer_tests::model_path;
+
+#[test]
+fn fuzz_corpus_never_panics() {
+    let (tok, tmpl) = load_frontend(&model_path()).unwrap();
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz");
+    let mut n = 0;
+    let mut ok = 0;
+    for dir in ["corpus/request", "regressions"] {
+        let Ok(entries) = std::fs::read_dir(root.join(dir)) else { continue };
+        let mut files: Vec<_> = entries.filter_map(|e| e.ok().map(|e| e.path())).filter(|p| p.is_file()).collect();
+        files.sort();
+        for f in files {
+            let data = std::fs::read(&f).unwrap();
+            if zerolayer_coordinator::fuzzing::exercise(&data, &tok, &tmpl).is_ok() {
+                ok += 1;
+            }
+            n += 1;
+        }
+    }
+    eprintln!("{n} corpus inputs, {ok} valid requests");
+    assert!(n >= 7, "the corpus is there ({n})");
+    assert!(ok >= 5, "valid seeds render and tokenize ({ok})");
+}
