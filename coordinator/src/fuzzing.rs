@@ -22,8 +22,11 @@ pub fn exercise(data: &[u8], tokenizer: &Tokenizer, template: &ChatTemplate) -> 
     };
     let prompt = render_prompt(template, req.system.as_deref(), &req.turns)?;
     let ids = tokenizer.encode(&prompt).map_err(|e| ApiError::Internal(e.to_string()))?;
-    // The rendered prompt round-trips through the tokenizer.
-    let back = tokenizer.decode_with_special(&ids).map_err(|e| ApiError::Internal(e.to_string()))?;
-    assert_eq!(back, prompt, "tokenizer round trip");
+    // The rendered prompt round-trips through the tokenizer whenever the vocabulary has a token
+    // for each of its bytes (bytes without one are dropped, as llama.cpp does).
+    if tokenizer.covers(&prompt) {
+        let back = tokenizer.decode_with_special(&ids).map_err(|e| ApiError::Internal(e.to_string()))?;
+        assert_eq!(back, prompt, "tokenizer round trip");
+    }
     Ok(ids.len())
 }

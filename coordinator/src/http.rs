@@ -313,12 +313,36 @@ async fn messages(
     finish(&c, "messages", resp, Some(&served_by))
 }
 
+/// Records time to first token and inter-token latency as deltas arrive.
+struct TokenTimer<'a> {
+    node: &'a str,
+    started: Instant,
+    last: Option<Instant>,
+}
+
+impl<'a> TokenTimer<'a> {
+    fn new(node: &'a str, started: Instant) -> Self {
+        TokenTimer { node, started, last: None }
+    }
+
+    fn on_tokens(&mut self, n: usize) {
+        if n == 0 {
+            return;
+        }
+        let now = Instant::now();
+        match self.last {
+            None => metrics::ttft(self.node, now.duration_since(self.started).as_secs_f64()),
+            Some(prev) => metrics::inter_token(self.node, now.duration_since(prev).as_secs_f64() / n as f64),
+        }
+        self.last = Some(now);
+    }
+}
+
 /// Collects a whole sequence (non-streaming responses).
 async fn collect(c: &Coordinator, mut acc: Accepted) -> Result<(String, StopReason, Usage), ApiError> {
     let mut text = String::new();
     let mut hard_stop = c.hard_stop.clone();
-    let mut first = true;
-    let mut last = Instant::now();
+    let mut timer = TokenTimer::new(&c.node_id, acc.started_at);
     loop {
         let ev = tokio::select! {
             ev = acc.stream.recv() => ev,
@@ -326,16 +350,7 @@ async fn collect(c: &Coordinator, mut acc: Accepted) -> Result<(String, StopReas
         };
         match ev {
             Some(SeqEvent::Delta { text: t, tokens }) => {
-                if !tokens.is_empty() {
-                    let now = Instant::now();
-                    if first {
-                        metrics::ttft(&c.node_id, now.duration_since(acc.started_at).as_secs_f64());
-                        first = false;
-                    } else {
-                        metrics::inter_token(&c.node_id, now.duration_since(last).as_secs_f64() / tokens.len() as f64);
-                    }
-                    last = now;
-                }
+                timer.on_tokens(tokens.len());
                 text.push_str(&t);
             }
             Some(SeqEvent::Started { .. }) => {}
@@ -371,8 +386,7 @@ async fn anthropic_stream(c: Arc<Coordinator>, mut acc: Accepted, tx: mpsc::Send
     let mut block_open = false;
     let mut started = false;
     let mut output_tokens = 0u32;
-    let mut first = true;
-    let mut last = Instant::now();
+    let mut timer = TokenTimer::new(&c.node_id, acc.started_at);
     let message_start = |usage: Usage| {
         sse(
             "message_start",
@@ -407,16 +421,7 @@ async fn anthropic_stream(c: Arc<Coordinator>, mut acc: Accepted, tx: mpsc::Send
             }
             Some(SeqEvent::Delta { tokens, text }) => {
                 output_tokens += tokens.len() as u32;
-                if !tokens.is_empty() {
-                    let now = Instant::now();
-                    if first {
-                        metrics::ttft(&c.node_id, now.duration_since(acc.started_at).as_secs_f64());
-                        first = false;
-                    } else {
-                        metrics::inter_token(&c.node_id, now.duration_since(last).as_secs_f64() / tokens.len() as f64);
-                    }
-                    last = now;
-                }
+                timer.on_tokens(tokens.len());
                 if text.is_empty() {
                     continue;
                 }
@@ -539,6 +544,7 @@ async fn openai_stream(c: Arc<Coordinator>, mut acc: Accepted, tx: mpsc::Sender<
         )
     };
     let mut hard_stop = c.hard_stop.clone();
+    let mut timer = TokenTimer::new(&c.node_id, acc.started_at);
     if tx.send(chunk(json!({"role": "assistant", "content": ""}), Value::Null)).await.is_err() {
         return;
     }
@@ -553,7 +559,8 @@ async fn openai_stream(c: Arc<Coordinator>, mut acc: Accepted, tx: mpsc::Sender<
         };
         match ev {
             Some(SeqEvent::Started { .. }) => {}
-            Some(SeqEvent::Delta { text, .. }) => {
+            Some(SeqEvent::Delta { text, tokens }) => {
+                timer.on_tokens(tokens.len());
                 if !text.is_empty() && tx.send(chunk(json!({"content": text}), Value::Null)).await.is_err() {
                     return;
                 }

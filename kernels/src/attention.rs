@@ -256,7 +256,7 @@ pub fn paged_attention(
     let od = n_heads * hd;
     assert_eq!(out.len(), rows.len() * od);
     assert!(q.len() >= (rows.len().saturating_sub(1)) * q_stride + od);
-    let op = OutPtr(out.as_mut_ptr());
+    let op = crate::SyncPtr(out.as_mut_ptr());
     let n_out = out.len();
     pool.run(rows.len() * n_heads, |task| {
         let (t, h) = (task / n_heads, task % n_heads);
@@ -271,15 +271,4 @@ pub fn paged_attention(
             attend_one(layout, k_cache, v_cache, row.table, row.pos, h / group, qh, scale, &mut s, o);
         });
     });
-}
-
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-// SAFETY: only used to hand disjoint output ranges to pool tasks (see `paged_attention`).
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
-impl OutPtr {
-    fn get(self) -> *mut f32 {
-        self.0
-    }
 }

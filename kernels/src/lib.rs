@@ -38,3 +38,16 @@ pub fn cast_f32(bytes: &[u8]) -> &[f32] {
     // SAFETY: length and alignment checked above; every bit pattern is a valid f32.
     unsafe { std::slice::from_raw_parts(bytes.as_ptr() as *const f32, bytes.len() / 4) }
 }
+
+/// A raw output pointer handed to pool tasks that write disjoint ranges of one buffer.
+#[derive(Clone, Copy)]
+pub(crate) struct SyncPtr(pub(crate) *mut f32);
+// SAFETY: only used to give pool tasks disjoint output ranges of a buffer that outlives the
+// parallel region (see `quant::matmul` and `attention::paged_attention`).
+unsafe impl Send for SyncPtr {}
+unsafe impl Sync for SyncPtr {}
+impl SyncPtr {
+    pub(crate) fn get(self) -> *mut f32 {
+        self.0
+    }
+}

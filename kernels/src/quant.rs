@@ -16,6 +16,7 @@
 //! activation row while it is hot in L1, so a batch of B rows costs far less than B mat-vecs.
 
 use crate::pool::ThreadPool;
+use crate::SyncPtr;
 use half::f16;
 
 /// Elements per quantization block for the 32-element formats.
@@ -275,17 +276,6 @@ pub fn matmul(pool: &ThreadPool, w: &Weight, x: &[f32], y: &mut [f32], scratch: 
         let _ = use_avx2;
         tile_portable(w, x, act, y, r0, r1, b);
     });
-}
-
-#[derive(Clone, Copy)]
-struct SyncPtr(*mut f32);
-// SAFETY: used only to hand disjoint output ranges to pool tasks (see `matmul`).
-unsafe impl Send for SyncPtr {}
-unsafe impl Sync for SyncPtr {}
-impl SyncPtr {
-    fn get(self) -> *mut f32 {
-        self.0
-    }
 }
 
 #[inline(always)]

@@ -27,6 +27,28 @@ pub struct Tokenizer {
     pub end_tokens: Vec<u32>,
     pub bos_token: Option<u32>,
     vocab_size: usize,
+    /// Which raw bytes have a byte-level token. Some vocabularies lack a few (SmolLM2 has no
+    /// token for 0xF1, for example); like llama.cpp, encoding then drops those bytes, so such
+    /// text does not round-trip.
+    byte_covered: [bool; 256],
+}
+
+/// GPT-2's byte-to-unicode table: the character that stands for each raw byte.
+fn byte_char(b: u8) -> char {
+    let printable = |c: u32| (0x21..=0x7e).contains(&c) || (0xa1..=0xac).contains(&c) || (0xae..=0xff).contains(&c);
+    if printable(b as u32) {
+        return char::from_u32(b as u32).unwrap();
+    }
+    let n = (0..b as u32).filter(|&c| !printable(c)).count() as u32;
+    char::from_u32(256 + n).unwrap()
+}
+
+fn coverage(has: impl Fn(&str) -> bool) -> [bool; 256] {
+    let mut out = [false; 256];
+    for (b, o) in out.iter_mut().enumerate() {
+        *o = has(&byte_char(b as u8).to_string());
+    }
+    out
 }
 
 const END_TOKEN_NAMES: &[&str] = &["<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "</s>", "<end_of_turn>"];
@@ -112,7 +134,8 @@ impl Tokenizer {
         end_tokens.sort_unstable();
         end_tokens.dedup();
         let bos_token = md.get("tokenizer.ggml.bos_token_id").and_then(|v| v.to_u32().ok());
-        Ok(Tokenizer { inner, end_tokens, bos_token, vocab_size: tokens.len() })
+        let byte_covered = coverage(|s| inner.token_to_id(s).is_some());
+        Ok(Tokenizer { inner, end_tokens, bos_token, vocab_size: tokens.len(), byte_covered })
     }
 
     /// Loads a Hugging Face `tokenizer.json`; end tokens come from the vocabulary's well-known names
@@ -125,7 +148,8 @@ impl Tokenizer {
         end_tokens.sort_unstable();
         end_tokens.dedup();
         let vocab_size = inner.get_vocab_size(true);
-        Ok(Tokenizer { inner, end_tokens, bos_token: None, vocab_size })
+        let byte_covered = coverage(|s| inner.token_to_id(s).is_some());
+        Ok(Tokenizer { inner, end_tokens, bos_token: None, vocab_size, byte_covered })
     }
 
     /// Encodes text; special tokens written in the text (e.g. `<|im_start|>`) become their ids.
@@ -155,6 +179,11 @@ impl Tokenizer {
 
     pub fn vocab_size(&self) -> usize {
         self.vocab_size
+    }
+
+    /// Whether every byte of `text` has a token, so that `decode(encode(text)) == text`.
+    pub fn covers(&self, text: &str) -> bool {
+        text.bytes().all(|b| self.byte_covered[b as usize])
     }
 
     pub fn is_end_token(&self, id: u32) -> bool {

@@ -361,3 +361,31 @@ async fn two_thousand_mixed_requests_leak_nothing() {
     assert!((rss1 as f64) < rss0 as f64 * 1.10, "RSS grew more than 10%: {rss0} -> {rss1}");
     s.stop().await.unwrap();
 }
+
+/// Past the grace period, an open stream ends with an SSE `error` event, never a silent cut.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_past_the_grace_period_end_with_an_error_event() {
+    let _g = heavy();
+    let s = TestServer::start(|c| c.server.shutdown_grace_secs = 1).await;
+    let c = client();
+    let body = json!({"model": MODEL, "max_tokens": 4000, "stream": true, "temperature": 1.0,
+                      "messages": [{"role": "user", "content": "Write a very long essay about the sea."}]});
+    let r = c.post(s.url("/v1/messages")).json(&body).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let mut st = r.bytes_stream();
+    let mut raw = String::new();
+    while !raw.contains("content_block_delta") {
+        raw.push_str(&String::from_utf8_lossy(&st.next().await.unwrap().unwrap()));
+    }
+    let stopping = tokio::spawn(s.stop());
+    let t0 = Instant::now();
+    while let Some(chunk) = tokio::time::timeout(Duration::from_secs(30), st.next()).await.expect("stream ends") {
+        raw.push_str(&String::from_utf8_lossy(&chunk.unwrap()));
+    }
+    assert!(t0.elapsed() < Duration::from_secs(10), "ended soon after the 1 s grace period");
+    let events = parse_sse(&raw);
+    let (name, data) = events.last().unwrap();
+    assert_eq!(name, "error", "last event: {raw}");
+    assert_eq!(data["error"]["type"], "overloaded_error");
+    stopping.await.unwrap().unwrap();
+}
