@@ -405,7 +405,8 @@ async fn anthropic_stream(c: Arc<Coordinator>, mut acc: Accepted, tx: mpsc::Send
     loop {
         let ev = tokio::select! {
             ev = acc.stream.recv() => ev,
-            _ = tokio::time::sleep(ping_every) => { send!(sse("ping", json!({"type": "ping"}))); continue; }
+            // Pings keep idle streams alive, but only after message_start, which comes first.
+            _ = tokio::time::sleep(ping_every), if started => { send!(sse("ping", json!({"type": "ping"}))); continue; }
             _ = stopped(&mut hard_stop) => {
                 let e = ApiError::Overloaded("Overloaded: the server shut down before the response finished".into());
                 let _ = tx.send(sse("error", e.anthropic_event())).await;

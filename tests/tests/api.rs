@@ -282,3 +282,24 @@ async fn sixteen_concurrent_streams_and_early_disconnects_free_every_block() {
     }
     s.stop().await.unwrap();
 }
+
+/// An idle stream (here: a long prompt prefilled in small chunks) gets `ping` events, and never
+/// before `message_start`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_streams_get_pings_after_message_start() {
+    let _g = heavy();
+    let s = TestServer::start(|c| {
+        c.server.ping_interval_ms = 100;
+        c.nodes[0].workers[0].max_batch_tokens = 32;
+    })
+    .await;
+    let long = LOREM.repeat(2);
+    let body = json!({"model": "smollm2-135m-instruct", "max_tokens": 4, "stream": true, "temperature": 0,
+                      "messages": [{"role": "user", "content": format!("{long}\nSummarize.")}]});
+    let raw = client().post(s.url("/v1/messages")).json(&body).send().await.unwrap().text().await.unwrap();
+    let events = parse_sse(&raw);
+    assert_eq!(events[0].0, "message_start", "{raw}");
+    assert!(events.iter().any(|(n, d)| n == "ping" && d["type"] == "ping"), "a ping while the prompt prefilled: {raw}");
+    assert_eq!(events.last().unwrap().0, "message_stop");
+    s.stop().await.unwrap();
+}
