@@ -325,16 +325,18 @@ unsafe fn tile_avx2(w: &Weight, x: &[f32], act: &[ActBlock], y: &mut [f32], r0: 
     let nb = k / QK;
     for r in r0..r1 {
         let wr = &w.data[r * rb..(r + 1) * rb];
-        for i in 0..b {
-            let a = || &act[i * nb..(i + 1) * nb];
-            y[i * n + r] = match w.format {
-                // SAFETY (all arms): AVX2/FMA/F16C are enabled for this function; slices
-                // have exactly `nb` blocks (checked by `Weight::new` and `matmul`).
-                WeightFormat::Q4_1 => avx2::dot_q4_1(wr, a()),
-                WeightFormat::Q8_0 => avx2::dot_q8_0(wr, a()),
-                WeightFormat::Q4_0 => avx2::dot_q4_0(wr, a()),
-                WeightFormat::F32 => dot_f32(f32_row(wr), &x[i * k..(i + 1) * k]),
-            };
+        // SAFETY (all arms): AVX2/FMA/F16C are enabled for this function; `act` holds `b`
+        // rows of exactly `nb` blocks and `y` holds `b` rows of `n` (checked by `matmul`).
+        let out = y.as_mut_ptr().add(r);
+        match w.format {
+            WeightFormat::Q4_1 => avx2::dot_rows::<avx2::Q41>(wr, act, nb, b, out, n),
+            WeightFormat::Q8_0 => avx2::dot_rows::<avx2::Q80>(wr, act, nb, b, out, n),
+            WeightFormat::Q4_0 => avx2::dot_rows::<avx2::Q40>(wr, act, nb, b, out, n),
+            WeightFormat::F32 => {
+                for i in 0..b {
+                    y[i * n + r] = dot_f32(f32_row(wr), &x[i * k..(i + 1) * k]);
+                }
+            }
         }
     }
 }
@@ -389,56 +391,140 @@ mod avx2 {
         _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sa), _mm256_set1_epi16(1))
     }
 
+    /// A quantized block format as the batched kernel sees it.
+    pub trait Fmt {
+        /// Bytes per block.
+        const BB: usize;
+        /// Whether blocks carry a min (`m` at byte 2), as Q4_1 does.
+        const MIN: bool;
+        /// The block's 32 quants as a vector (u8 for unsigned formats, i8 for signed).
+        unsafe fn quants(p: *const u8) -> __m256i;
+        /// The 8 integer partial sums of a block's quants against activation quants.
+        unsafe fn isum(w: __m256i, a: *const i8) -> __m256i;
+    }
+
+    pub struct Q41;
+    pub struct Q40;
+    pub struct Q80;
+
+    impl Fmt for Q41 {
+        const BB: usize = 20;
+        const MIN: bool = true;
+        #[inline(always)]
+        unsafe fn quants(p: *const u8) -> __m256i {
+            nibbles(p.add(4))
+        }
+        #[inline(always)]
+        unsafe fn isum(w: __m256i, a: *const i8) -> __m256i {
+            udot(w, a)
+        }
+    }
+    impl Fmt for Q40 {
+        const BB: usize = 18;
+        const MIN: bool = false;
+        #[inline(always)]
+        unsafe fn quants(p: *const u8) -> __m256i {
+            _mm256_sub_epi8(nibbles(p.add(2)), _mm256_set1_epi8(8))
+        }
+        #[inline(always)]
+        unsafe fn isum(w: __m256i, a: *const i8) -> __m256i {
+            sdot(w, a)
+        }
+    }
+    impl Fmt for Q80 {
+        const BB: usize = 34;
+        const MIN: bool = false;
+        #[inline(always)]
+        unsafe fn quants(p: *const u8) -> __m256i {
+            _mm256_loadu_si256(p.add(2) as *const __m256i)
+        }
+        #[inline(always)]
+        unsafe fn isum(w: __m256i, a: *const i8) -> __m256i {
+            sdot(w, a)
+        }
+    }
+
+    /// Lane sums of eight vectors, in order: `[Σv0, …, Σv7]` (exact integer adds).
     #[inline(always)]
-    unsafe fn blocks<const BB: usize>(w: &[u8], a: &[ActBlock], isum: impl Fn(*const u8, *const i8) -> __m256i, mut fin: impl FnMut(&[u8], &ActBlock, i32)) {
-        let nb = a.len();
-        debug_assert_eq!(w.len(), nb * BB);
+    unsafe fn hsum8(v: &[__m256i; 8]) -> __m256i {
+        let a = _mm256_hadd_epi32(v[0], v[1]);
+        let b = _mm256_hadd_epi32(v[2], v[3]);
+        let c = _mm256_hadd_epi32(v[4], v[5]);
+        let d = _mm256_hadd_epi32(v[6], v[7]);
+        let ab = _mm256_hadd_epi32(a, b);
+        let cd = _mm256_hadd_epi32(c, d);
+        let lo = _mm256_permute2x128_si256::<0x20>(ab, cd);
+        let hi = _mm256_permute2x128_si256::<0x31>(ab, cd);
+        _mm256_add_epi32(lo, hi)
+    }
+
+    /// Eight f16 values at `p + j * stride` as f32s.
+    #[inline(always)]
+    unsafe fn f16x8(p: *const u8, stride: usize) -> __m256 {
+        let h = |j: usize| i16::from_le_bytes([*p.add(j * stride), *p.add(j * stride + 1)]);
+        _mm256_cvtph_ps(_mm_setr_epi16(h(0), h(1), h(2), h(3), h(4), h(5), h(6), h(7)))
+    }
+
+    /// One weight row against `b` activation rows, writing `out[i * stride]`.
+    ///
+    /// Weight blocks are decoded once per group of 8 and reused for up to 4 activation rows.
+    /// Each (row, block) float term is computed in a vector lane with exactly the scalar code's
+    /// operations and order (`sumi * d_w * d_a + m_w * s_a`, no fused multiply-add) and the
+    /// terms are accumulated one by one in block order, so every result equals the portable
+    /// path's bit for bit.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_rows<F: Fmt>(w: &[u8], acts: &[ActBlock], nb: usize, b: usize, out: *mut f32, stride: usize) {
+        debug_assert_eq!(w.len(), nb * F::BB);
+        debug_assert!(acts.len() >= b * nb);
         let wp = w.as_ptr();
-        let mut i = 0;
-        while i + 4 <= nb {
-            let s = hsum4(
-                isum(wp.add(i * BB), a[i].qs.as_ptr()),
-                isum(wp.add((i + 1) * BB), a[i + 1].qs.as_ptr()),
-                isum(wp.add((i + 2) * BB), a[i + 2].qs.as_ptr()),
-                isum(wp.add((i + 3) * BB), a[i + 3].qs.as_ptr()),
-            );
-            for j in 0..4 {
-                fin(&w[(i + j) * BB..(i + j + 1) * BB], &a[i + j], s[j]);
+        let groups = nb / 8;
+        let mut i0 = 0;
+        while i0 < b {
+            let ib = (b - i0).min(4);
+            let mut acc = [0f32; 4];
+            for g in 0..groups {
+                let base = wp.add(g * 8 * F::BB);
+                let mut wv = [_mm256_setzero_si256(); 8];
+                for (j, v) in wv.iter_mut().enumerate() {
+                    *v = F::quants(base.add(j * F::BB));
+                }
+                let dw = f16x8(base, F::BB);
+                let mw = if F::MIN { f16x8(base.add(2), F::BB) } else { _mm256_setzero_ps() };
+                for (ii, acc) in acc.iter_mut().enumerate().take(ib) {
+                    let a = &acts[(i0 + ii) * nb + g * 8..(i0 + ii) * nb + g * 8 + 8];
+                    let mut p = [_mm256_setzero_si256(); 8];
+                    for j in 0..8 {
+                        p[j] = F::isum(wv[j], a[j].qs.as_ptr());
+                    }
+                    let sumi = _mm256_cvtepi32_ps(hsum8(&p));
+                    let da = _mm256_setr_ps(a[0].d, a[1].d, a[2].d, a[3].d, a[4].d, a[5].d, a[6].d, a[7].d);
+                    let mut t = _mm256_mul_ps(_mm256_mul_ps(sumi, dw), da);
+                    if F::MIN {
+                        let sa = _mm256_setr_ps(a[0].s, a[1].s, a[2].s, a[3].s, a[4].s, a[5].s, a[6].s, a[7].s);
+                        t = _mm256_add_ps(t, _mm256_mul_ps(mw, sa));
+                    }
+                    let mut lanes = [0f32; 8];
+                    _mm256_storeu_ps(lanes.as_mut_ptr(), t);
+                    for l in lanes {
+                        *acc += l;
+                    }
+                }
             }
-            i += 4;
+            for (ii, acc) in acc.iter_mut().enumerate().take(ib) {
+                for blk in groups * 8..nb {
+                    let bw = &w[blk * F::BB..(blk + 1) * F::BB];
+                    let ab = &acts[(i0 + ii) * nb + blk];
+                    let sumi = hsum1(F::isum(F::quants(bw.as_ptr()), ab.qs.as_ptr()));
+                    let mut term = sumi as f32 * f16_at(bw, 0) * ab.d;
+                    if F::MIN {
+                        term += f16_at(bw, 2) * ab.s;
+                    }
+                    *acc += term;
+                }
+                *out.add((i0 + ii) * stride) = *acc;
+            }
+            i0 += ib;
         }
-        while i < nb {
-            let s = hsum1(isum(wp.add(i * BB), a[i].qs.as_ptr()));
-            fin(&w[i * BB..(i + 1) * BB], &a[i], s);
-            i += 1;
-        }
-    }
-
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot_q4_1(w: &[u8], a: &[ActBlock]) -> f32 {
-        let mut acc = 0f32;
-        blocks::<20>(w, a, |p, q| udot(nibbles(p.add(4)), q), |b, ab, sumi| {
-            acc += sumi as f32 * f16_at(b, 0) * ab.d + f16_at(b, 2) * ab.s;
-        });
-        acc
-    }
-
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot_q4_0(w: &[u8], a: &[ActBlock]) -> f32 {
-        let mut acc = 0f32;
-        blocks::<18>(w, a, |p, q| sdot(_mm256_sub_epi8(nibbles(p.add(2)), _mm256_set1_epi8(8)), q), |b, ab, sumi| {
-            acc += sumi as f32 * f16_at(b, 0) * ab.d;
-        });
-        acc
-    }
-
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot_q8_0(w: &[u8], a: &[ActBlock]) -> f32 {
-        let mut acc = 0f32;
-        blocks::<34>(w, a, |p, q| sdot(_mm256_loadu_si256(p.add(2) as *const __m256i), q), |b, ab, sumi| {
-            acc += sumi as f32 * f16_at(b, 0) * ab.d;
-        });
-        acc
     }
 
     const _: () = assert!(QK == 32);
@@ -512,23 +598,37 @@ mod tests {
         }
         let mut rng = rand::rngs::StdRng::seed_from_u64(11);
         for format in [WeightFormat::Q8_0, WeightFormat::Q4_0, WeightFormat::Q4_1] {
-            for cols in [32usize, 96, 160, 576, 1536] {
+            for cols in [32usize, 96, 160, 256, 576, 1536] {
+                let nb = cols / QK;
                 let w = quantize_weight(format, 3, cols, &rand_vec(&mut rng, 3 * cols));
-                let x = rand_vec(&mut rng, cols);
-                let mut act = vec![ActBlock::default(); cols / QK];
-                quantize_row(&x, &mut act);
-                let rb = w.row_bytes();
-                for r in 0..3 {
-                    let wr = &w.data[r * rb..(r + 1) * rb];
-                    // SAFETY: AVX2/FMA/F16C detected above.
-                    let (fast, slow) = unsafe {
-                        match format {
-                            WeightFormat::Q8_0 => (avx2::dot_q8_0(wr, &act), dot_q8_0(wr, &act)),
-                            WeightFormat::Q4_0 => (avx2::dot_q4_0(wr, &act), dot_q4_0(wr, &act)),
-                            _ => (avx2::dot_q4_1(wr, &act), dot_q4_1(wr, &act)),
+                for b in [1usize, 3, 4, 5, 9] {
+                    let x = rand_vec(&mut rng, b * cols);
+                    let mut act = vec![ActBlock::default(); b * nb];
+                    for (xr, ar) in x.chunks_exact(cols).zip(act.chunks_exact_mut(nb)) {
+                        quantize_row(xr, ar);
+                    }
+                    let rb = w.row_bytes();
+                    for r in 0..3 {
+                        let wr = &w.data[r * rb..(r + 1) * rb];
+                        let mut fast = vec![0f32; b];
+                        // SAFETY: AVX2/FMA/F16C detected above; `act` has b rows of nb blocks.
+                        unsafe {
+                            match format {
+                                WeightFormat::Q8_0 => avx2::dot_rows::<avx2::Q80>(wr, &act, nb, b, fast.as_mut_ptr(), 1),
+                                WeightFormat::Q4_0 => avx2::dot_rows::<avx2::Q40>(wr, &act, nb, b, fast.as_mut_ptr(), 1),
+                                _ => avx2::dot_rows::<avx2::Q41>(wr, &act, nb, b, fast.as_mut_ptr(), 1),
+                            }
                         }
-                    };
-                    assert_eq!(fast.to_bits(), slow.to_bits(), "{format:?} cols {cols} row {r}");
+                        for i in 0..b {
+                            let a = &act[i * nb..(i + 1) * nb];
+                            let slow = match format {
+                                WeightFormat::Q8_0 => dot_q8_0(wr, a),
+                                WeightFormat::Q4_0 => dot_q4_0(wr, a),
+                                _ => dot_q4_1(wr, a),
+                            };
+                            assert_eq!(fast[i].to_bits(), slow.to_bits(), "{format:?} cols {cols} b {b} row {r} act {i}");
+                        }
+                    }
                 }
             }
         }
