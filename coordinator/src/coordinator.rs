@@ -16,6 +16,9 @@ use crate::anthropic::{Role, Turn};
 use crate::auth::{Caller, Guard};
 use crate::error::ApiError;
 
+/// `max_tokens` when a request does not set one.
+pub const DEFAULT_MAX_TOKENS: usize = 4096;
+
 /// Renders a conversation with a chat template. A final assistant turn is a prefill: the prompt
 /// ends with its text, so generation continues it.
 pub fn render_prompt(template: &ChatTemplate, system: Option<&str>, turns: &[Turn]) -> Result<String, ApiError> {
@@ -165,7 +168,9 @@ impl Coordinator {
                 }
                 m
             }
-            None => (ctx - ids.len()) as u32,
+            // No limit given (OpenAI's default): as much as the context allows, capped so a
+            // default never asks for more than a long answer needs.
+            None => (ctx - ids.len()).min(DEFAULT_MAX_TOKENS) as u32,
         };
         gen.params.max_tokens = max_tokens;
         self.guard.take_tokens(&gen.caller, ids.len())?;

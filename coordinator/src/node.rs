@@ -26,6 +26,9 @@ impl Node {
     /// `progress(worker, done, total)` reports layers loaded.
     pub async fn start(config: ClusterConfig, node_id: &str, mut progress: impl FnMut(&str, usize, usize) + Send) -> anyhow::Result<Node> {
         let node = config.node(node_id).ok_or_else(|| anyhow::anyhow!("node {node_id:?} is not in the cluster config"))?.clone();
+        // Install the metrics recorder before anything records: series recorded earlier would go
+        // to the no-op recorder and be lost.
+        crate::metrics::handle();
         let mut workers = Vec::new();
         let mut front = None;
         let mut context_length = 0;
