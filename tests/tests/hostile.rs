@@ -2,7 +2,6 @@
 //! model. Every bad request gets the right status and the Anthropic error shape, and the node
 //! keeps serving.
 
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
@@ -127,82 +126,6 @@ async fn forty_plus_bad_requests_get_precise_errors_and_the_node_keeps_serving()
         assert_eq!(ok.status(), 200, "valid request after {name}");
     }
     s.stop().await.unwrap();
-}
-
-/// Captures everything the process logs, to check that keys never appear.
-#[derive(Clone, Default)]
-struct Capture(Arc<Mutex<Vec<u8>>>);
-impl std::io::Write for Capture {
-    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(b);
-        Ok(b.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn auth_rate_limits_and_keys_never_logged() {
-    let _g = heavy();
-    let logs = Capture::default();
-    let sink = logs.clone();
-    let _ = tracing_subscriber::fmt().with_env_filter("trace").with_writer(move || sink.clone()).try_init();
-    let user = "sk-user-0123456789abcdef";
-    let admin = "sk-admin-fedcba9876543210";
-    let s = TestServer::start(|c| {
-        c.auth.api_keys = vec![user.into()];
-        c.auth.admin_key = Some(admin.into());
-        c.limits.requests_per_minute = 6;
-        c.limits.tokens_per_minute = 2000;
-    })
-    .await;
-    let c = client();
-    let status = |r: &reqwest::Response| r.status().as_u16();
-
-    // 401 without or with a wrong key, in the Anthropic shape.
-    let r = c.post(s.url("/v1/messages")).json(&ok_body()).send().await.unwrap();
-    assert_eq!(status(&r), 401);
-    assert_eq!(r.json::<Value>().await.unwrap()["error"]["type"], "authentication_error");
-    let r = c.post(s.url("/v1/messages")).header("x-api-key", "sk-wrong-key-000000").json(&ok_body()).send().await.unwrap();
-    assert_eq!(status(&r), 401);
-    // 403 for a user key on the admin API; the admin key works there.
-    let r = c.get(s.url("/admin/status")).header("x-api-key", user).send().await.unwrap();
-    assert_eq!(status(&r), 403);
-    assert_eq!(r.json::<Value>().await.unwrap()["error"]["type"], "permission_error");
-    assert_eq!(status(&c.get(s.url("/admin/status")).send().await.unwrap()), 401);
-    let r = c.get(s.url("/admin/status")).header("x-api-key", admin).send().await.unwrap();
-    assert_eq!(status(&r), 200);
-
-    // Rate limit: 6 requests a minute. Remaining counts down; the 7th gets 429 + retry-after.
-    let mut remaining = vec![];
-    for i in 0..6 {
-        let r = c.post(s.url("/v1/messages")).header("authorization", format!("Bearer {user}")).json(&ok_body()).send().await.unwrap();
-        assert_eq!(status(&r), 200, "request {i}");
-        let h = r.headers();
-        assert_eq!(h["anthropic-ratelimit-requests-limit"], "6");
-        assert_eq!(h["anthropic-ratelimit-tokens-limit"], "2000");
-        assert!(h["anthropic-ratelimit-requests-reset"].to_str().unwrap().ends_with('Z'));
-        remaining.push(h["anthropic-ratelimit-requests-remaining"].to_str().unwrap().parse::<u32>().unwrap());
-        let tokens_left: u32 = h["anthropic-ratelimit-tokens-remaining"].to_str().unwrap().parse().unwrap();
-        assert!(tokens_left < 2000);
-    }
-    assert!(remaining.windows(2).all(|w| w[1] < w[0]), "remaining decreases: {remaining:?}");
-    let r = c.post(s.url("/v1/messages")).header("x-api-key", user).json(&ok_body()).send().await.unwrap();
-    assert_eq!(status(&r), 429);
-    let retry: u64 = r.headers()["retry-after"].to_str().unwrap().parse().unwrap();
-    assert!((1..=10).contains(&retry), "retry-after {retry}");
-    assert_eq!(r.headers()["anthropic-ratelimit-requests-remaining"], "0");
-    assert_eq!(r.json::<Value>().await.unwrap()["error"]["type"], "rate_limit_error");
-    // After the advertised wait, requests succeed again.
-    tokio::time::sleep(Duration::from_secs(retry)).await;
-    let r = c.post(s.url("/v1/messages")).header("x-api-key", user).json(&ok_body()).send().await.unwrap();
-    assert_eq!(status(&r), 200);
-    s.stop().await.unwrap();
-
-    let logged = String::from_utf8_lossy(&logs.0.lock().unwrap()).to_string();
-    assert!(logged.contains("zerolayer") || !logged.is_empty(), "logs were captured");
-    assert!(!logged.contains(user) && !logged.contains(admin), "a key appeared in the logs");
 }
 
 fn peak_rss_bytes() -> u64 {
@@ -363,18 +286,24 @@ async fn two_thousand_mixed_requests_leak_nothing() {
 }
 
 /// Past the grace period, an open stream ends with an SSE `error` event, never a silent cut.
+/// The stream is kept busy deterministically: a long prompt prefilled 8 tokens per step.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streams_past_the_grace_period_end_with_an_error_event() {
     let _g = heavy();
-    let s = TestServer::start(|c| c.server.shutdown_grace_secs = 1).await;
+    let s = TestServer::start(|c| {
+        c.server.shutdown_grace_secs = 1;
+        c.server.ping_interval_ms = 200;
+        c.nodes[0].workers[0].max_batch_tokens = 8;
+    })
+    .await;
     let c = client();
-    let body = json!({"model": MODEL, "max_tokens": 4000, "stream": true, "temperature": 1.0,
-                      "messages": [{"role": "user", "content": "Write a very long essay about the sea."}]});
+    let body = json!({"model": MODEL, "max_tokens": 16, "stream": true, "temperature": 0,
+                      "messages": [{"role": "user", "content": format!("{}\nSummarize.", LOREM.repeat(3))}]});
     let r = c.post(s.url("/v1/messages")).json(&body).send().await.unwrap();
     assert_eq!(r.status(), 200);
     let mut st = r.bytes_stream();
     let mut raw = String::new();
-    while !raw.contains("content_block_delta") {
+    while !raw.contains("message_start") {
         raw.push_str(&String::from_utf8_lossy(&st.next().await.unwrap().unwrap()));
     }
     let stopping = tokio::spawn(s.stop());
@@ -387,5 +316,6 @@ async fn streams_past_the_grace_period_end_with_an_error_event() {
     let (name, data) = events.last().unwrap();
     assert_eq!(name, "error", "last event: {raw}");
     assert_eq!(data["error"]["type"], "overloaded_error");
+    assert!(!raw.contains("message_stop"), "the prompt was still being prefilled: {raw}");
     stopping.await.unwrap().unwrap();
 }
