@@ -7,7 +7,7 @@ use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use axum::body::{Body, Bytes};
+use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, Path, Request, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
@@ -588,9 +588,4 @@ async fn openai_stream(c: Arc<Coordinator>, mut acc: Accepted, tx: mpsc::Sender<
             None => return,
         }
     }
-}
-
-/// For tests: a body built from a string.
-pub fn body(s: impl Into<String>) -> Body {
-    Body::from(s.into())
 }

@@ -21,7 +21,7 @@ use std::sync::Arc;
 use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
 use zerolayer_kernels::attention::{paged_attention, write_kv, AttnRow, KvElem, KvLayout, KV_ZERO};
-use zerolayer_kernels::ops::{add_assign, rms_norm, RopeStyle, RopeTable};
+use zerolayer_kernels::ops::{add_assign, rms_norm, silu_mul, RopeStyle, RopeTable};
 use zerolayer_kernels::pool::ThreadPool;
 use zerolayer_kernels::quant::{matmul, MatmulScratch, Weight, WeightFormat};
 
@@ -371,9 +371,8 @@ impl Model {
             for t in 0..t_total {
                 let (g, u) = s.gu[t * 2 * f..(t + 1) * 2 * f].split_at(f);
                 let h = &mut s.h[t * f..(t + 1) * f];
-                for ((hv, &gv), &uv) in h.iter_mut().zip(g).zip(u) {
-                    *hv = gv / (1.0 + (-gv).exp()) * uv;
-                }
+                h.copy_from_slice(g);
+                silu_mul(h, u);
             }
             matmul(&self.pool, &layer.wdown, &s.h, &mut s.proj, &mut s.mm);
             add_assign(&mut s.x, &s.proj);
