@@ -24,7 +24,99 @@ pub struct ClusterConfig {
     pub server: ServerSection,
     pub auth: AuthSection,
     pub limits: LimitsSection,
+    pub cluster: ClusterSection,
+    pub placement: PlacementConfig,
     pub nodes: Vec<NodeConfig>,
+}
+
+/// How nodes find and trust each other. Only used when the nodes have `quic` addresses.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(default)]
+pub struct ClusterSection {
+    /// Gossip between nodes with another cluster id is ignored.
+    pub id: String,
+    /// Made by `zerolayer cluster init`: `ca.pem`, and `<node>.pem` + `<node>.key` per node.
+    /// Relative to the config file. (`ZEROLAYER_CLUSTER__TLS_DIR`)
+    pub tls_dir: Option<PathBuf>,
+    /// How often a node gossips with peers, which bounds signal staleness.
+    pub gossip_interval_ms: u64,
+    /// Phi-accrual threshold above which a silent peer is dead (8 ≈ 18 mean heartbeat gaps).
+    pub phi_threshold: f64,
+    /// A QUIC connection with no traffic for this long is closed (keep-alives flow at a third of
+    /// it), so a vanished peer fails its open streams within this time.
+    pub idle_timeout_ms: u64,
+    /// Signals and prefix-cache digests are republished at this interval.
+    pub publish_interval_ms: u64,
+}
+
+impl Default for ClusterSection {
+    fn default() -> Self {
+        ClusterSection {
+            id: "zerolayer".into(),
+            tls_dir: None,
+            gossip_interval_ms: 100,
+            phi_threshold: 8.0,
+            idle_timeout_ms: 3000,
+            publish_interval_ms: 100,
+        }
+    }
+}
+
+/// Which placement policy a coordinator uses (benchmarks compare them).
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum PlacementPolicy {
+    RoundRobin,
+    LeastLoaded,
+    CacheAware,
+}
+
+/// Weights and thresholds of the placement cost (units: KV blocks).
+///
+/// `cost = overlap_weight × uncached_prefill_blocks + active_decode_blocks
+///         + queue_weight × waiting_prefill_blocks + remote_hop_blocks (if remote)
+///         + fragmentation_weight × fragmentation + memory_weight × memory pressure`.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(default)]
+pub struct PlacementConfig {
+    pub policy: PlacementPolicy,
+    /// Weight of each prompt block the worker would have to compute.
+    pub overlap_weight: f64,
+    /// Weight of each block of prompt already queued on the worker.
+    pub queue_weight: f64,
+    /// Cost of one QUIC hop, in blocks: the local worker wins ties and near-ties.
+    pub remote_hop_blocks: f64,
+    /// Penalty per unit of KV fragmentation (0..1).
+    pub fragmentation_weight: f64,
+    /// Penalty per unit of memory use above `memory_soft_limit` (fraction of the limit).
+    pub memory_weight: f64,
+    pub memory_soft_limit: f64,
+    /// Workers above this fraction of their memory limit are skipped.
+    pub memory_high_water: f64,
+    /// Blocks of decode room a worker must have beyond the uncached prompt.
+    pub decode_headroom_blocks: u32,
+    /// Imbalance guard: when max load − min load > abs and max load > rel × min load
+    /// (load = running + waiting sequences), pick the least loaded worker.
+    pub balance_abs_threshold: u32,
+    pub balance_rel_threshold: f64,
+}
+
+impl Default for PlacementConfig {
+    fn default() -> Self {
+        PlacementConfig {
+            policy: PlacementPolicy::CacheAware,
+            overlap_weight: 1.0,
+            queue_weight: 1.0,
+            remote_hop_blocks: 2.0,
+            fragmentation_weight: 4.0,
+            memory_weight: 64.0,
+            memory_soft_limit: 0.85,
+            memory_high_water: 0.97,
+            decode_headroom_blocks: 8,
+            balance_abs_threshold: 16,
+            balance_rel_threshold: 1.5,
+        }
+    }
 }
 
 /// API keys. With none configured the node is open (a development default, announced at
@@ -104,12 +196,14 @@ pub struct NodeConfig {
     pub id: String,
     /// HTTP listen address; port 0 picks one.
     pub http: String,
+    /// QUIC address for peers (gossip and forwarded requests). Absent on a single-node cluster.
+    pub quic: Option<String>,
     pub workers: Vec<WorkerConfig>,
 }
 
 impl Default for NodeConfig {
     fn default() -> Self {
-        NodeConfig { id: "n1".into(), http: "127.0.0.1:8080".into(), workers: vec![WorkerConfig::default()] }
+        NodeConfig { id: "n1".into(), http: "127.0.0.1:8080".into(), quic: None, workers: vec![WorkerConfig::default()] }
     }
 }
 
@@ -156,6 +250,8 @@ impl Default for ClusterConfig {
             server: ServerSection::default(),
             auth: AuthSection::default(),
             limits: LimitsSection::default(),
+            cluster: ClusterSection::default(),
+            placement: PlacementConfig::default(),
             nodes: vec![NodeConfig::default()],
         }
     }
@@ -198,6 +294,11 @@ impl ClusterConfig {
                 self.auth.api_keys_file = Some(dir.join(f));
             }
         }
+        if let Some(t) = &self.cluster.tls_dir {
+            if t.is_relative() && !dir.as_os_str().is_empty() {
+                self.cluster.tls_dir = Some(dir.join(t));
+            }
+        }
         if let Some(t) = &self.model.tokenizer {
             if t.is_relative() && !dir.as_os_str().is_empty() {
                 self.model.tokenizer = Some(dir.join(t));
@@ -232,6 +333,23 @@ impl ClusterConfig {
                     return bad(format!("worker {}/{}: device {:?} is not supported yet (use \"cpu\")", n.id, w.id, w.device));
                 }
             }
+        }
+        let with_quic = self.nodes.iter().filter(|n| n.quic.is_some()).count();
+        if with_quic != 0 && with_quic != self.nodes.len() {
+            return bad("either every node has a `quic` address (a cluster) or none does (one node)".into());
+        }
+        if self.nodes.len() > 1 && with_quic == 0 {
+            return bad("a cluster of several nodes needs a `quic` address on each node".into());
+        }
+        if with_quic > 0 && self.cluster.tls_dir.is_none() {
+            return bad("a cluster needs [cluster] tls_dir (made by `zerolayer cluster init`)".into());
+        }
+        if self.cluster.gossip_interval_ms == 0 || self.cluster.publish_interval_ms == 0 || self.cluster.idle_timeout_ms < 300 {
+            return bad("cluster: gossip and publish intervals must be > 0 and idle_timeout_ms >= 300".into());
+        }
+        let p = &self.placement;
+        if !(p.overlap_weight >= 0.0 && p.queue_weight >= 0.0 && p.remote_hop_blocks >= 0.0 && p.balance_rel_threshold >= 1.0) {
+            return bad("placement: weights must be >= 0 and balance_rel_threshold >= 1".into());
         }
         if self.model.id.is_empty() {
             return bad("model.id must not be empty".into());
@@ -281,5 +399,25 @@ mod tests {
         assert_eq!(c.nodes[0].workers[0].kv_cache_mb, 64);
         assert_eq!(c.nodes[0].workers[0].block_size, 16);
         assert!(ClusterConfig::from_toml("[[nodes]]\nid='a'\n[[nodes]]\nid='a'\n").is_err());
+        assert_eq!(c.placement.policy, PlacementPolicy::CacheAware);
+        // Several nodes need QUIC addresses and TLS material.
+        assert!(ClusterConfig::from_toml("[[nodes]]\nid='a'\n[[nodes]]\nid='b'\n").is_err());
+        let three = ClusterConfig::from_toml(
+            r#"
+            [cluster]
+            tls_dir = "certs"
+            [placement]
+            policy = "round_robin"
+            [[nodes]]
+            id = "a"
+            quic = "127.0.0.1:7001"
+            [[nodes]]
+            id = "b"
+            quic = "127.0.0.1:7002"
+            "#,
+        )
+        .unwrap();
+        assert_eq!(three.placement.policy, PlacementPolicy::RoundRobin);
+        assert!(ClusterConfig::from_toml("[[nodes]]\nid='a'\nquic='127.0.0.1:1'\n").is_err(), "no tls_dir");
     }
 }

@@ -1,5 +1,5 @@
 //! Types shared by every zerolayer crate: ids, sampling parameters, worker signals and KV
-//! events, block hashing, and the cluster configuration.
+//! events, block hashing, the cluster configuration, and the rkyv wire frames between nodes.
 //!
 //! Invariant: this crate depends on no async runtime, no tensor library and no GPU library, so
 //! every other crate (and the wire format) can use it.
@@ -8,8 +8,9 @@ pub mod config;
 pub mod hash;
 pub mod signals;
 pub mod types;
+pub mod wire;
 
-pub use config::{ClusterConfig, ConfigError, NodeConfig, WorkerConfig};
+pub use config::{ClusterConfig, ClusterSection, ConfigError, NodeConfig, PlacementConfig, PlacementPolicy, WorkerConfig};
 pub use hash::{block_hashes, chain_hash};
 pub use signals::{KvEvent, WorkerSignals};
 pub use types::*;

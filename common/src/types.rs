@@ -10,6 +10,7 @@ pub type NodeId = String;
 pub type WorkerId = String;
 
 /// Sampling and stopping parameters for one sequence.
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct SamplingParams {
     /// 0 means exact greedy decoding (argmax), never a small positive temperature.
@@ -42,6 +43,7 @@ impl SamplingParams {
 }
 
 /// Why a sequence stopped.
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum StopReason {
     /// The model produced one of its end tokens.
@@ -81,6 +83,7 @@ impl fmt::Display for StopReason {
 }
 
 /// Prompt and output token counts for a finished sequence.
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Usage {
     /// Prompt tokens that were computed (not served from the prefix cache).
@@ -98,6 +101,7 @@ impl Usage {
 }
 
 /// What a worker streams back for one sequence.
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum SeqEvent {
     /// The prompt is admitted; `cached` prompt tokens came from the prefix cache.

@@ -1,20 +1,25 @@
 //! The coordinator: what every HTTP handler calls. It turns a validated request into a prompt,
-//! places it on a worker and hands the sequence straight to that worker — one in-process
-//! message, no extra hop or serialization.
+//! places it on a worker anywhere in the cluster ([`crate::placement`] over the
+//! [`Cluster`] view) and hands the sequence to that worker: one in-process message when the
+//! worker is local (no serialization), exactly one QUIC hop when it is remote.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
 use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
-use zerolayer_common::{ClusterConfig, SamplingParams, WorkerSignals};
+use zerolayer_common::wire::Submit;
+use zerolayer_common::{block_hashes, ClusterConfig, SamplingParams, SeqEvent, WorkerSignals};
 use zerolayer_node::chat::{ChatMessage, ChatTemplate};
 use zerolayer_node::tokenizer::Tokenizer;
 use zerolayer_node::{SeqStream, SubmitRequest, WorkerHandle};
 
 use crate::anthropic::{Role, Turn};
 use crate::auth::{Caller, Guard};
+use crate::cluster::forward::{ForwardError, RemoteStream};
+use crate::cluster::Cluster;
 use crate::error::ApiError;
+use crate::placement::{self, Decision, NodeState, RequestSummary};
 
 /// `max_tokens` when a request does not set one.
 pub const DEFAULT_MAX_TOKENS: usize = 4096;
@@ -70,9 +75,26 @@ pub struct Generation {
     pub params: SamplingParams,
 }
 
+/// The events of an accepted sequence, from a local worker or over QUIC.
+pub enum EventStream {
+    Local(SeqStream),
+    Remote(RemoteStream),
+}
+
+impl EventStream {
+    /// The next event, or `None` once the sequence is over. A lost remote node ends the
+    /// stream with an error `Finished`.
+    pub async fn recv(&mut self) -> Option<SeqEvent> {
+        match self {
+            EventStream::Local(s) => s.recv().await,
+            EventStream::Remote(s) => s.recv().await,
+        }
+    }
+}
+
 /// A sequence accepted by a worker.
 pub struct Accepted {
-    pub stream: SeqStream,
+    pub stream: EventStream,
     pub prompt_tokens: usize,
     /// `NODE_ID/WORKER_ID`, for the `zerolayer-worker` header.
     pub served_by: String,
@@ -89,6 +111,7 @@ pub struct Coordinator {
     pub template: Arc<ChatTemplate>,
     pub workers: Vec<LocalWorker>,
     pub guard: Guard,
+    pub cluster: Arc<Cluster>,
     inflight: Arc<Semaphore>,
     /// Set on SIGTERM / drain: `/ready` turns 503 and new work is refused.
     pub draining: AtomicBool,
@@ -106,6 +129,7 @@ impl Coordinator {
         template: Arc<ChatTemplate>,
         workers: Vec<LocalWorker>,
         guard: Guard,
+        cluster: Arc<Cluster>,
         hard_stop: watch::Receiver<bool>,
     ) -> Self {
         let inflight = Arc::new(Semaphore::new(config.server.max_inflight));
@@ -117,6 +141,7 @@ impl Coordinator {
             template,
             workers,
             guard,
+            cluster,
             inflight,
             draining: AtomicBool::new(false),
             hard_stop,
@@ -131,6 +156,18 @@ impl Coordinator {
 
     pub fn is_ready(&self) -> bool {
         !self.draining.load(Ordering::Acquire) && !*self.hard_stop.borrow()
+    }
+
+    /// Stops taking new work: `/ready` turns 503 and peers stop placing here.
+    pub fn set_draining(&self) {
+        self.draining.store(true, Ordering::Release);
+        self.cluster.set_state(NodeState::Draining);
+    }
+
+    /// Sequences still running because of this node: its own requests plus those it serves
+    /// for other coordinators.
+    pub fn busy(&self) -> usize {
+        self.in_flight() + self.cluster.serving_remote.load(Ordering::Acquire)
     }
 
     pub fn worker_signals(&self) -> Vec<(String, WorkerSignals)> {
@@ -179,28 +216,77 @@ impl Coordinator {
             .clone()
             .try_acquire_owned()
             .map_err(|_| ApiError::Overloaded("Overloaded: too many requests in flight on this node".into()))?;
-        let w = self.place()?;
         let prompt_tokens = ids.len();
-        let stream = w.handle.submit(SubmitRequest { prompt: ids, params: gen.params }).await?;
-        Ok(Accepted { stream, prompt_tokens, served_by: format!("{}/{}", self.node_id, w.id), started_at, _permit: permit })
+        let (stream, served_by) = self.place_and_submit(ids, gen.params).await?;
+        Ok(Accepted { stream, prompt_tokens, served_by, started_at, _permit: permit })
     }
 
-    /// Local placement: the least loaded worker whose queue has room; round-robin on ties.
-    fn place(&self) -> Result<&LocalWorker, ApiError> {
-        let n = self.workers.len();
-        let start = self.rr.fetch_add(1, Ordering::Relaxed);
-        let mut best: Option<(&LocalWorker, u64)> = None;
-        for k in 0..n {
-            let w = &self.workers[(start + k) % n];
-            let s = w.handle.signals();
-            if s.waiting as usize >= w.max_waiting {
-                continue;
+    /// Places the sequence and submits it. If the chosen remote node cannot be reached, the
+    /// next candidates are tried (at most [`MAX_PLACEMENT_TRIES`] in all).
+    async fn place_and_submit(&self, mut ids: Vec<u32>, params: SamplingParams) -> Result<(EventStream, String), ApiError> {
+        let summary = RequestSummary { block_hashes: block_hashes(&ids, self.block_size()), prompt_tokens: ids.len(), max_tokens: params.max_tokens as usize };
+        let view = self.cluster.view();
+        let rr = self.rr.fetch_add(1, Ordering::Relaxed);
+        let pcfg = &self.config.placement;
+        let (ranked, reason) = match placement::place(&view, &summary, pcfg, rr) {
+            Decision::Place { ranked, reason, .. } => (ranked, reason),
+            Decision::NoWorker { skipped } => {
+                let why: Vec<String> =
+                    skipped.iter().map(|(i, s)| format!("{}/{}: {s:?}", view.workers[*i].node, view.workers[*i].worker)).collect();
+                tracing::debug!(skipped = ?why, "placement: no worker can take the request");
+                return Err(ApiError::Overloaded(format!("Overloaded: no worker can take this request now ({})", why.join(", "))));
             }
-            let load = s.running as u64 + s.waiting as u64 * 4 + s.waiting_prefill_tokens / 256;
-            if best.is_none_or(|(_, l)| load < l) {
-                best = Some((w, load));
+        };
+        if tracing::enabled!(tracing::Level::DEBUG) {
+            let top: Vec<String> = ranked
+                .iter()
+                .take(4)
+                .map(|s| format!("{}/{} cost={:.1} cached_blocks={}", view.workers[s.index].node, view.workers[s.index].worker, s.cost, s.cached_blocks))
+                .collect();
+            tracing::debug!(policy = ?pcfg.policy, reason, prompt_blocks = summary.block_hashes.len(), candidates = ?top, "placement decision");
+        }
+        let mut last_err = None;
+        for s in ranked.iter().take(MAX_PLACEMENT_TRIES) {
+            let w = &view.workers[s.index];
+            let served_by = format!("{}/{}", w.node, w.worker);
+            let target = if w.local { "local" } else { "remote" };
+            metrics::counter!("zerolayer_placements_total", "policy" => format!("{:?}", pcfg.policy), "target" => target, "reason" => reason).increment(1);
+            if w.local {
+                let lw = self.cluster.local_worker(&w.worker).ok_or_else(|| ApiError::Internal(format!("local worker {} vanished", w.worker)))?;
+                let stream = lw.handle.submit(SubmitRequest { prompt: std::mem::take(&mut ids), params }).await?;
+                return Ok((EventStream::Local(stream), served_by));
+            }
+            let Some(addr) = self.cluster.peer_addr(&w.node) else {
+                last_err = Some(ApiError::Overloaded(format!("Overloaded: node {} is unreachable", w.node)));
+                continue;
+            };
+            let sub = Submit {
+                request_id: uuid::Uuid::new_v4().simple().to_string(),
+                origin_node: self.node_id.clone(),
+                worker: w.worker.clone(),
+                prompt: ids.clone(),
+                params: params.clone(),
+            };
+            match crate::cluster::forward::submit(&self.cluster, &w.node, addr, &sub).await {
+                Ok(rs) => return Ok((EventStream::Remote(rs), served_by)),
+                Err(ForwardError::Refused { overloaded: true, message }) => {
+                    last_err = Some(ApiError::Overloaded(format!("Overloaded: {message}")));
+                }
+                Err(ForwardError::Refused { overloaded: false, message }) => return Err(ApiError::Internal(message)),
+                Err(ForwardError::Unreachable(m)) => {
+                    tracing::warn!(node = %w.node, error = %m, "forwarding failed; trying the next candidate");
+                    last_err = Some(ApiError::Overloaded(format!("Overloaded: {m}")));
+                }
             }
         }
-        best.map(|b| b.0).ok_or_else(|| ApiError::Overloaded("Overloaded: every worker's queue is full".into()))
+        Err(last_err.unwrap_or_else(|| ApiError::Overloaded("Overloaded: no worker accepted the request".into())))
+    }
+
+    /// The KV block size prompts are hashed with (uniform across the cluster).
+    fn block_size(&self) -> usize {
+        self.workers.first().map(|w| w.handle.signals().block_size as usize).filter(|&b| b > 0).unwrap_or(16)
     }
 }
+
+/// Candidates tried per request when forwarding fails.
+pub const MAX_PLACEMENT_TRIES: usize = 3;

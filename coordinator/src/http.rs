@@ -45,6 +45,7 @@ pub fn router(state: AppState) -> Router {
         .route_layer(middleware::from_fn_with_state(state.clone(), api_guard));
     let admin = Router::new()
         .route("/admin/status", get(admin_status))
+        .route("/admin/cluster", get(admin_cluster))
         .route_layer(middleware::from_fn_with_state(state.clone(), admin_guard));
     Router::new()
         .merge(api)
@@ -107,6 +108,52 @@ async fn admin_guard(State(c): State<AppState>, req: Request, next: Next) -> Res
 async fn admin_status(State(c): State<AppState>) -> Json<Value> {
     let workers: Vec<Value> = c.worker_signals().into_iter().map(|(id, s)| json!({"id": id, "signals": s})).collect();
     Json(json!({"node": c.node_id, "ready": c.is_ready(), "model": c.model.id, "in_flight": c.in_flight(), "workers": workers}))
+}
+
+/// The cluster as this node sees it: every node's state and every worker's signals.
+async fn admin_cluster(State(c): State<AppState>) -> Json<Value> {
+    Json(cluster_json(&c))
+}
+
+pub fn cluster_json(c: &Coordinator) -> Value {
+    let view = c.cluster.view();
+    let nodes = c.cluster.nodes();
+    let (mut hits, mut queries) = (0u64, 0u64);
+    let workers: Vec<Value> = view
+        .workers
+        .iter()
+        .map(|w| {
+            let s = &w.signals;
+            hits += s.prefix_cache_hits_total;
+            queries += s.prefix_cache_queries_total;
+            json!({
+                "node": w.node,
+                "worker": w.worker,
+                "state": w.state,
+                "local": w.local,
+                "device": w.device,
+                "kv_blocks_free": s.kv_blocks_free,
+                "kv_blocks_total": s.kv_blocks_total,
+                "kv_blocks_cached": s.kv_blocks_cached,
+                "indexed_blocks": w.cached.len(),
+                "kv_fragmentation_ratio": s.kv_fragmentation_ratio,
+                "prefix_hit_ratio": s.prefix_hit_ratio,
+                "running": s.running,
+                "waiting": s.waiting,
+                "tokens_per_second": s.tokens_per_second,
+                "signals": s,
+            })
+        })
+        .collect();
+    json!({
+        "node": c.node_id,
+        "policy": c.config.placement.policy,
+        "nodes": nodes,
+        "workers": workers,
+        "prefix_cache_hits_total": hits,
+        "prefix_cache_queries_total": queries,
+        "prefix_hit_ratio": if queries == 0 { 0.0 } else { hits as f64 / queries as f64 },
+    })
 }
 
 async fn not_found(Extension(rid): Extension<RequestId>, req: Request) -> Response {

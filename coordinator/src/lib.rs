@@ -2,7 +2,9 @@
 //! placement onto workers, metrics, and the `zerolayer` binary.
 //!
 //! - [`anthropic`], [`openai`]: request parsing and validation.
-//! - [`coordinator`]: prompt rendering, admission and placement; hands sequences to workers.
+//! - [`coordinator`]: prompt rendering, admission; places and hands sequences to workers.
+//! - [`placement`]: the sans-IO placement function over a cluster view.
+//! - [`cluster`]: QUIC with mutual TLS, chitchat membership and gossip, forwarding.
 //! - [`http`]: the axum router and the response/SSE shapes.
 //! - [`error`]: the one place errors become HTTP responses.
 //! - [`node`]: starting a node and serving it with graceful shutdown.
@@ -11,6 +13,7 @@
 
 pub mod anthropic;
 pub mod auth;
+pub mod cluster;
 pub mod coordinator;
 pub mod error;
 pub mod fuzzing;
@@ -18,3 +21,5 @@ pub mod http;
 pub mod metrics;
 pub mod node;
 pub mod openai;
+pub mod placement;
+pub mod status;

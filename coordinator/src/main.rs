@@ -35,14 +35,40 @@ enum Cmd {
         #[arg(long)]
         model: Option<PathBuf>,
     },
-    /// Cluster status (arrives with the cluster issue).
-    Status,
-    /// Drain a node for replacement (arrives with the cluster issue).
+    /// Cluster status: one row per worker across the cluster, as a node sees it.
+    Status {
+        /// Any node's HTTP address.
+        #[arg(long, default_value = "http://127.0.0.1:8080", env = "ZEROLAYER_ADDR")]
+        addr: String,
+        /// The admin key, if the cluster has one.
+        #[arg(long, env = "ZEROLAYER_ADMIN_KEY", hide_env_values = true)]
+        admin_key: Option<String>,
+        /// Print the raw JSON of `/admin/cluster`.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Drain a node for replacement (arrives with the rolling-replacement issue).
     Drain,
-    /// Let traffic back into a drained node (arrives with the cluster issue).
+    /// Let traffic back into a drained node (arrives with the rolling-replacement issue).
     Undrain,
-    /// Cluster CA and certificates (arrives with the cluster issue).
-    Cluster,
+    /// Cluster CA and node certificates.
+    Cluster {
+        #[command(subcommand)]
+        cmd: ClusterCmd,
+    },
+}
+
+#[derive(Subcommand)]
+enum ClusterCmd {
+    /// Make a cluster CA (or reuse `DIR/ca.key`) and a certificate per node for mutual TLS.
+    Init {
+        /// Where to write ca.pem, ca.key, <node>.pem and <node>.key.
+        #[arg(long)]
+        out: PathBuf,
+        /// Node ids, comma-separated (as in cluster.toml).
+        #[arg(long, value_delimiter = ',', required = true)]
+        nodes: Vec<String>,
+    },
 }
 
 fn main() -> anyhow::Result<()> {
@@ -52,11 +78,43 @@ fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.cmd {
         Cmd::Up { config, node, http, model } => up(config, node, http, model),
-        Cmd::Status | Cmd::Drain | Cmd::Undrain | Cmd::Cluster => {
-            eprintln!("this subcommand is reserved; it arrives with multi-node clusters");
+        Cmd::Status { addr, admin_key, json } => status(&addr, admin_key.as_deref(), json),
+        Cmd::Cluster { cmd: ClusterCmd::Init { out, nodes } } => {
+            let files = zerolayer_coordinator::cluster::tls::init(&out, &nodes)?;
+            for f in files {
+                println!("wrote {}", f.display());
+            }
+            println!("keep {} private: it signs new node certificates", out.join("ca.key").display());
+            Ok(())
+        }
+        Cmd::Drain | Cmd::Undrain => {
+            eprintln!("this subcommand is reserved; it arrives with rolling node replacement");
             std::process::exit(2);
         }
     }
+}
+
+fn status(addr: &str, admin_key: Option<&str>, json: bool) -> anyhow::Result<()> {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let v: serde_json::Value = rt.block_on(async {
+        let mut req = reqwest::Client::new().get(format!("{}/admin/cluster", addr.trim_end_matches('/'))).timeout(std::time::Duration::from_secs(10));
+        if let Some(k) = admin_key {
+            req = req.header("x-api-key", k);
+        }
+        let resp = req.send().await.map_err(|e| anyhow::anyhow!("{addr}: {e}"))?;
+        let code = resp.status();
+        let body = resp.text().await?;
+        if !code.is_success() {
+            anyhow::bail!("{addr}/admin/cluster answered {code}: {body}");
+        }
+        anyhow::Ok(serde_json::from_str(&body)?)
+    })?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
+    print!("{}", zerolayer_coordinator::status::render(&v));
+    Ok(())
 }
 
 fn up(config: Option<PathBuf>, node: Option<String>, http: Option<String>, model: Option<PathBuf>) -> anyhow::Result<()> {

@@ -2,7 +2,6 @@
 //! already-bound listener until a shutdown future resolves, then drain within the grace period.
 
 use std::future::Future;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -24,7 +23,18 @@ pub struct Node {
 impl Node {
     /// Loads the model for every worker of node `node_id` in `config`.
     /// `progress(worker, done, total)` reports layers loaded.
-    pub async fn start(config: ClusterConfig, node_id: &str, mut progress: impl FnMut(&str, usize, usize) + Send) -> anyhow::Result<Node> {
+    pub async fn start(config: ClusterConfig, node_id: &str, progress: impl FnMut(&str, usize, usize) + Send) -> anyhow::Result<Node> {
+        Node::start_with(config, node_id, None, progress).await
+    }
+
+    /// As [`Node::start`], with the QUIC socket already bound (tests bind `127.0.0.1:0` and
+    /// write the real addresses into the config, so no port is guessed).
+    pub async fn start_with(
+        config: ClusterConfig,
+        node_id: &str,
+        quic_socket: Option<std::net::UdpSocket>,
+        mut progress: impl FnMut(&str, usize, usize) + Send,
+    ) -> anyhow::Result<Node> {
         let node = config.node(node_id).ok_or_else(|| anyhow::anyhow!("node {node_id:?} is not in the cluster config"))?.clone();
         // Install the metrics recorder before anything records: series recorded earlier would go
         // to the no-op recorder and be lost.
@@ -74,8 +84,10 @@ impl Node {
         if !guard.enabled() {
             tracing::warn!("auth disabled: no API keys configured, so the API is open (development mode)");
         }
+        let cluster = crate::cluster::Cluster::start(&config, node_id, &workers, quic_socket).await?;
         let (hard_stop_tx, hard_stop_rx) = watch::channel(false);
-        let coordinator = Arc::new(Coordinator::new(node_id.to_string(), config, model, tokenizer, template, workers, guard, hard_stop_rx));
+        let coordinator =
+            Arc::new(Coordinator::new(node_id.to_string(), config, model, tokenizer, template, workers, guard, cluster, hard_stop_rx));
         Ok(Node { coordinator, hard_stop_tx })
     }
 
@@ -85,23 +97,28 @@ impl Node {
     /// workers stop, and this returns.
     pub async fn serve(self, listener: TcpListener, shutdown: impl Future<Output = ()> + Send + 'static) -> anyhow::Result<()> {
         let app = crate::http::router(self.coordinator.clone());
+        if let Ok(a) = listener.local_addr() {
+            self.coordinator.cluster.set_http_addr(a.to_string());
+        }
+        self.coordinator.cluster.set_state(crate::placement::NodeState::Ready);
         let grace = Duration::from_secs(self.coordinator.config.server.shutdown_grace_secs);
         let coord = self.coordinator.clone();
         let hard = self.hard_stop_tx.clone();
         let signal = async move {
             shutdown.await;
-            coord.draining.store(true, Ordering::Release);
-            tracing::info!(grace_secs = grace.as_secs(), in_flight = coord.in_flight(), "shutting down: no new work; finishing in-flight requests");
+            coord.set_draining();
+            tracing::info!(grace_secs = grace.as_secs(), in_flight = coord.busy(), "shutting down: no new work; finishing in-flight requests");
             let deadline = tokio::time::Instant::now() + grace;
-            while coord.in_flight() > 0 && tokio::time::Instant::now() < deadline {
+            while coord.busy() > 0 && tokio::time::Instant::now() < deadline {
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
-            if coord.in_flight() > 0 {
-                tracing::warn!(in_flight = coord.in_flight(), "grace period over: ending the remaining streams with an error event");
+            if coord.busy() > 0 {
+                tracing::warn!(in_flight = coord.busy(), "grace period over: ending the remaining streams with an error event");
                 let _ = hard.send(true);
             }
         };
         axum::serve(listener, app).with_graceful_shutdown(signal).await?;
+        self.coordinator.cluster.stop().await;
         for w in &self.coordinator.workers {
             let h = w.handle.clone();
             tokio::task::spawn_blocking(move || h.shutdown()).await.ok();

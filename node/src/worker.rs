@@ -50,6 +50,8 @@ pub struct SubmitRequest {
 enum EngineCmd {
     Submit { id: SeqId, req: SubmitRequest, reply: mpsc::Sender<SeqEvent>, ack: oneshot::Sender<Result<()>> },
     Cancel { id: SeqId },
+    /// A snapshot of every cached block hash (for a KV-event reader that lagged).
+    CachedHashes { reply: oneshot::Sender<Vec<u64>> },
     Shutdown,
 }
 
@@ -209,6 +211,14 @@ impl WorkerHandle {
         self.signals.clone()
     }
 
+    /// Every block hash the worker's prefix cache holds now. A reader of [`Self::kv_events`]
+    /// that lagged resynchronizes from this.
+    pub async fn cached_hashes(&self) -> Result<Vec<u64>> {
+        let (reply, rx) = oneshot::channel();
+        self.inner.engine_tx.try_send(EngineCmd::CachedHashes { reply }).map_err(|_| NodeError::QueueFull(COMMAND_CAPACITY))?;
+        rx.await.map_err(|_| NodeError::ShuttingDown)
+    }
+
     /// Subscribes to KV events (block stored / evicted).
     pub fn kv_events(&self) -> broadcast::Receiver<KvEvent> {
         self.kv_events.subscribe()
@@ -299,6 +309,9 @@ fn engine_loop(mut engine: Engine, rx: Receiver<EngineCmd>, sig_tx: watch::Sende
                             }
                         }
                     }
+                }
+                EngineCmd::CachedHashes { reply } => {
+                    let _ = reply.send(engine.cached_hashes());
                 }
                 EngineCmd::Shutdown => shutdown = true,
             }

@@ -1,0 +1,122 @@
+//! Frames between nodes: rkyv archives behind a 4-byte little-endian length prefix.
+//!
+//! A forwarded request is one [`Submit`] frame on a fresh QUIC bi-stream from the coordinator
+//! that accepted it to the coordinator of the node owning the chosen worker. Everything that
+//! comes back on that stream is a [`Reply`]: first `Accepted` or `Refused`, then `Event`s
+//! until `SeqEvent::Finished`. There is no per-element encoding beyond rkyv's archive, and a
+//! frame larger than [`MAX_FRAME_BYTES`] is refused on both sides.
+
+use crate::types::{SamplingParams, SeqEvent};
+
+/// The largest frame either side accepts. A maximal prompt (8,192 tokens) archives to ~33 KB;
+/// events are smaller. The limit bounds what a peer can make us buffer.
+pub const MAX_FRAME_BYTES: usize = 4 << 20;
+
+/// A sequence to run on one of the receiving node's workers.
+#[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct Submit {
+    /// The id the client sees (`request-id`), for logs on both nodes.
+    pub request_id: String,
+    /// The node that holds the client connection.
+    pub origin_node: String,
+    /// The worker of the receiving node that placement chose.
+    pub worker: String,
+    pub prompt: Vec<u32>,
+    pub params: SamplingParams,
+}
+
+/// What the receiving node sends back on the stream.
+#[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub enum Reply {
+    /// The worker admitted the sequence; events follow.
+    Accepted,
+    /// The worker refused it. `overloaded`: its queue was full (the origin answers 529).
+    Refused { overloaded: bool, message: String },
+    Event(SeqEvent),
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum WireError {
+    #[error("frame of {0} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")]
+    TooLarge(usize),
+    #[error("malformed frame: {0}")]
+    Malformed(String),
+}
+
+fn frame(body: &[u8]) -> Result<Vec<u8>, WireError> {
+    if body.len() > MAX_FRAME_BYTES {
+        return Err(WireError::TooLarge(body.len()));
+    }
+    let mut out = Vec::with_capacity(4 + body.len());
+    out.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    out.extend_from_slice(body);
+    Ok(out)
+}
+
+/// The length a frame header announces, checked against the limit.
+pub fn frame_len(header: [u8; 4]) -> Result<usize, WireError> {
+    let n = u32::from_le_bytes(header) as usize;
+    if n > MAX_FRAME_BYTES {
+        return Err(WireError::TooLarge(n));
+    }
+    Ok(n)
+}
+
+fn aligned(body: &[u8]) -> rkyv::util::AlignedVec<16> {
+    let mut v = rkyv::util::AlignedVec::<16>::with_capacity(body.len());
+    v.extend_from_slice(body);
+    v
+}
+
+/// A length-prefixed `Submit` frame.
+pub fn encode_submit(s: &Submit) -> Result<Vec<u8>, WireError> {
+    let body = rkyv::to_bytes::<rkyv::rancor::Error>(s).map_err(|e| WireError::Malformed(e.to_string()))?;
+    frame(&body)
+}
+
+/// Decodes a frame body (without the length prefix), validating it first.
+pub fn decode_submit(body: &[u8]) -> Result<Submit, WireError> {
+    rkyv::from_bytes::<Submit, rkyv::rancor::Error>(&aligned(body)).map_err(|e| WireError::Malformed(e.to_string()))
+}
+
+pub fn encode_reply(r: &Reply) -> Result<Vec<u8>, WireError> {
+    let body = rkyv::to_bytes::<rkyv::rancor::Error>(r).map_err(|e| WireError::Malformed(e.to_string()))?;
+    frame(&body)
+}
+
+pub fn decode_reply(body: &[u8]) -> Result<Reply, WireError> {
+    rkyv::from_bytes::<Reply, rkyv::rancor::Error>(&aligned(body)).map_err(|e| WireError::Malformed(e.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::types::{StopReason, Usage};
+
+    #[test]
+    fn frames_round_trip_and_garbage_is_refused() {
+        let s = Submit {
+            request_id: "req_1".into(),
+            origin_node: "a".into(),
+            worker: "cpu0".into(),
+            prompt: (0..700).collect(),
+            params: SamplingParams { stop_sequences: vec!["\n\n".into()], seed: Some(7), ..SamplingParams::greedy(9) },
+        };
+        let f = encode_submit(&s).unwrap();
+        let n = frame_len(f[..4].try_into().unwrap()).unwrap();
+        assert_eq!(n, f.len() - 4);
+        assert_eq!(decode_submit(&f[4..]).unwrap(), s);
+        for r in [
+            Reply::Accepted,
+            Reply::Refused { overloaded: true, message: "full".into() },
+            Reply::Event(SeqEvent::Delta { tokens: vec![1, 2], text: "hé".into() }),
+            Reply::Event(SeqEvent::Finished { reason: StopReason::StopSequence("x".into()), usage: Usage { output_tokens: 3, ..Default::default() } }),
+        ] {
+            let f = encode_reply(&r).unwrap();
+            assert_eq!(decode_reply(&f[4..]).unwrap(), r);
+        }
+        assert!(decode_submit(&[0xff; 37]).is_err());
+        assert!(decode_reply(&f[4..f.len() - 3]).is_err());
+        assert!(matches!(frame_len((MAX_FRAME_BYTES as u32 + 1).to_le_bytes()), Err(WireError::TooLarge(_))));
+    }
+}

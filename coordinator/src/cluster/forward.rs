@@ -1,0 +1,174 @@
+//! Request forwarding: one QUIC bi-stream per request placed on another node's worker.
+//!
+//! The origin writes one [`Submit`] frame; the owner answers `Accepted` or `Refused`, then
+//! streams `Event` frames until `Finished`. Cancellation travels with the stream: dropping a
+//! [`RemoteStream`] before the end stops and resets it, and the owner, which watches
+//! `SendStream::stopped`, cancels the sequence at once (freeing its KV blocks). A lost peer
+//! surfaces as a read error within the QUIC idle timeout, and the stream ends with an error
+//! event, never a hang.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use zerolayer_common::wire::{self, Reply, Submit};
+use zerolayer_common::{SeqEvent, StopReason};
+use zerolayer_node::{NodeError, SubmitRequest};
+
+use super::Cluster;
+use crate::placement::NodeState;
+
+/// How long the owner may take to accept or refuse a submission.
+pub const ACCEPT_TIMEOUT: Duration = Duration::from_secs(10);
+
+async fn read_frame(recv: &mut quinn::RecvStream) -> anyhow::Result<Option<Vec<u8>>> {
+    let mut header = [0u8; 4];
+    match recv.read_exact(&mut header).await {
+        Ok(()) => {}
+        Err(quinn::ReadExactError::FinishedEarly(0)) => return Ok(None),
+        Err(e) => return Err(e.into()),
+    }
+    let n = wire::frame_len(header)?;
+    let mut body = vec![0u8; n];
+    recv.read_exact(&mut body).await?;
+    Ok(Some(body))
+}
+
+/// Why a forward failed before any event.
+#[derive(Debug)]
+pub enum ForwardError {
+    /// The peer could not be reached (try another worker).
+    Unreachable(String),
+    /// The peer's worker refused (its queue is full, or it is draining).
+    Refused { overloaded: bool, message: String },
+}
+
+/// A sequence running on another node.
+pub struct RemoteStream {
+    send: quinn::SendStream,
+    recv: quinn::RecvStream,
+    node: String,
+    finished: bool,
+}
+
+impl RemoteStream {
+    /// The next event; after a transport failure, a `Finished` with an error. `None` once over.
+    pub async fn recv(&mut self) -> Option<SeqEvent> {
+        if self.finished {
+            return None;
+        }
+        let ev = match read_frame(&mut self.recv).await {
+            Ok(Some(body)) => match wire::decode_reply(&body) {
+                Ok(Reply::Event(ev)) => ev,
+                Ok(other) => SeqEvent::Finished { reason: StopReason::Error(format!("node {}: unexpected frame {other:?}", self.node)), usage: Default::default() },
+                Err(e) => SeqEvent::Finished { reason: StopReason::Error(format!("node {}: {e}", self.node)), usage: Default::default() },
+            },
+            Ok(None) => SeqEvent::Finished { reason: StopReason::Error(format!("node {} ended the stream early", self.node)), usage: Default::default() },
+            Err(e) => SeqEvent::Finished { reason: StopReason::Error(format!("lost node {}: {e}", self.node)), usage: Default::default() },
+        };
+        if matches!(ev, SeqEvent::Finished { .. }) {
+            self.finished = true;
+        }
+        Some(ev)
+    }
+}
+
+impl Drop for RemoteStream {
+    fn drop(&mut self) {
+        if !self.finished {
+            // Tell the owner at once: it cancels the sequence when it sees the stop.
+            let _ = self.recv.stop(1u32.into());
+            let _ = self.send.reset(1u32.into());
+        }
+    }
+}
+
+/// Sends `submit` to `node` at `addr` and waits for the owner to accept it.
+pub async fn submit(cluster: &Cluster, node: &str, addr: std::net::SocketAddr, submit: &Submit) -> Result<RemoteStream, ForwardError> {
+    let net = cluster.net.as_ref().ok_or_else(|| ForwardError::Unreachable("this node is not in a cluster".into()))?;
+    let frame = wire::encode_submit(submit).map_err(|e| ForwardError::Refused { overloaded: false, message: e.to_string() })?;
+    let setup = async {
+        let conn = net.peers.connect(addr).await?;
+        let (mut send, mut recv) = conn.open_bi().await?;
+        send.write_all(&frame).await?;
+        let first = read_frame(&mut recv).await?.ok_or_else(|| anyhow::anyhow!("stream closed before a reply"))?;
+        anyhow::Ok((send, recv, wire::decode_reply(&first)?))
+    };
+    match tokio::time::timeout(ACCEPT_TIMEOUT, setup).await {
+        Ok(Ok((send, recv, Reply::Accepted))) => Ok(RemoteStream { send, recv, node: node.to_string(), finished: false }),
+        Ok(Ok((_, _, Reply::Refused { overloaded, message }))) => Err(ForwardError::Refused { overloaded, message }),
+        Ok(Ok((_, _, other))) => Err(ForwardError::Unreachable(format!("node {node}: unexpected first frame {other:?}"))),
+        Ok(Err(e)) => {
+            net.peers.forget(addr);
+            Err(ForwardError::Unreachable(format!("node {node} at {addr}: {e}")))
+        }
+        Err(_) => Err(ForwardError::Unreachable(format!("node {node} at {addr}: no answer within {ACCEPT_TIMEOUT:?}"))),
+    }
+}
+
+async fn write_reply(send: &mut quinn::SendStream, r: &Reply) -> anyhow::Result<()> {
+    send.write_all(&wire::encode_reply(r)?).await?;
+    Ok(())
+}
+
+/// The owner's side of one forwarded request.
+pub async fn serve(cluster: Arc<Cluster>, mut send: quinn::SendStream, mut recv: quinn::RecvStream, peer: std::net::SocketAddr) {
+    let r = async {
+        let body = tokio::time::timeout(ACCEPT_TIMEOUT, read_frame(&mut recv))
+            .await
+            .map_err(|_| anyhow::anyhow!("no submission within {ACCEPT_TIMEOUT:?}"))??
+            .ok_or_else(|| anyhow::anyhow!("stream closed before a submission"))?;
+        let sub = wire::decode_submit(&body)?;
+        let refuse = |overloaded: bool, message: String| Reply::Refused { overloaded, message };
+        if cluster.state() != NodeState::Ready {
+            return write_reply(&mut send, &refuse(true, format!("node {} is not accepting work", cluster.node_id))).await;
+        }
+        let Some(w) = cluster.local_worker(&sub.worker) else {
+            return write_reply(&mut send, &refuse(false, format!("node {} has no worker {:?}", cluster.node_id, sub.worker))).await;
+        };
+        tracing::debug!(request_id = %sub.request_id, origin = %sub.origin_node, worker = %sub.worker, prompt_tokens = sub.prompt.len(), "serving a forwarded request");
+        let mut stream = match w.handle.submit(SubmitRequest { prompt: sub.prompt, params: sub.params }).await {
+            Ok(s) => s,
+            Err(e) => {
+                let overloaded = matches!(e, NodeError::QueueFull(_) | NodeError::ShuttingDown);
+                return write_reply(&mut send, &refuse(overloaded, e.to_string())).await;
+            }
+        };
+        cluster.serving_remote.fetch_add(1, Ordering::AcqRel);
+        let _guard = Decrement(&cluster.serving_remote);
+        write_reply(&mut send, &Reply::Accepted).await?;
+        let stopped = send.stopped();
+        tokio::pin!(stopped);
+        loop {
+            tokio::select! {
+                ev = stream.recv() => {
+                    let Some(ev) = ev else { break };
+                    let fin = matches!(ev, SeqEvent::Finished { .. });
+                    write_reply(&mut send, &Reply::Event(ev)).await?;
+                    if fin {
+                        let _ = send.finish();
+                        break;
+                    }
+                }
+                _ = &mut stopped => {
+                    // The origin went away (client disconnect): dropping `stream` cancels.
+                    tracing::debug!(request_id = %sub.request_id, "forwarded request cancelled by its origin");
+                    break;
+                }
+            }
+        }
+        anyhow::Ok(())
+    }
+    .await;
+    if let Err(e) = r {
+        tracing::debug!(%peer, error = %e, "forwarded stream ended with an error");
+    }
+}
+
+struct Decrement<'a>(&'a std::sync::atomic::AtomicUsize);
+
+impl Drop for Decrement<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}

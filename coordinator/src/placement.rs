@@ -1,0 +1,406 @@
+//! Placement: which worker in the cluster runs a request. A pure function (sans-IO, no clock)
+//! over a [`ClusterView`] and a [`RequestSummary`]; the coordinator builds the view from local
+//! worker signals and gossip, calls [`place`], and logs the decision.
+//!
+//! Algorithm (the form SGLang's cache-aware router and Dynamo's KV router converged on):
+//! 1. **Hard filters.** A worker is skipped if its node is not `ready`; its waiting queue is
+//!    full; its memory is over `memory_high_water`; or its free + evictable KV blocks cannot hold
+//!    the uncached part of the prompt plus `decode_headroom_blocks`.
+//! 2. **Policy.**
+//!    - `round_robin`: the `rr`-th candidate in (node, worker) order.
+//!    - `least_loaded`: fewest running + waiting sequences, then fewest active blocks.
+//!    - `cache_aware`: first the imbalance guard — when `max load − min load > abs` and
+//!      `max > rel × min`, pick by load alone. Otherwise the argmin of
+//!      `overlap_weight × uncached_prefill_blocks + active_decode_blocks
+//!       + queue_weight × waiting_prefill_blocks + remote_hop_blocks (if remote)
+//!       + fragmentation_weight × fragmentation + memory_weight × (memory use − soft limit)⁺`.
+//! 3. **Ties** (equal cost within 1e-9) go to the local worker, then to the `rr`-th of the tied
+//!    candidates, so equal workers share the work instead of the first one taking it all.
+//!
+//! The prefix overlap is exact: a worker's cached set holds the chained block hashes it caches
+//! (see `zerolayer_common::hash`), and a prompt's overlap is its longest prefix of blocks in it.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+
+use serde::Serialize;
+use zerolayer_common::{PlacementConfig, PlacementPolicy, WorkerSignals};
+
+/// A node's membership state.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum NodeState {
+    Joining,
+    Ready,
+    Draining,
+    Dead,
+}
+
+impl NodeState {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            NodeState::Joining => "joining",
+            NodeState::Ready => "ready",
+            NodeState::Draining => "draining",
+            NodeState::Dead => "dead",
+        }
+    }
+
+    pub fn parse(s: &str) -> NodeState {
+        match s {
+            "ready" => NodeState::Ready,
+            "draining" => NodeState::Draining,
+            "dead" => NodeState::Dead,
+            _ => NodeState::Joining,
+        }
+    }
+}
+
+/// One worker as this coordinator sees it.
+#[derive(Clone, Debug)]
+pub struct WorkerView {
+    pub node: String,
+    pub worker: String,
+    /// On this coordinator's node (no QUIC hop).
+    pub local: bool,
+    pub state: NodeState,
+    pub device: String,
+    pub max_waiting: u32,
+    pub signals: WorkerSignals,
+    /// Block hashes the worker caches (exact, from its KV events).
+    pub cached: Arc<HashSet<u64>>,
+}
+
+/// Every worker of the cluster, local and remote.
+#[derive(Clone, Debug, Default)]
+pub struct ClusterView {
+    pub workers: Vec<WorkerView>,
+}
+
+/// What placement needs to know about a request.
+#[derive(Clone, Debug)]
+pub struct RequestSummary {
+    /// Chained hashes of the prompt's full blocks.
+    pub block_hashes: Vec<u64>,
+    pub prompt_tokens: usize,
+    pub max_tokens: usize,
+}
+
+/// Why a worker was skipped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Skip {
+    NotReady,
+    QueueFull,
+    Memory,
+    KvSpace,
+}
+
+/// A scored candidate (for the decision log and tests).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Scored {
+    pub index: usize,
+    pub cost: f64,
+    pub cached_blocks: usize,
+}
+
+/// The outcome of placement.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Decision {
+    /// Run on `view.workers[index]`. `ranked` holds the candidates, best first (cost order for
+    /// `cache_aware`; for other policies the chosen one first).
+    Place { index: usize, cached_blocks: usize, reason: &'static str, ranked: Vec<Scored> },
+    /// No worker passed the filters.
+    NoWorker { skipped: Vec<(usize, Skip)> },
+}
+
+/// Blocks of prompt that `w` already caches: the longest prefix of `hashes` in its set.
+pub fn cached_prefix_blocks(w: &WorkerView, hashes: &[u64]) -> usize {
+    hashes.iter().take_while(|h| w.cached.contains(h)).count()
+}
+
+fn load(w: &WorkerView) -> u32 {
+    w.signals.running + w.signals.waiting
+}
+
+fn memory_ratio(w: &WorkerView) -> f64 {
+    if w.signals.memory_limit_bytes == 0 {
+        0.0
+    } else {
+        w.signals.memory_used_bytes as f64 / w.signals.memory_limit_bytes as f64
+    }
+}
+
+fn filter(w: &WorkerView, req: &RequestSummary, cached: usize, cfg: &PlacementConfig) -> Option<Skip> {
+    if w.state != NodeState::Ready {
+        return Some(Skip::NotReady);
+    }
+    if w.signals.waiting >= w.max_waiting {
+        return Some(Skip::QueueFull);
+    }
+    if memory_ratio(w) > cfg.memory_high_water {
+        return Some(Skip::Memory);
+    }
+    let bs = w.signals.block_size.max(1) as usize;
+    let prompt_blocks = req.prompt_tokens.div_ceil(bs);
+    let headroom = (req.max_tokens.div_ceil(bs)).min(cfg.decode_headroom_blocks as usize);
+    // Cached blocks are reused in place, so only the rest needs free (or evictable) blocks.
+    let need = prompt_blocks.saturating_sub(cached) + headroom;
+    if (w.signals.kv_blocks_free as usize) < need {
+        return Some(Skip::KvSpace);
+    }
+    None
+}
+
+/// The cache-aware cost of running `req` on `w`, given `cached` blocks already there.
+pub fn cost(w: &WorkerView, req: &RequestSummary, cached: usize, cfg: &PlacementConfig) -> f64 {
+    let bs = w.signals.block_size.max(1) as f64;
+    let prompt_blocks = (req.prompt_tokens as f64 / bs).ceil();
+    let uncached = (prompt_blocks - cached as f64).max(0.0);
+    let queued = w.signals.waiting_prefill_tokens as f64 / bs;
+    let mut c = cfg.overlap_weight * uncached + w.signals.active_decode_blocks as f64 + cfg.queue_weight * queued;
+    if !w.local {
+        c += cfg.remote_hop_blocks;
+    }
+    c += cfg.fragmentation_weight * w.signals.kv_fragmentation_ratio.clamp(0.0, 1.0) as f64;
+    c += cfg.memory_weight * (memory_ratio(w) - cfg.memory_soft_limit).max(0.0);
+    c
+}
+
+/// Chooses a worker for `req`. `rr` is a counter the caller increments per request (round-robin
+/// and tie-breaking); the same inputs always give the same decision.
+pub fn place(view: &ClusterView, req: &RequestSummary, cfg: &PlacementConfig, rr: usize) -> Decision {
+    let mut skipped = Vec::new();
+    let mut cands: Vec<(usize, usize)> = Vec::new(); // (index, cached blocks)
+    for (i, w) in view.workers.iter().enumerate() {
+        let cached = cached_prefix_blocks(w, &req.block_hashes);
+        match filter(w, req, cached, cfg) {
+            Some(s) => skipped.push((i, s)),
+            None => cands.push((i, cached)),
+        }
+    }
+    if cands.is_empty() {
+        return Decision::NoWorker { skipped };
+    }
+    // A stable order, whatever order the view was built in.
+    cands.sort_by(|a, b| {
+        let (x, y) = (&view.workers[a.0], &view.workers[b.0]);
+        (&x.node, &x.worker).cmp(&(&y.node, &y.worker))
+    });
+    let pick = |i: usize, cached: usize, reason: &'static str, ranked: Vec<Scored>| Decision::Place { index: i, cached_blocks: cached, reason, ranked };
+    match cfg.policy {
+        PlacementPolicy::RoundRobin => {
+            let (i, c) = cands[rr % cands.len()];
+            pick(i, c, "round_robin", vec![Scored { index: i, cost: 0.0, cached_blocks: c }])
+        }
+        PlacementPolicy::LeastLoaded => {
+            let (i, c) = least_loaded(view, &cands, rr);
+            pick(i, c, "least_loaded", vec![Scored { index: i, cost: load(&view.workers[i]) as f64, cached_blocks: c }])
+        }
+        PlacementPolicy::CacheAware => {
+            let loads: Vec<u32> = cands.iter().map(|&(i, _)| load(&view.workers[i])).collect();
+            let (max, min) = (*loads.iter().max().unwrap(), *loads.iter().min().unwrap());
+            if max - min > cfg.balance_abs_threshold && max as f64 > cfg.balance_rel_threshold * min as f64 {
+                let (i, c) = least_loaded(view, &cands, rr);
+                return pick(i, c, "imbalance_guard", vec![Scored { index: i, cost: load(&view.workers[i]) as f64, cached_blocks: c }]);
+            }
+            let mut ranked: Vec<Scored> =
+                cands.iter().map(|&(i, c)| Scored { index: i, cost: cost(&view.workers[i], req, c, cfg), cached_blocks: c }).collect();
+            ranked.sort_by(|a, b| a.cost.total_cmp(&b.cost));
+            let best = ranked[0].cost;
+            let tied: Vec<&Scored> = ranked.iter().filter(|s| s.cost - best <= 1e-9).collect();
+            let chosen = tied
+                .iter()
+                .find(|s| view.workers[s.index].local)
+                .copied()
+                .unwrap_or_else(|| tied[rr % tied.len()]);
+            let (i, c) = (chosen.index, chosen.cached_blocks);
+            // Best first: move the chosen one to the front.
+            let pos = ranked.iter().position(|s| s.index == i).unwrap();
+            let first = ranked.remove(pos);
+            ranked.insert(0, first);
+            pick(i, c, if c > 0 { "prefix_hit" } else { "lowest_cost" }, ranked)
+        }
+    }
+}
+
+fn least_loaded(view: &ClusterView, cands: &[(usize, usize)], rr: usize) -> (usize, usize) {
+    let key = |i: usize| {
+        let w = &view.workers[i];
+        (load(w), w.signals.active_decode_blocks as u64 + w.signals.waiting_prefill_tokens / w.signals.block_size.max(1) as u64)
+    };
+    let best = cands.iter().map(|&(i, _)| key(i)).min().unwrap();
+    let tied: Vec<&(usize, usize)> = cands.iter().filter(|&&(i, _)| key(i) == best).collect();
+    *tied[rr % tied.len()]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn w(node: &str, local: bool) -> WorkerView {
+        WorkerView {
+            node: node.into(),
+            worker: "cpu0".into(),
+            local,
+            state: NodeState::Ready,
+            device: "cpu".into(),
+            max_waiting: 8,
+            signals: WorkerSignals {
+                kv_blocks_total: 1000,
+                kv_blocks_free: 1000,
+                block_size: 16,
+                memory_limit_bytes: 1000,
+                memory_used_bytes: 100,
+                ..Default::default()
+            },
+            cached: Arc::new(HashSet::new()),
+        }
+    }
+
+    fn req(blocks: usize) -> RequestSummary {
+        RequestSummary { block_hashes: (1..=blocks as u64).collect(), prompt_tokens: blocks * 16 + 5, max_tokens: 64 }
+    }
+
+    fn with_cache(mut v: WorkerView, n: u64) -> WorkerView {
+        v.cached = Arc::new((1..=n).collect());
+        v
+    }
+
+    fn chosen(d: &Decision) -> usize {
+        match d {
+            Decision::Place { index, .. } => *index,
+            Decision::NoWorker { skipped } => panic!("no worker: {skipped:?}"),
+        }
+    }
+
+    fn cfg(policy: PlacementPolicy) -> PlacementConfig {
+        PlacementConfig { policy, ..Default::default() }
+    }
+
+    #[test]
+    fn each_hard_filter_skips_its_worker() {
+        let c = cfg(PlacementPolicy::CacheAware);
+        let r = req(10);
+        // (mutation, expected skip) — the broken worker is the only local one, and it would win.
+        let cases: Vec<(fn(&mut WorkerView), Skip)> = vec![
+            (|w| w.state = NodeState::Draining, Skip::NotReady),
+            (|w| w.state = NodeState::Dead, Skip::NotReady),
+            (|w| w.state = NodeState::Joining, Skip::NotReady),
+            (|w| w.signals.waiting = 8, Skip::QueueFull),
+            (|w| w.signals.memory_used_bytes = 990, Skip::Memory),
+            (|w| w.signals.kv_blocks_free = 4, Skip::KvSpace), // needs 1 uncached block + 4 headroom
+        ];
+        for (mutate, skip) in cases {
+            let mut a = with_cache(w("a", true), 10);
+            mutate(&mut a);
+            let view = ClusterView { workers: vec![a, w("b", false)] };
+            let d = place(&view, &r, &c, 0);
+            assert_eq!(chosen(&d), 1, "{skip:?}: the filtered worker must not be chosen");
+            let only = ClusterView { workers: vec![view.workers[0].clone()] };
+            assert_eq!(place(&only, &r, &c, 0), Decision::NoWorker { skipped: vec![(0, skip)] });
+        }
+        // Cached blocks do not need free space: 1 uncached block + 4 headroom fits in 5.
+        let mut a = with_cache(w("a", true), 10);
+        a.signals.kv_blocks_free = 5;
+        assert_eq!(chosen(&place(&ClusterView { workers: vec![a] }, &r, &c, 0)), 0);
+    }
+
+    #[test]
+    fn prefix_hits_beat_a_hop_and_moderate_load() {
+        let c = cfg(PlacementPolicy::CacheAware);
+        let r = req(37);
+        let mut remote_hit = with_cache(w("b", false), 37);
+        remote_hit.signals.active_decode_blocks = 20;
+        remote_hit.signals.running = 2;
+        let view = ClusterView { workers: vec![w("a", true), remote_hit, w("c", false)] };
+        let d = place(&view, &r, &c, 0);
+        assert_eq!(chosen(&d), 1);
+        let Decision::Place { cached_blocks, reason, ranked, .. } = d else { unreachable!() };
+        assert_eq!((cached_blocks, reason), (37, "prefix_hit"));
+        // local: 38 uncached blocks; remote hit: 1 + 20 + 2 hop; remote miss: 38 + 2.
+        let costs: Vec<f64> = ranked.iter().map(|s| s.cost).collect();
+        assert_eq!(costs, vec![23.0, 38.0, 40.0]);
+        // A partial overlap counts only the leading run of blocks.
+        let mut holes = w("b", false);
+        holes.cached = Arc::new([1u64, 2, 4, 5, 6].into_iter().collect());
+        assert_eq!(cached_prefix_blocks(&holes, &r.block_hashes), 2);
+    }
+
+    #[test]
+    fn heavy_load_outweighs_a_prefix_hit() {
+        let c = cfg(PlacementPolicy::CacheAware);
+        let mut hit = with_cache(w("a", true), 37);
+        hit.signals.active_decode_blocks = 200;
+        hit.signals.waiting_prefill_tokens = 16 * 100;
+        let view = ClusterView { workers: vec![hit, w("b", false)] };
+        assert_eq!(chosen(&place(&view, &req(37), &c, 0)), 1);
+    }
+
+    #[test]
+    fn imbalance_guard_overrides_the_cache() {
+        let c = cfg(PlacementPolicy::CacheAware);
+        let mut hit = with_cache(w("a", true), 37);
+        hit.signals.running = 20; // load 20 vs 2: over abs 16 and rel 1.5
+        let mut other = w("b", false);
+        other.signals.running = 2;
+        let view = ClusterView { workers: vec![hit.clone(), other.clone()] };
+        let d = place(&view, &req(37), &c, 0);
+        assert!(matches!(d, Decision::Place { index: 1, reason: "imbalance_guard", .. }), "{d:?}");
+        // Within the absolute threshold the cache still wins.
+        hit.signals.running = 10;
+        let view = ClusterView { workers: vec![hit, other] };
+        assert!(matches!(place(&view, &req(37), &c, 0), Decision::Place { index: 0, reason: "prefix_hit", .. }));
+    }
+
+    #[test]
+    fn ties_prefer_local_then_rotate() {
+        let c = cfg(PlacementPolicy::CacheAware);
+        let view = ClusterView { workers: vec![w("c", false), w("a", true), w("b", false)] };
+        for rr in 0..4 {
+            assert_eq!(chosen(&place(&view, &req(3), &c, rr)), 1, "the local worker wins a tie");
+        }
+        // Two equal remote workers (the local one is busy): the counter alternates between them.
+        let mut busy = w("a", true);
+        busy.signals.active_decode_blocks = 50;
+        let view = ClusterView { workers: vec![w("c", false), busy, w("b", false)] };
+        let picks: Vec<usize> = (0..4).map(|rr| chosen(&place(&view, &req(3), &c, rr))).collect();
+        assert_eq!(picks, vec![2, 0, 2, 0], "b, c, b, c in (node, worker) order");
+    }
+
+    #[test]
+    fn round_robin_and_least_loaded_ignore_the_cache() {
+        let view = ClusterView { workers: vec![with_cache(w("a", true), 37), w("b", false), w("c", false)] };
+        let rr: Vec<usize> = (0..6).map(|k| chosen(&place(&view, &req(37), &cfg(PlacementPolicy::RoundRobin), k))).collect();
+        assert_eq!(rr, vec![0, 1, 2, 0, 1, 2]);
+        let mut v = view.clone();
+        v.workers[0].signals.running = 3;
+        v.workers[1].signals.running = 1;
+        v.workers[2].signals.running = 1;
+        v.workers[2].signals.active_decode_blocks = 9;
+        for k in 0..3 {
+            assert_eq!(chosen(&place(&v, &req(37), &cfg(PlacementPolicy::LeastLoaded), k)), 1, "fewest sequences, then fewest blocks");
+        }
+        // Filters apply to every policy.
+        v.workers[1].state = NodeState::Dead;
+        for k in 0..3 {
+            assert_ne!(chosen(&place(&v, &req(37), &cfg(PlacementPolicy::RoundRobin), k)), 1);
+        }
+    }
+
+    #[test]
+    fn fragmentation_and_memory_pressure_add_cost() {
+        let c = cfg(PlacementPolicy::CacheAware);
+        let mut frag = w("a", false);
+        frag.signals.kv_fragmentation_ratio = 0.5;
+        let view = ClusterView { workers: vec![frag.clone(), w("b", false)] };
+        assert_eq!(chosen(&place(&view, &req(4), &c, 0)), 1);
+        let mut mem = w("a", false);
+        mem.signals.memory_used_bytes = 950; // 0.95 > soft 0.85, below high water 0.97
+        let view = ClusterView { workers: vec![mem, w("b", false)] };
+        let d = place(&view, &req(4), &c, 0);
+        let Decision::Place { index, ranked, .. } = d else { panic!() };
+        assert_eq!(index, 1);
+        assert!((ranked[1].cost - (5.0 + 2.0 + 64.0 * 0.1)).abs() < 1e-9, "{ranked:?}");
+    }
+}

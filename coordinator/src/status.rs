@@ -1,0 +1,74 @@
+//! `zerolayer status`: renders `/admin/cluster` as a table, one row per worker.
+
+use comfy_table::presets::UTF8_FULL_CONDENSED;
+use comfy_table::{Cell, Table};
+use serde_json::Value;
+
+fn f(v: &Value, k: &str) -> f64 {
+    v.get(k).and_then(Value::as_f64).unwrap_or(0.0)
+}
+
+fn s<'a>(v: &'a Value, k: &str) -> &'a str {
+    v.get(k).and_then(Value::as_str).unwrap_or("-")
+}
+
+/// The summary line and the table, ready to print.
+pub fn render(v: &Value) -> String {
+    let nodes = v.get("nodes").and_then(Value::as_array).cloned().unwrap_or_default();
+    let workers = v.get("workers").and_then(Value::as_array).cloned().unwrap_or_default();
+    let ready = nodes.iter().filter(|n| s(n, "state") == "ready").count();
+    let mut out = format!(
+        "cluster seen from node {}: {} node{}, {} ready; placement {}; cluster prefix-hit ratio {:.1}%\n",
+        s(v, "node"),
+        nodes.len(),
+        if nodes.len() == 1 { "" } else { "s" },
+        ready,
+        s(v, "policy"),
+        100.0 * f(v, "prefix_hit_ratio"),
+    );
+    let mut t = Table::new();
+    t.load_style(UTF8_FULL_CONDENSED);
+    t.set_header(vec!["node", "state", "worker", "device", "kv free/total", "cached", "frag", "prefix hit", "run/wait", "tok/s", "http"]);
+    for n in &nodes {
+        let id = s(n, "id");
+        let ws: Vec<&Value> = workers.iter().filter(|w| s(w, "node") == id).collect();
+        if ws.is_empty() {
+            t.add_row(vec![id, s(n, "state"), "-", "-", "-", "-", "-", "-", "-", "-", s(n, "http")]);
+        }
+        for w in ws {
+            t.add_row(vec![
+                Cell::new(id),
+                Cell::new(s(n, "state")),
+                Cell::new(s(w, "worker")),
+                Cell::new(s(w, "device")),
+                Cell::new(format!("{}/{}", f(w, "kv_blocks_free"), f(w, "kv_blocks_total"))),
+                Cell::new(f(w, "kv_blocks_cached")),
+                Cell::new(format!("{:.1}%", 100.0 * f(w, "kv_fragmentation_ratio"))),
+                Cell::new(format!("{:.1}%", 100.0 * f(w, "prefix_hit_ratio"))),
+                Cell::new(format!("{}/{}", f(w, "running"), f(w, "waiting"))),
+                Cell::new(format!("{:.1}", f(w, "tokens_per_second"))),
+                Cell::new(s(n, "http")),
+            ]);
+        }
+    }
+    out.push_str(&t.to_string());
+    out.push('\n');
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn one_row_per_worker_and_dead_nodes_show() {
+        let v = serde_json::json!({
+            "node": "a", "policy": "cache_aware", "prefix_hit_ratio": 0.5,
+            "nodes": [{"id": "a", "state": "ready", "http": "127.0.0.1:1"}, {"id": "b", "state": "dead", "http": "127.0.0.1:2"}],
+            "workers": [{"node": "a", "worker": "cpu0", "device": "cpu", "kv_blocks_free": 10, "kv_blocks_total": 12,
+                         "kv_blocks_cached": 3, "kv_fragmentation_ratio": 0.01, "prefix_hit_ratio": 0.25, "running": 1, "waiting": 0, "tokens_per_second": 80.5}]
+        });
+        let out = super::render(&v);
+        assert!(out.starts_with("cluster seen from node a: 2 nodes, 1 ready; placement cache_aware; cluster prefix-hit ratio 50.0%"), "{out}");
+        assert!(out.contains("cpu0") && out.contains("10/12") && out.contains("80.5") && out.contains("25.0%"), "{out}");
+        assert!(out.lines().any(|l| l.contains(" b ") && l.contains("dead")), "{out}");
+    }
+}
