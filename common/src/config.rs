@@ -40,7 +40,9 @@ pub struct ClusterSection {
     pub tls_dir: Option<PathBuf>,
     /// How often a node gossips with peers, which bounds signal staleness.
     pub gossip_interval_ms: u64,
-    /// Phi-accrual threshold above which a silent peer is dead (8 ≈ 18 mean heartbeat gaps).
+    /// A silent peer is dead once its silence exceeds this many mean heartbeat gaps (chitchat's
+    /// phi is elapsed ÷ mean interval). 40 gaps ≈ 2–4 s at a 100 ms gossip interval: fast, yet
+    /// a node stalled by a long prefill on a starved CPU is not declared dead.
     pub phi_threshold: f64,
     /// A QUIC connection with no traffic for this long is closed (keep-alives flow at a third of
     /// it), so a vanished peer fails its open streams within this time.
@@ -55,7 +57,7 @@ impl Default for ClusterSection {
             id: "zerolayer".into(),
             tls_dir: None,
             gossip_interval_ms: 100,
-            phi_threshold: 8.0,
+            phi_threshold: 40.0,
             idle_timeout_ms: 3000,
             publish_interval_ms: 100,
         }

@@ -13,7 +13,9 @@ pub struct WorkerSignals {
     /// 1 − live token slots ÷ slots in allocated blocks.
     pub kv_fragmentation_ratio: f32,
     pub block_size: u32,
+    /// Weights plus the KV blocks held by sequences.
     pub memory_used_bytes: u64,
+    /// Weights plus the whole KV pool (reserved at startup).
     pub memory_limit_bytes: u64,
     pub running: u32,
     pub waiting: u32,

@@ -101,6 +101,8 @@ pub struct Accepted {
     pub started_at: Instant,
     /// Released when the response is done (the node's in-flight cap).
     pub _permit: OwnedSemaphorePermit,
+    /// Takes this request's load off the placement view when the response is done.
+    pub _mark: PlacementMark,
 }
 
 pub struct Coordinator {
@@ -118,6 +120,111 @@ pub struct Coordinator {
     /// Flips to true when the shutdown grace period is over: open streams end with an error.
     pub hard_stop: watch::Receiver<bool>,
     rr: AtomicUsize,
+    /// This coordinator's own recent placements and completions (see [`Tracker`]).
+    tracker: Arc<Tracker>,
+}
+
+/// Corrects the view for signal staleness with what this coordinator itself knows.
+///
+/// Worker signals are up to ~100 ms old locally and a few hundred more after gossip. Without a
+/// correction, a burst arriving within one interval would all see the same idle worker, and a
+/// request sent right after another finished would still see that one's load. So placements
+/// count as waiting work on their worker, and completions are taken off it, until the
+/// worker's signals can reflect them. Bounded: the oldest entries go first.
+struct Tracker {
+    inner: std::sync::Mutex<TrackerInner>,
+}
+
+#[derive(Default)]
+struct TrackerInner {
+    next_id: u64,
+    pending: std::collections::VecDeque<Mark>,
+    done: std::collections::VecDeque<Mark>,
+}
+
+struct Mark {
+    id: u64,
+    at: Instant,
+    node: String,
+    worker: String,
+    uncached_tokens: u64,
+    blocks: u32,
+}
+
+/// Marks remembered per kind (a burst larger than this forgets the oldest).
+const TRACKER_CAPACITY: usize = 4096;
+
+impl Tracker {
+    fn placed(&self, node: &str, worker: &str, uncached_tokens: u64) -> u64 {
+        let mut t = self.inner.lock().unwrap();
+        t.next_id += 1;
+        let id = t.next_id;
+        if t.pending.len() >= TRACKER_CAPACITY {
+            t.pending.pop_front();
+        }
+        t.pending.push_back(Mark { id, at: Instant::now(), node: node.into(), worker: worker.into(), uncached_tokens, blocks: 0 });
+        id
+    }
+
+    fn finished(&self, id: u64, blocks: u32) {
+        let mut t = self.inner.lock().unwrap();
+        let Some(pos) = t.pending.iter().position(|m| m.id == id) else {
+            return;
+        };
+        let mut m = t.pending.remove(pos).unwrap();
+        m.at = Instant::now();
+        m.blocks = blocks;
+        if t.done.len() >= TRACKER_CAPACITY {
+            t.done.pop_front();
+        }
+        t.done.push_back(m);
+    }
+
+    /// Applies marks younger than the staleness window of their worker (local or remote).
+    fn adjust(&self, view: &mut placement::ClusterView, local_window: std::time::Duration, remote_window: std::time::Duration) {
+        let now = Instant::now();
+        let mut guard = self.inner.lock().unwrap();
+        let t = &mut *guard;
+        for q in [&mut t.pending, &mut t.done] {
+            // Pending marks of long requests stay until they finish; others expire.
+            while q.front().is_some_and(|m| now.duration_since(m.at) > remote_window * 20) {
+                q.pop_front();
+            }
+        }
+        let fresh = |m: &Mark, local: bool| now.duration_since(m.at) <= if local { local_window } else { remote_window };
+        for m in t.pending.iter() {
+            if let Some(w) = view.workers.iter_mut().find(|w| w.node == m.node && w.worker == m.worker) {
+                if fresh(m, w.local) {
+                    w.signals.waiting += 1;
+                    w.signals.waiting_prefill_tokens += m.uncached_tokens;
+                }
+            }
+        }
+        for m in t.done.iter() {
+            if let Some(w) = view.workers.iter_mut().find(|w| w.node == m.node && w.worker == m.worker) {
+                if fresh(m, w.local) {
+                    let s = &mut w.signals;
+                    s.running = s.running.saturating_sub(1);
+                    s.waiting_prefill_tokens = s.waiting_prefill_tokens.saturating_sub(m.uncached_tokens);
+                    s.active_decode_blocks = s.active_decode_blocks.saturating_sub(m.blocks);
+                    s.kv_blocks_free = (s.kv_blocks_free + m.blocks).min(s.kv_blocks_total);
+                }
+            }
+        }
+    }
+}
+
+/// Takes a finished request off the tracker when its response is dropped.
+pub struct PlacementMark {
+    tracker: Arc<Tracker>,
+    id: u64,
+    blocks: u32,
+}
+
+impl Drop for PlacementMark {
+    fn drop(&mut self) {
+        self.tracker.finished(self.id, self.blocks);
+    }
 }
 
 impl Coordinator {
@@ -133,6 +240,7 @@ impl Coordinator {
         hard_stop: watch::Receiver<bool>,
     ) -> Self {
         let inflight = Arc::new(Semaphore::new(config.server.max_inflight));
+        let rr_start = zerolayer_common::chain_hash(0, &node_id.bytes().map(u32::from).collect::<Vec<_>>()) as usize % 1024;
         Coordinator {
             node_id,
             config,
@@ -145,7 +253,10 @@ impl Coordinator {
             inflight,
             draining: AtomicBool::new(false),
             hard_stop,
-            rr: AtomicUsize::new(0),
+            // Coordinators start their round-robin at different points, so independent
+            // coordinators do not move through the workers in lockstep.
+            rr: AtomicUsize::new(rr_start),
+            tracker: Arc::new(Tracker { inner: Default::default() }),
         }
     }
 
@@ -217,15 +328,19 @@ impl Coordinator {
             .try_acquire_owned()
             .map_err(|_| ApiError::Overloaded("Overloaded: too many requests in flight on this node".into()))?;
         let prompt_tokens = ids.len();
-        let (stream, served_by) = self.place_and_submit(ids, gen.params).await?;
-        Ok(Accepted { stream, prompt_tokens, served_by, started_at, _permit: permit })
+        let (stream, served_by, mark) = self.place_and_submit(ids, gen.params).await?;
+        Ok(Accepted { stream, prompt_tokens, served_by, started_at, _permit: permit, _mark: mark })
     }
 
     /// Places the sequence and submits it. If the chosen remote node cannot be reached, the
     /// next candidates are tried (at most [`MAX_PLACEMENT_TRIES`] in all).
-    async fn place_and_submit(&self, mut ids: Vec<u32>, params: SamplingParams) -> Result<(EventStream, String), ApiError> {
+    async fn place_and_submit(&self, mut ids: Vec<u32>, params: SamplingParams) -> Result<(EventStream, String, PlacementMark), ApiError> {
         let summary = RequestSummary { block_hashes: block_hashes(&ids, self.block_size()), prompt_tokens: ids.len(), max_tokens: params.max_tokens as usize };
-        let view = self.cluster.view();
+        let mut view = self.cluster.view();
+        let cc = &self.config.cluster;
+        let local_window = 2 * zerolayer_node::worker::SIGNAL_INTERVAL;
+        let remote_window = local_window + std::time::Duration::from_millis(2 * (cc.publish_interval_ms + cc.gossip_interval_ms));
+        self.tracker.adjust(&mut view, local_window, remote_window);
         let rr = self.rr.fetch_add(1, Ordering::Relaxed);
         let pcfg = &self.config.placement;
         let (ranked, reason) = match placement::place(&view, &summary, pcfg, rr) {
@@ -248,13 +363,16 @@ impl Coordinator {
         let mut last_err = None;
         for s in ranked.iter().take(MAX_PLACEMENT_TRIES) {
             let w = &view.workers[s.index];
+            let bs = w.signals.block_size.max(1) as usize;
+            let id = self.tracker.placed(&w.node, &w.worker, summary.prompt_tokens.saturating_sub(s.cached_blocks * bs) as u64);
+            let mark = PlacementMark { tracker: self.tracker.clone(), id, blocks: summary.prompt_tokens.div_ceil(bs) as u32 };
             let served_by = format!("{}/{}", w.node, w.worker);
             let target = if w.local { "local" } else { "remote" };
             metrics::counter!("zerolayer_placements_total", "policy" => format!("{:?}", pcfg.policy), "target" => target, "reason" => reason).increment(1);
             if w.local {
                 let lw = self.cluster.local_worker(&w.worker).ok_or_else(|| ApiError::Internal(format!("local worker {} vanished", w.worker)))?;
                 let stream = lw.handle.submit(SubmitRequest { prompt: std::mem::take(&mut ids), params }).await?;
-                return Ok((EventStream::Local(stream), served_by));
+                return Ok((EventStream::Local(stream), served_by, mark));
             }
             let Some(addr) = self.cluster.peer_addr(&w.node) else {
                 last_err = Some(ApiError::Overloaded(format!("Overloaded: node {} is unreachable", w.node)));
@@ -268,7 +386,7 @@ impl Coordinator {
                 params: params.clone(),
             };
             match crate::cluster::forward::submit(&self.cluster, &w.node, addr, &sub).await {
-                Ok(rs) => return Ok((EventStream::Remote(rs), served_by)),
+                Ok(rs) => return Ok((EventStream::Remote(rs), served_by, mark)),
                 Err(ForwardError::Refused { overloaded: true, message }) => {
                     last_err = Some(ApiError::Overloaded(format!("Overloaded: {message}")));
                 }

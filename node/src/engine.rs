@@ -258,7 +258,10 @@ impl Engine {
             kv_blocks_cached: pool.num_cached_evictable() as u32,
             kv_fragmentation_ratio: self.sched.fragmentation(),
             block_size: pool.block_size() as u32,
-            memory_used_bytes: (self.model.weight_bytes() + self.cache.bytes()) as u64,
+            // The device picture: weights plus the KV blocks sequences hold, against weights
+            // plus the whole (preallocated) KV pool.
+            memory_used_bytes: (self.model.weight_bytes()
+                + self.cache.bytes() / pool.num_blocks().max(1) * (pool.num_blocks() - pool.num_free())) as u64,
             memory_limit_bytes: (self.model.weight_bytes() + self.cache.bytes()) as u64,
             running: self.sched.num_running() as u32,
             waiting: self.sched.num_waiting() as u32,

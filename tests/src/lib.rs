@@ -124,3 +124,146 @@ pub fn metric(page: &str, name: &str) -> Option<f64> {
         (base == name).then(|| value.parse().ok()).flatten()
     })
 }
+
+/// One node of an in-process [`TestCluster`].
+pub struct ClusterNode {
+    pub id: String,
+    pub base: String,
+    pub coordinator: std::sync::Arc<zerolayer_coordinator::coordinator::Coordinator>,
+    shutdown: Option<tokio::sync::oneshot::Sender<()>>,
+    task: Option<tokio::task::JoinHandle<anyhow::Result<()>>>,
+}
+
+impl ClusterNode {
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{}", self.base, path)
+    }
+
+    /// Stops the node abruptly, as a crash looks to its peers: its QUIC endpoint closes, its
+    /// gossip and HTTP tasks end. (Its worker threads keep their memory until the test ends.)
+    pub fn kill(&mut self) {
+        self.coordinator.cluster.kill();
+        if let Some(t) = self.task.take() {
+            t.abort();
+        }
+        self.shutdown.take();
+    }
+}
+
+impl Drop for ClusterNode {
+    fn drop(&mut self) {
+        self.coordinator.cluster.kill();
+        if let Some(t) = self.task.take() {
+            t.abort();
+        }
+    }
+}
+
+/// `n` nodes in this process on 127.0.0.1:0, each with one CPU worker on the real model,
+/// joined over real QUIC with mutual TLS (certificates from `zerolayer cluster init`'s code).
+pub struct TestCluster {
+    pub nodes: Vec<ClusterNode>,
+    pub tls_dir: PathBuf,
+}
+
+/// A fresh temporary directory.
+pub fn temp_dir(tag: &str) -> PathBuf {
+    static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let d = std::env::temp_dir().join(format!("zl-{tag}-{}-{}", std::process::id(), N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+impl TestCluster {
+    /// Node ids are `a`, `b`, `c`, … `tweak` edits the shared config before any node starts.
+    pub async fn start(n: usize, tweak: impl FnOnce(&mut zerolayer_common::ClusterConfig)) -> TestCluster {
+        let ids: Vec<String> = (0..n).map(|i| ((b'a' + i as u8) as char).to_string()).collect();
+        let tls_dir = temp_dir("tls");
+        zerolayer_coordinator::cluster::tls::init(&tls_dir, &ids).expect("cluster init");
+        let sockets: Vec<std::net::UdpSocket> = ids.iter().map(|_| std::net::UdpSocket::bind("127.0.0.1:0").unwrap()).collect();
+        let mut cfg = zerolayer_common::ClusterConfig::default();
+        cfg.model.path = model_path();
+        cfg.cluster.tls_dir = Some(tls_dir.clone());
+        let template = cfg.nodes[0].clone();
+        cfg.nodes = ids
+            .iter()
+            .zip(&sockets)
+            .map(|(id, s)| {
+                let mut nc = template.clone();
+                nc.id = id.clone();
+                nc.http = "127.0.0.1:0".into();
+                nc.quic = Some(s.local_addr().unwrap().to_string());
+                nc.workers[0].threads = 2;
+                // 159 blocks of 16 tokens: a worker holds about four 600-token documents, so a
+                // working set of eight fits the cluster only if placement partitions it.
+                nc.workers[0].kv_cache_mb = 112;
+                nc
+            })
+            .collect();
+        tweak(&mut cfg);
+        cfg.validate().expect("valid cluster config");
+        let mut nodes = Vec::new();
+        for (id, sock) in ids.iter().zip(sockets) {
+            let node = zerolayer_coordinator::node::Node::start_with(cfg.clone(), id, Some(sock), |_, _, _| {}).await.expect("node starts");
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let base = format!("http://{}", listener.local_addr().unwrap());
+            let coordinator = node.coordinator.clone();
+            let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+            let task = tokio::spawn(node.serve(listener, async move {
+                let _ = rx.await;
+            }));
+            nodes.push(ClusterNode { id: id.clone(), base, coordinator, shutdown: Some(tx), task: Some(task) });
+        }
+        TestCluster { nodes, tls_dir }
+    }
+
+    /// Waits until every live node sees every other live node `ready`, with its worker's signals.
+    pub async fn wait_converged(&self, live: &[usize], within: std::time::Duration) {
+        let deadline = std::time::Instant::now() + within;
+        loop {
+            let ok = live.iter().all(|&i| {
+                let c = &self.nodes[i].coordinator.cluster;
+                let view = c.view();
+                live.iter().all(|&j| {
+                    let id = &self.nodes[j].id;
+                    c.nodes().iter().any(|n| &n.id == id && n.state == zerolayer_coordinator::placement::NodeState::Ready)
+                        && view.workers.iter().any(|w| &w.node == id && w.signals.kv_blocks_total > 0)
+                })
+            });
+            if ok {
+                return;
+            }
+            assert!(std::time::Instant::now() < deadline, "the cluster did not converge within {within:?}");
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Waits until every live node's view indexes the same number of cached blocks per worker
+    /// (so prefix-cache gossip has caught up), for two polls in a row.
+    pub async fn wait_index_synced(&self, live: &[usize], within: std::time::Duration) {
+        let deadline = std::time::Instant::now() + within;
+        let mut stable = 0;
+        loop {
+            let views: Vec<Vec<(String, usize)>> = live
+                .iter()
+                .map(|&i| {
+                    let mut v: Vec<(String, usize)> =
+                        self.nodes[i].coordinator.cluster.view().workers.iter().filter(|w| live.iter().any(|&j| self.nodes[j].id == w.node)).map(|w| (w.node.clone(), w.cached.len())).collect();
+                    v.sort();
+                    v
+                })
+                .collect();
+            if views.windows(2).all(|w| w[0] == w[1]) {
+                stable += 1;
+                if stable >= 2 {
+                    return;
+                }
+            } else {
+                stable = 0;
+            }
+            assert!(std::time::Instant::now() < deadline, "prefix indexes did not converge: {views:?}");
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+    }
+}

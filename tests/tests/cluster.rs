@@ -1,0 +1,271 @@
+//! A whole cluster in one process: three nodes on 127.0.0.1:0, each with a CPU worker on the
+//! real model, joined over real QUIC with mutual TLS and chitchat gossip. Every claim is an
+//! assertion on responses (`zerolayer-worker`, usage) or on the nodes' views, never on logs.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use tokio::time::timeout;
+use zerolayer_common::PlacementPolicy;
+use zerolayer_coordinator::placement::NodeState;
+use zerolayer_tests::{heavy, parse_sse, TestCluster, LOREM};
+
+const PREFIXES: usize = 8;
+const ROUNDS: usize = 3;
+
+/// A ~620-token document, distinct from its first block on.
+fn document(p: usize, tag: &str) -> String {
+    let mut s = format!("[{tag} document {p}] ");
+    for k in 0..3 {
+        s.push_str(&format!("Part {k} of document {p}. "));
+        s.push_str(LOREM);
+        s.push(' ');
+    }
+    s.push_str(&LOREM[..LOREM.len() / 2]);
+    s
+}
+
+struct Outcome {
+    prefix: usize,
+    served_by: String,
+    input_tokens: u64,
+    cached_tokens: u64,
+}
+
+async fn ask(http: &reqwest::Client, url: &str, text: &str, max_tokens: u32) -> Outcome {
+    let body = json!({"model": "smollm2-135m-instruct", "max_tokens": max_tokens, "temperature": 0,
+                      "messages": [{"role": "user", "content": text}]});
+    let r = timeout(Duration::from_secs(120), http.post(url).json(&body).send()).await.expect("answer in time").expect("request");
+    let status = r.status();
+    let served_by = r.headers().get("zerolayer-worker").map(|v| v.to_str().unwrap().to_string()).unwrap_or_default();
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(status, 200, "{v}");
+    let u = &v["usage"];
+    Outcome { prefix: usize::MAX, served_by, input_tokens: u["input_tokens"].as_u64().unwrap(), cached_tokens: u["cache_read_input_tokens"].as_u64().unwrap() }
+}
+
+/// A fixed pseudo-random permutation (xorshift), so both policies see the same order.
+fn shuffled(n: usize, seed: u64) -> Vec<usize> {
+    let mut v: Vec<usize> = (0..n).collect();
+    let mut x = seed;
+    for i in (1..n).rev() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        v.swap(i, (x % (i as u64 + 1)) as usize);
+    }
+    v
+}
+
+/// Sends `ROUNDS` requests for each of `PREFIXES` documents, round-robin over the nodes' HTTP
+/// ports, one at a time, in a fixed shuffled order per round. Between rounds it waits until
+/// every node's prefix index has caught up. Returns (prefix-hit ratio, requests whose prefix
+/// was already cached somewhere that were served where it was cached, such requests).
+async fn prefix_workload(cluster: &TestCluster, tag: &str) -> (f64, usize, usize, Vec<Outcome>) {
+    let http = reqwest::Client::new();
+    let live: Vec<usize> = (0..cluster.nodes.len()).collect();
+    let mut outcomes = Vec::new();
+    let mut home: HashMap<usize, Vec<String>> = HashMap::new();
+    let (mut on_home, mut warm) = (0, 0);
+    let mut k = 0;
+    for round in 0..ROUNDS {
+        for p in shuffled(PREFIXES, 0x9e37_79b9 + round as u64) {
+            let node = &cluster.nodes[k % cluster.nodes.len()];
+            k += 1;
+            let text = format!("{}\n\nQuestion {round}: what is this document about?", document(p, tag));
+            let mut o = ask(&http, &node.url("/v1/messages"), &text, 2).await;
+            o.prefix = p;
+            if let Some(h) = home.get(&p) {
+                warm += 1;
+                if h.contains(&o.served_by) {
+                    on_home += 1;
+                }
+            }
+            home.entry(p).or_default().push(o.served_by.clone());
+            outcomes.push(o);
+        }
+        cluster.wait_index_synced(&live, Duration::from_secs(10)).await;
+    }
+    let first = outcomes[0].input_tokens + outcomes[0].cached_tokens;
+    assert!((600..700).contains(&first), "documents are ~600-token prefixes, got {first}");
+    let input: u64 = outcomes.iter().map(|o| o.input_tokens + o.cached_tokens).sum();
+    let cached: u64 = outcomes.iter().map(|o| o.cached_tokens).sum();
+    (cached as f64 / input as f64, on_home, warm, outcomes)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn three_nodes_place_by_cache_load_and_liveness() {
+    let _g = heavy();
+    let t0 = Instant::now();
+    let mut cluster = TestCluster::start(3, |c| c.placement.policy = PlacementPolicy::CacheAware).await;
+    cluster.wait_converged(&[0, 1, 2], Duration::from_secs(15)).await;
+    eprintln!("3 nodes ready after {:.1}s", t0.elapsed().as_secs_f64());
+    let http = reqwest::Client::new();
+
+    // 1. Cache-aware placement: requests for a cached document go where it is cached.
+    let (ca_ratio, on_home, warm, outcomes) = prefix_workload(&cluster, "ca").await;
+    let remote = outcomes.iter().enumerate().filter(|(k, o)| !o.served_by.starts_with(&format!("{}/", cluster.nodes[k % 3].id))).count();
+    eprintln!("({:.1}s) cache_aware: prefix-hit ratio {ca_ratio:.3};", t0.elapsed().as_secs_f64());
+    eprintln!("cache_aware: {on_home}/{warm} warm requests on a worker caching their document; {remote} of 24 forwarded");
+    assert!(on_home * 10 >= warm * 8, "most warm requests land where their prefix is cached ({on_home}/{warm})");
+    assert!(remote > 0, "some requests must have crossed nodes");
+
+    // 2. Saturation: a burst at node a spills onto the other nodes' workers.
+    let a = cluster.nodes[0].url("/v1/messages");
+    let burst: Vec<_> = (0..6)
+        .map(|i| {
+            let http = http.clone();
+            let a = a.clone();
+            let text = format!("Burst {i}: {LOREM} {LOREM}");
+            tokio::spawn(async move { ask(&http, &a, &text, 8).await.served_by })
+        })
+        .collect();
+    let mut served = Vec::new();
+    for b in burst {
+        served.push(b.await.unwrap());
+    }
+    eprintln!("burst sent to a served by {served:?} ({:.1}s)", t0.elapsed().as_secs_f64());
+    assert!(served.iter().any(|s| s.starts_with("a/")), "the local worker takes its share");
+    assert!(served.iter().any(|s| !s.starts_with("a/")), "once a is busy, requests sent to a are served by b's or c's worker");
+
+    // 3. A node dies mid-request: the client's stream ends with an error event within seconds.
+    //    A document c caches is sent to a, so a forwards it to c.
+    let c_doc = (0..PREFIXES)
+        .find(|&p| outcomes.iter().filter(|o| o.prefix == p).all(|o| o.served_by == "c/cpu0"))
+        .expect("some document was served only by c");
+    let body = json!({"model": "smollm2-135m-instruct", "max_tokens": 400, "temperature": 0, "stream": true,
+                      "messages": [{"role": "user", "content": format!("{}\n\nQuestion 9: write a long essay about it.", document(c_doc, "ca"))}]});
+    let mut resp = http.post(&a).json(&body).send().await.unwrap();
+    assert_eq!(resp.headers()["zerolayer-worker"], "c/cpu0", "the request must be forwarded to c");
+    let mut text = String::new();
+    while !text.contains("content_block_delta") {
+        let chunk = timeout(Duration::from_secs(30), resp.chunk()).await.expect("first tokens").unwrap().expect("stream open");
+        text.push_str(&String::from_utf8_lossy(&chunk));
+    }
+    let killed_at = Instant::now();
+    cluster.nodes[2].kill();
+    let rest = timeout(Duration::from_secs(10), async {
+        while let Some(chunk) = resp.chunk().await.unwrap_or(None) {
+            text.push_str(&String::from_utf8_lossy(&chunk));
+        }
+    })
+    .await;
+    assert!(rest.is_ok(), "the stream must end within seconds of the node's death, not hang");
+    let events = parse_sse(&text);
+    let last = events.last().unwrap();
+    assert_eq!(last.0, "error", "the stream ends with an error event: {last:?}");
+    eprintln!("stream from dead node ended with an error event after {:.2}s", killed_at.elapsed().as_secs_f64());
+
+    // 4. The others mark c dead and stop placing on it.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let dead = [0, 1].iter().all(|&i| cluster.nodes[i].coordinator.cluster.nodes().iter().any(|n| n.id == "c" && n.state == NodeState::Dead));
+        if dead {
+            break;
+        }
+        assert!(Instant::now() < deadline, "a and b must mark c dead within 15 s");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    eprintln!("c marked dead by a and b {:.2}s after it was killed", killed_at.elapsed().as_secs_f64());
+    for (k, p) in (0..PREFIXES).enumerate() {
+        // Even documents c cached must now be served by a or b.
+        let node = &cluster.nodes[k % 2];
+        let o = ask(&http, &node.url("/v1/messages"), &format!("{}\n\nQuestion 7: who wrote it?", document(p, "ca")), 2).await;
+        assert!(!o.served_by.starts_with("c/"), "placed on a dead node: {}", o.served_by);
+    }
+    let admin: Value = http.get(cluster.nodes[0].url("/admin/cluster")).send().await.unwrap().json().await.unwrap();
+    let states: Vec<(String, String)> =
+        admin["nodes"].as_array().unwrap().iter().map(|n| (n["id"].as_str().unwrap().into(), n["state"].as_str().unwrap().into())).collect();
+    assert_eq!(states, vec![("a".into(), "ready".into()), ("b".into(), "ready".into()), ("c".into(), "dead".into())]);
+    drop(cluster);
+    eprintln!("({:.1}s) round-robin run starts", t0.elapsed().as_secs_f64());
+
+    // 5. The same workload under round-robin placement, on a fresh cluster.
+    let rr_cluster = TestCluster::start(3, |c| c.placement.policy = PlacementPolicy::RoundRobin).await;
+    rr_cluster.wait_converged(&[0, 1, 2], Duration::from_secs(15)).await;
+    let (rr_ratio, rr_home, rr_warm, _) = prefix_workload(&rr_cluster, "rr").await;
+    eprintln!("round_robin: prefix-hit ratio {rr_ratio:.3}; {rr_home}/{rr_warm} warm requests on a worker caching their document");
+    assert!(ca_ratio >= 2.0 * rr_ratio, "cache_aware hit ratio {ca_ratio:.3} must be at least 2x round_robin's {rr_ratio:.3}");
+    eprintln!("total {:.1}s", t0.elapsed().as_secs_f64());
+}
+
+/// Cluster links without a model: what mutual TLS lets in and keeps out.
+mod mtls {
+    use super::*;
+    use zerolayer_coordinator::cluster::{tls, Cluster};
+
+    fn config(ids: &[(&str, std::net::SocketAddr)], tls_dir: &std::path::Path) -> zerolayer_common::ClusterConfig {
+        let mut c = zerolayer_common::ClusterConfig::default();
+        c.cluster.tls_dir = Some(tls_dir.to_path_buf());
+        let template = c.nodes[0].clone();
+        c.nodes = ids
+            .iter()
+            .map(|(id, addr)| {
+                let mut n = template.clone();
+                n.id = id.to_string();
+                n.quic = Some(addr.to_string());
+                n
+            })
+            .collect();
+        c
+    }
+
+    fn sock() -> (std::net::UdpSocket, std::net::SocketAddr) {
+        let s = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        let a = s.local_addr().unwrap();
+        (s, a)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_node_from_another_ca_is_refused() {
+        let good = zerolayer_tests::temp_dir("ca-good");
+        let evil = zerolayer_tests::temp_dir("ca-evil");
+        tls::init(&good, &["a".into(), "b".into()]).unwrap();
+        tls::init(&evil, &["x".into()]).unwrap();
+        let ((sa, aa), (sb, ab), (sx, ax)) = (sock(), sock(), sock());
+        // x claims to be part of the same cluster and seeds from a, with its own CA.
+        let good_cfg = config(&[("a", aa), ("b", ab), ("x", ax)], &good);
+        let evil_cfg = config(&[("a", aa), ("x", ax)], &evil);
+        let a = Cluster::start(&good_cfg, "a", &[], Some(sa)).await.unwrap();
+        let b = Cluster::start(&good_cfg, "b", &[], Some(sb)).await.unwrap();
+        let x = Cluster::start(&evil_cfg, "x", &[], Some(sx)).await.unwrap();
+
+        // The control: b (same CA) joins a.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !(a.nodes().iter().any(|n| n.id == "b") && b.nodes().iter().any(|n| n.id == "a")) {
+            assert!(Instant::now() < deadline, "a and b (same CA) must see each other");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        // x keeps trying (it gossips every 100 ms); give it as long as b needed, and more.
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        assert!(!a.nodes().iter().any(|n| n.id == "x"), "a must not let x join");
+        assert!(!b.nodes().iter().any(|n| n.id == "x"), "nor learn of x through a");
+        assert!(!x.nodes().iter().any(|n| n.id == "a"), "x must not learn the cluster's state");
+
+        // A client presenting the foreign certificate, and trusting a's CA, cannot connect.
+        let good_mat = tls::TlsMaterial::load(&good, "a").unwrap();
+        let evil_mat = tls::TlsMaterial::load(&evil, "x").unwrap();
+        let mixed = tls::TlsMaterial { ca: good_mat.ca.clone(), chain: evil_mat.chain.clone(), key: evil_mat.key.clone_key() };
+        let client = tls::endpoint(std::net::UdpSocket::bind("127.0.0.1:0").unwrap(), &mixed, Duration::from_secs(2)).unwrap();
+        let attempt = async {
+            let conn = client.connect(aa, tls::SERVER_NAME)?.await?;
+            // TLS 1.3 client auth fails after the client's handshake completes: the first use fails.
+            let (mut s, mut r) = conn.open_bi().await?;
+            s.write_all(b"\0\0\0\0").await?;
+            let mut buf = [0u8; 4];
+            r.read_exact(&mut buf).await?;
+            anyhow::Ok(())
+        };
+        let res = timeout(Duration::from_secs(10), attempt).await.expect("refusal must be prompt");
+        assert!(res.is_err(), "a connection with a certificate from another CA must be refused");
+
+        // And with a's own material the same attempt reaches a's stream handler (control).
+        let ok_client = tls::endpoint(std::net::UdpSocket::bind("127.0.0.1:0").unwrap(), &good_mat, Duration::from_secs(2)).unwrap();
+        let conn = timeout(Duration::from_secs(10), async { ok_client.connect(aa, tls::SERVER_NAME).unwrap().await }).await.unwrap();
+        assert!(conn.is_ok(), "the cluster's own certificate connects: {conn:?}");
+        for c in [a, b, x] {
+            c.kill();
+        }
+    }
+}
