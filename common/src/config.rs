@@ -349,6 +349,12 @@ impl ClusterConfig {
         if self.cluster.gossip_interval_ms == 0 || self.cluster.publish_interval_ms == 0 || self.cluster.idle_timeout_ms < 300 {
             return bad("cluster: gossip and publish intervals must be > 0 and idle_timeout_ms >= 300".into());
         }
+        if with_quic > 0 {
+            let bs: std::collections::HashSet<usize> = self.nodes.iter().flat_map(|n| n.workers.iter().map(|w| w.block_size)).collect();
+            if bs.len() > 1 {
+                return bad("every worker of a cluster needs the same block_size (prefix hashes are per block)".into());
+            }
+        }
         let p = &self.placement;
         if !(p.overlap_weight >= 0.0 && p.queue_weight >= 0.0 && p.remote_hop_blocks >= 0.0 && p.balance_rel_threshold >= 1.0) {
             return bad("placement: weights must be >= 0 and balance_rel_threshold >= 1".into());

@@ -158,11 +158,13 @@ fn up(config: Option<PathBuf>, node: Option<String>, http: Option<String>, model
         let listener = tokio::net::TcpListener::bind(addr).await?;
         let local = listener.local_addr()?;
         let c = node.coordinator.clone();
+        let quic = c.cluster.quic_addr().map(|a| format!(", quic {a}")).unwrap_or_default();
         tracing::info!(
-            "zerolayer ready: node {} serving {} on http://{} ({} worker{})",
+            "zerolayer ready: node {} serving {} on http://{}{} ({} worker{})",
             c.node_id,
             c.model.id,
             local,
+            quic,
             c.workers.len(),
             if c.workers.len() == 1 { "" } else { "s" }
         );

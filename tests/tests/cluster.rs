@@ -129,7 +129,40 @@ async fn three_nodes_place_by_cache_load_and_liveness() {
     assert!(served.iter().any(|s| s.starts_with("a/")), "the local worker takes its share");
     assert!(served.iter().any(|s| !s.starts_with("a/")), "once a is busy, requests sent to a are served by b's or c's worker");
 
-    // 3. A node dies mid-request: the client's stream ends with an error event within seconds.
+    // 3. A client that disconnects from a forwarded stream cancels the sequence on its owner.
+    let (b_doc, owner) = (0..PREFIXES)
+        .find_map(|p| {
+            let by: Vec<&str> = outcomes.iter().filter(|o| o.prefix == p).map(|o| o.served_by.as_str()).collect();
+            (by.iter().all(|s| *s == by[0]) && by[0] != "a/cpu0" && by[0] != "c/cpu0").then(|| (p, 1))
+        })
+        .or_else(|| (0..PREFIXES).find(|&p| outcomes.iter().filter(|o| o.prefix == p).all(|o| o.served_by == "c/cpu0")).map(|p| (p, 2)))
+        .expect("some document lives only on b or only on c");
+    let owner_worker = &cluster.nodes[owner].coordinator.workers[0].handle;
+    let generated_before = owner_worker.signals().generated_tokens_total;
+    let body = json!({"model": "smollm2-135m-instruct", "max_tokens": 400, "temperature": 0, "stream": true,
+                      "messages": [{"role": "user", "content": format!("{}\n\nQuestion 8: write a long essay about it.", document(b_doc, "ca"))}]});
+    let mut resp = http.post(&a).json(&body).send().await.unwrap();
+    assert_eq!(resp.headers()["zerolayer-worker"].to_str().unwrap(), format!("{}/cpu0", cluster.nodes[owner].id));
+    let mut seen = String::new();
+    while !seen.contains("content_block_delta") {
+        let chunk = timeout(Duration::from_secs(30), resp.chunk()).await.expect("first tokens").unwrap().expect("stream open");
+        seen.push_str(&String::from_utf8_lossy(&chunk));
+    }
+    drop(resp);
+    let dropped_at = Instant::now();
+    loop {
+        let s = owner_worker.signals();
+        if s.running == 0 && s.waiting == 0 {
+            let generated = s.generated_tokens_total - generated_before;
+            assert!(generated < 400, "the owner stopped early ({generated} tokens), not at max_tokens");
+            eprintln!("client disconnect cancelled the forwarded sequence on its owner after {generated} tokens, {:.2}s after the drop", dropped_at.elapsed().as_secs_f64());
+            break;
+        }
+        assert!(dropped_at.elapsed() < Duration::from_secs(5), "the owner must cancel within seconds of the client leaving");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    // 4. A node dies mid-request: the client's stream ends with an error event within seconds.
     //    A document c caches is sent to a, so a forwards it to c.
     let c_doc = (0..PREFIXES)
         .find(|&p| outcomes.iter().filter(|o| o.prefix == p).all(|o| o.served_by == "c/cpu0"))
@@ -157,7 +190,7 @@ async fn three_nodes_place_by_cache_load_and_liveness() {
     assert_eq!(last.0, "error", "the stream ends with an error event: {last:?}");
     eprintln!("stream from dead node ended with an error event after {:.2}s", killed_at.elapsed().as_secs_f64());
 
-    // 4. The others mark c dead and stop placing on it.
+    // 5. The others mark c dead and stop placing on it.
     let deadline = Instant::now() + Duration::from_secs(15);
     loop {
         let dead = [0, 1].iter().all(|&i| cluster.nodes[i].coordinator.cluster.nodes().iter().any(|n| n.id == "c" && n.state == NodeState::Dead));
@@ -181,7 +214,7 @@ async fn three_nodes_place_by_cache_load_and_liveness() {
     drop(cluster);
     eprintln!("({:.1}s) round-robin run starts", t0.elapsed().as_secs_f64());
 
-    // 5. The same workload under round-robin placement, on a fresh cluster.
+    // 6. The same workload under round-robin placement, on a fresh cluster.
     let rr_cluster = TestCluster::start(3, |c| c.placement.policy = PlacementPolicy::RoundRobin).await;
     rr_cluster.wait_converged(&[0, 1, 2], Duration::from_secs(15)).await;
     let (rr_ratio, rr_home, rr_warm, _) = prefix_workload(&rr_cluster, "rr").await;

@@ -147,8 +147,15 @@ impl Cluster {
                 let (transport, relays) = QuicTransport::new(peers.clone(), addr).await?;
                 let generation = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
                 let gossip = Duration::from_millis(cc.gossip_interval_ms);
-                let seeds: Vec<String> =
-                    config.nodes.iter().filter(|n| n.id != node_id).filter_map(|n| n.quic.clone()).collect();
+                // Peers whose address is still port 0 (started later, port picked by the OS) are
+                // learned through gossip when they contact a seed.
+                let seeds: Vec<String> = config
+                    .nodes
+                    .iter()
+                    .filter(|n| n.id != node_id)
+                    .filter_map(|n| n.quic.clone())
+                    .filter(|a| !a.ends_with(":0"))
+                    .collect();
                 let cfg = ChitchatConfig {
                     chitchat_id: ChitchatId::new(node_id.to_string(), generation, addr),
                     cluster_id: cc.id.clone(),
