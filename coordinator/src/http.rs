@@ -173,7 +173,8 @@ async fn ready(State(c): State<AppState>) -> Response {
 }
 
 async fn metrics_handler(State(c): State<AppState>) -> Response {
-    let body = metrics::render(&c.node_id, &c.model.id, &c.worker_signals());
+    let peers: Vec<(String, &'static str)> = c.cluster.nodes().into_iter().map(|n| (n.id, n.state.as_str())).collect();
+    let body = metrics::render(&c.node_id, &c.model.id, &c.worker_signals(), &peers);
     ([("content-type", "text/plain; version=0.0.4")], body).into_response()
 }
 

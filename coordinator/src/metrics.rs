@@ -50,8 +50,9 @@ pub fn tokens(node: &str, input: u64, cached: u64, output: u64) {
     metrics::counter!("vllm:generation_tokens_total", "node" => n).increment(output);
 }
 
-/// Renders everything: recorded series plus one gauge set per local worker.
-pub fn render(node: &str, model: &str, workers: &[(String, WorkerSignals)]) -> String {
+/// Renders everything: recorded series, one gauge set per local worker, and one
+/// `zerolayer_cluster_node_state` series per node this node knows (value 1 on its state).
+pub fn render(node: &str, model: &str, workers: &[(String, WorkerSignals)], peers: &[(String, &'static str)]) -> String {
     let h = handle();
     h.run_upkeep();
     let mut out = h.render();
@@ -65,8 +66,8 @@ pub fn render(node: &str, model: &str, workers: &[(String, WorkerSignals)]) -> S
     gauge("zerolayer_kv_blocks_free", "KV blocks not referenced by any sequence (includes cached)", "gauge", &|s| s.kv_blocks_free as f64);
     gauge("zerolayer_kv_blocks_cached", "Free KV blocks still holding a cached prefix", "gauge", &|s| s.kv_blocks_cached as f64);
     gauge("zerolayer_kv_fragmentation_ratio", "1 - live token slots / allocated slots", "gauge", &|s| s.kv_fragmentation_ratio as f64);
-    gauge("zerolayer_memory_used_bytes", "Weights plus KV cache bytes", "gauge", &|s| s.memory_used_bytes as f64);
-    gauge("zerolayer_memory_limit_bytes", "Memory budget of the worker", "gauge", &|s| s.memory_limit_bytes as f64);
+    gauge("zerolayer_memory_used_bytes", "Weights plus KV blocks held by sequences", "gauge", &|s| s.memory_used_bytes as f64);
+    gauge("zerolayer_memory_limit_bytes", "Weights plus the whole KV pool", "gauge", &|s| s.memory_limit_bytes as f64);
     gauge("zerolayer_running_sequences", "Sequences in the running batch", "gauge", &|s| s.running as f64);
     gauge("zerolayer_waiting_sequences", "Sequences waiting for admission", "gauge", &|s| s.waiting as f64);
     gauge("zerolayer_waiting_prefill_tokens", "Prompt tokens not yet computed", "gauge", &|s| s.waiting_prefill_tokens as f64);
@@ -81,5 +82,11 @@ pub fn render(node: &str, model: &str, workers: &[(String, WorkerSignals)]) -> S
     });
     gauge("vllm:prefix_cache_hits_total", "Prompt tokens served from the prefix cache", "counter", &|s| s.prefix_cache_hits_total as f64);
     gauge("vllm:prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache", "counter", &|s| s.prefix_cache_queries_total as f64);
+    let _ = writeln!(out, "# HELP zerolayer_cluster_node_state Membership state of each node, as this node sees it\n# TYPE zerolayer_cluster_node_state gauge");
+    for (peer, state) in peers {
+        for st in ["joining", "ready", "draining", "dead"] {
+            let _ = writeln!(out, "zerolayer_cluster_node_state{{node=\"{node}\",peer=\"{peer}\",state=\"{st}\"}} {}", u8::from(*state == st));
+        }
+    }
     out
 }
