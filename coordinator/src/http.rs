@@ -550,7 +550,7 @@ async fn chat_completions(State(c): State<AppState>, Extension(caller): Extensio
         system: req.system.clone(),
         turns: req.turns.clone(),
         max_tokens: req.max_tokens,
-        params: SamplingParams { temperature: req.temperature, top_k: None, top_p: req.top_p, seed: req.seed, max_tokens: 0, stop_sequences: req.stop.clone(), ignore_eos: false },
+        params: SamplingParams { temperature: req.temperature, top_k: None, top_p: req.top_p, seed: req.seed, max_tokens: 0, stop_sequences: req.stop.clone(), ignore_eos: req.ignore_eos },
     };
     let acc = match c.start(gen).await {
         Ok(a) => a,

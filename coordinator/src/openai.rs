@@ -18,6 +18,8 @@ pub struct ChatRequest {
     pub stop: Vec<String>,
     pub stream: bool,
     pub include_usage: bool,
+    /// vLLM's extension: keep generating past end tokens (benchmarks).
+    pub ignore_eos: bool,
 }
 
 fn bad<T>(m: impl Into<String>) -> Result<T, ApiError> {
@@ -123,6 +125,11 @@ pub fn parse(body: &Value) -> Result<ChatRequest, ApiError> {
         Some(Value::Bool(b)) => *b,
         Some(_) => return bad("stream: expected a boolean"),
     };
+    let ignore_eos = match obj.get("ignore_eos") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => return bad("ignore_eos: expected a boolean"),
+    };
     let include_usage = obj.get("stream_options").and_then(|o| o.get("include_usage")).and_then(Value::as_bool).unwrap_or(false);
     if let Some(n) = int("n")? {
         if n != 1 {
@@ -148,5 +155,6 @@ pub fn parse(body: &Value) -> Result<ChatRequest, ApiError> {
         stop,
         stream,
         include_usage,
+        ignore_eos,
     })
 }

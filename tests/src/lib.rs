@@ -1,6 +1,8 @@
 //! Helpers shared by the integration tests: the real model's location, loading, and a lock
 //! that keeps model-heavy tests from running at once on a 2-core machine.
 
+pub mod bench;
+
 use std::path::PathBuf;
 use std::sync::{Mutex, MutexGuard};
 
