@@ -232,10 +232,14 @@ pub struct MatmulScratch {
 }
 
 /// Rows of weights per task: a function of the weight shape only (never of the batch).
+/// Activation rows from which the 8-row AVX2 kernel is used.
+const ROWS8_MIN_BATCH: usize = 2;
+
 fn tile_rows(w: &Weight) -> usize {
     let rb = w.row_bytes().max(1);
-    // About 16 KiB of weights per task, between 4 and 64 rows.
-    (16384 / rb).clamp(4, 64)
+    // About 16 KiB of weights per task, between 8 and 64 rows, a multiple of 8 (the AVX2
+    // kernel's row group). It depends only on the weight's shape (batch invariance).
+    ((16384 / rb).clamp(8, 64) / 8) * 8
 }
 
 /// `y[b × rows] = x[b × cols] · Wᵀ` for `b = x.len() / cols` activation rows.
@@ -323,7 +327,27 @@ unsafe fn tile_avx2(w: &Weight, x: &[f32], act: &[ActBlock], y: &mut [f32], r0: 
     let n = w.rows;
     let rb = w.row_bytes();
     let nb = k / QK;
-    for r in r0..r1 {
+    // Groups of 8 rows: lanes are rows, so each output accumulates in a vector lane. It pays
+    // from 2 activation rows on; a single row (batch-1 decode, bandwidth-bound) reads each
+    // weight row as one sequential stream instead. Both give bit-identical results.
+    let mut r = r0;
+    if w.format != WeightFormat::F32 && b >= ROWS8_MIN_BATCH {
+        while r + 8 <= r1 {
+            let w0 = w.data.as_ptr().add(r * rb);
+            let out = y.as_mut_ptr().add(r);
+            // SAFETY: rows r..r+8 exist (r + 8 <= r1 <= rows); `act` holds `b` rows of `nb`
+            // blocks and `y` holds `b` rows of `n` (checked by `matmul`); AVX2/FMA/F16C are
+            // enabled for this function.
+            match w.format {
+                WeightFormat::Q4_1 => avx2::dot_rows8::<avx2::Q41>(w0, rb, act, nb, b, out, n),
+                WeightFormat::Q8_0 => avx2::dot_rows8::<avx2::Q80>(w0, rb, act, nb, b, out, n),
+                WeightFormat::Q4_0 => avx2::dot_rows8::<avx2::Q40>(w0, rb, act, nb, b, out, n),
+                WeightFormat::F32 => unreachable!(),
+            }
+            r += 8;
+        }
+    }
+    for r in r..r1 {
         let wr = &w.data[r * rb..(r + 1) * rb];
         // SAFETY (all arms): AVX2/FMA/F16C are enabled for this function; `act` holds `b`
         // rows of exactly `nb` blocks and `y` holds `b` rows of `n` (checked by `matmul`).
@@ -527,6 +551,59 @@ mod avx2 {
         }
     }
 
+    /// Eight weight rows (`w0 + r * rb`, r = 0..8) against `b` activation rows, writing
+    /// `out[i * stride + r]`.
+    ///
+    /// Lanes are the 8 rows. For each block, the rows' integer sums come out of one `hsum8`, the
+    /// float term is formed with the scalar code's operations (`sumi * d_w * d_a + m_w * s_a`,
+    /// no fused multiply-add), and each lane adds its term to its own accumulator. So every
+    /// output still accumulates its blocks one by one in block order — bit-identical to the
+    /// portable path — while the adds of 8 outputs run as one vector add instead of 8 dependent
+    /// scalar adds. Each block's 8 weight vectors are decoded once for up to 4 activation rows.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_rows8<F: Fmt>(w0: *const u8, rb: usize, acts: &[ActBlock], nb: usize, b: usize, out: *mut f32, stride: usize) {
+        debug_assert!(acts.len() >= b * nb);
+        debug_assert!(rb == nb * F::BB);
+        let mut i0 = 0;
+        while i0 < b {
+            let ib = (b - i0).min(4);
+            let mut acc = [_mm256_setzero_ps(); 4];
+            for j in 0..nb {
+                let base = w0.add(j * F::BB);
+                let mut wv = [_mm256_setzero_si256(); 8];
+                for (r, v) in wv.iter_mut().enumerate() {
+                    *v = F::quants(base.add(r * rb));
+                }
+                let dw = f16x8(base, rb);
+                let mw = if F::MIN { f16x8(base.add(2), rb) } else { _mm256_setzero_ps() };
+                for (ii, acc) in acc.iter_mut().enumerate().take(ib) {
+                    let a = &acts[(i0 + ii) * nb + j];
+                    let qa = a.qs.as_ptr();
+                    let p = [
+                        F::isum(wv[0], qa),
+                        F::isum(wv[1], qa),
+                        F::isum(wv[2], qa),
+                        F::isum(wv[3], qa),
+                        F::isum(wv[4], qa),
+                        F::isum(wv[5], qa),
+                        F::isum(wv[6], qa),
+                        F::isum(wv[7], qa),
+                    ];
+                    let sumi = _mm256_cvtepi32_ps(hsum8(&p));
+                    let mut t = _mm256_mul_ps(_mm256_mul_ps(sumi, dw), _mm256_set1_ps(a.d));
+                    if F::MIN {
+                        t = _mm256_add_ps(t, _mm256_mul_ps(mw, _mm256_set1_ps(a.s)));
+                    }
+                    *acc = _mm256_add_ps(*acc, t);
+                }
+            }
+            for (ii, acc) in acc.iter().enumerate().take(ib) {
+                _mm256_storeu_ps(out.add((i0 + ii) * stride), *acc);
+            }
+            i0 += ib;
+        }
+    }
+
     const _: () = assert!(QK == 32);
 }
 
@@ -600,7 +677,7 @@ mod tests {
         for format in [WeightFormat::Q8_0, WeightFormat::Q4_0, WeightFormat::Q4_1] {
             for cols in [32usize, 96, 160, 256, 576, 1536] {
                 let nb = cols / QK;
-                let w = quantize_weight(format, 3, cols, &rand_vec(&mut rng, 3 * cols));
+                let w = quantize_weight(format, 11, cols, &rand_vec(&mut rng, 11 * cols));
                 for b in [1usize, 3, 4, 5, 9] {
                     let x = rand_vec(&mut rng, b * cols);
                     let mut act = vec![ActBlock::default(); b * nb];
@@ -608,6 +685,29 @@ mod tests {
                         quantize_row(xr, ar);
                     }
                     let rb = w.row_bytes();
+                    // Rows 3..11 as one group of 8 (lanes = rows), against the scalar code.
+                    let mut fast8 = vec![0f32; b * 8];
+                    // SAFETY: AVX2/FMA/F16C detected above; rows 3..11 exist; `fast8` holds b rows of 8.
+                    unsafe {
+                        let w0 = w.data.as_ptr().add(3 * rb);
+                        match format {
+                            WeightFormat::Q8_0 => avx2::dot_rows8::<avx2::Q80>(w0, rb, &act, nb, b, fast8.as_mut_ptr(), 8),
+                            WeightFormat::Q4_0 => avx2::dot_rows8::<avx2::Q40>(w0, rb, &act, nb, b, fast8.as_mut_ptr(), 8),
+                            _ => avx2::dot_rows8::<avx2::Q41>(w0, rb, &act, nb, b, fast8.as_mut_ptr(), 8),
+                        }
+                    }
+                    for r in 0..8 {
+                        let wr = &w.data[(3 + r) * rb..(4 + r) * rb];
+                        for i in 0..b {
+                            let a = &act[i * nb..(i + 1) * nb];
+                            let slow = match format {
+                                WeightFormat::Q8_0 => dot_q8_0(wr, a),
+                                WeightFormat::Q4_0 => dot_q4_0(wr, a),
+                                _ => dot_q4_1(wr, a),
+                            };
+                            assert_eq!(fast8[i * 8 + r].to_bits(), slow.to_bits(), "rows8 {format:?} cols {cols} b {b} row {r} act {i}");
+                        }
+                    }
                     for r in 0..3 {
                         let wr = &w.data[r * rb..(r + 1) * rb];
                         let mut fast = vec![0f32; b];
