@@ -59,6 +59,8 @@ pub struct Engine {
     rate_window: std::collections::VecDeque<(Instant, u64)>,
     /// Recent admissions' (hit, queried) prompt tokens for the windowed hit ratio.
     hit_window: std::collections::VecDeque<(u64, u64)>,
+    /// Logits rows of the last step, reused (no per-step allocation).
+    logits: Vec<f32>,
 }
 
 impl Engine {
@@ -83,6 +85,7 @@ impl Engine {
             generated_total: 0,
             rate_window: Default::default(),
             hit_window: Default::default(),
+            logits: Vec::new(),
         })
     }
 
@@ -142,7 +145,7 @@ impl Engine {
                 it.completes && s.generated() < s.max_tokens
             })
             .collect();
-        let logits = {
+        let rows = {
             let items: Vec<ForwardItem<'_>> = plan
                 .items
                 .iter()
@@ -152,8 +155,11 @@ impl Engine {
                     ForwardItem { tokens: &s.tokens[it.start..it.start + it.len], start_pos: it.start, block_table: &s.blocks, want_logits: w }
                 })
                 .collect();
-            self.model.forward(&mut self.cache, &items)?
+            self.model.forward_into(&mut self.cache, &items, &mut self.logits)?
         };
+        // Taken out for the sampling loop (which needs `&mut self`) and put back below.
+        let logits_buf = std::mem::take(&mut self.logits);
+        let vocab = self.model.cfg.vocab_size;
         out.tokens_computed = plan.items.iter().map(|it| it.len).sum();
         self.sched.on_computed(&plan);
         let (ev, overflowed) = self.sched.pool.drain_events();
@@ -162,7 +168,7 @@ impl Engine {
         }
         self.kv_events.extend(ev);
 
-        let mut logits = logits.into_iter();
+        let mut logits = logits_buf[..rows * vocab].chunks_exact(vocab);
         for (it, &w) in plan.items.iter().zip(&want) {
             let id = it.seq;
             if !it.completes {
@@ -175,7 +181,7 @@ impl Engine {
             }
             let row = logits.next().expect("one logits row per wanted item");
             let st = self.states.get_mut(&id).expect("state for scheduled sequence");
-            let tok = st.sampler.sample(&row);
+            let tok = st.sampler.sample(row);
             self.sched.append_token(id, tok);
             self.generated_total += 1;
             if self.tokenizer.is_end_token(tok) && !st.params.ignore_eos {
@@ -221,6 +227,7 @@ impl Engine {
             }
             out.events.push((id, SeqEvent::Delta { tokens: vec![tok], text: step.emit }));
         }
+        self.logits = logits_buf;
         Ok(out)
     }
 

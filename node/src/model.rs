@@ -308,14 +308,24 @@ impl Model {
 
     /// Runs one engine step. Writes K/V for every token through the block tables and returns
     /// the logits (`vocab_size` each) of the last token of every item with `want_logits`, in
-    /// item order.
+    /// item order. (Tests use this form; the engine uses [`Model::forward_into`].)
     pub fn forward(&mut self, cache: &mut KvCache, items: &[ForwardItem<'_>]) -> Result<Vec<Vec<f32>>> {
+        let mut flat = Vec::new();
+        let rows = self.forward_into(cache, items, &mut flat)?;
+        let v = self.cfg.vocab_size;
+        Ok(flat[..rows * v].chunks_exact(v).map(<[f32]>::to_vec).collect())
+    }
+
+    /// As [`Model::forward`], writing the logits rows into `logits` (rows × `vocab_size`) and
+    /// returning how many rows there are. `logits` is reused across steps, so a step allocates
+    /// nothing once the buffers have grown to the largest batch.
+    pub fn forward_into(&mut self, cache: &mut KvCache, items: &[ForwardItem<'_>], logits: &mut Vec<f32>) -> Result<usize> {
         let cfg = &self.cfg;
         let (d, qd, kvd, hd) = (cfg.dim, cfg.q_dim(), cfg.kv_dim(), cfg.head_dim);
         let qkv_w = qd + 2 * kvd;
         let t_total: usize = items.iter().map(|it| it.tokens.len()).sum();
         if t_total == 0 {
-            return Ok(vec![]);
+            return Ok(0);
         }
         // Row bookkeeping: each row's position and block table.
         let mut rows: Vec<AttnRow<'_>> = Vec::with_capacity(t_total);
@@ -387,16 +397,16 @@ impl Model {
             }
         }
         if last_rows.is_empty() {
-            return Ok(vec![]);
+            return Ok(0);
         }
         resize(&mut s.last, last_rows.len() * d);
         for (i, &row) in last_rows.iter().enumerate() {
             zerolayer_kernels::ops::rms_norm_row(&s.x[row * d..(row + 1) * d], &self.norm, cfg.rms_eps, &mut s.last[i * d..(i + 1) * d]);
         }
         let v = cfg.vocab_size;
-        let mut logits = vec![0f32; last_rows.len() * v];
-        matmul(&self.pool, &self.output, &s.last, &mut logits, &mut s.mm);
-        Ok(logits.chunks_exact(v).map(|c| c.to_vec()).collect())
+        resize(logits, last_rows.len() * v);
+        matmul(&self.pool, &self.output, &s.last, logits, &mut s.mm);
+        Ok(last_rows.len())
     }
 }
 
