@@ -13,9 +13,9 @@ import numpy as np
 from llama_cpp import Llama
 
 model, threads = sys.argv[1], int(sys.argv[2])
-llm = Llama(model_path=model, n_ctx=2048, n_threads=threads, n_threads_batch=threads, n_batch=512, verbose=False)
+llm = Llama(model_path=model, n_ctx=4096, n_threads=threads, n_threads_batch=threads, n_batch=512, verbose=False)
 lorem = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
-         "combined movable metal type, oil-based ink and a wooden press adapted from wine making. ") * 40
+         "combined movable metal type, oil-based ink and a wooden press adapted from wine making. ") * 100
 
 
 def decode(n_prompt, n_gen):
@@ -86,7 +86,7 @@ def batched_decode(n_seq, n_prompt, n_gen):
 
 seqs = int(sys.argv[3]) if len(sys.argv) > 3 else 16
 decode(32, 8)  # warm-up
-out = {"threads": threads, "batch1_decode_tps": decode(32, 128), "prefill_tps": prefill(512)}
+out = {"threads": threads, "batch1_decode_tps": decode(32, 128), "prefill_tps": prefill(512), "prefill_1400_tps": prefill(1400)}
 batched_decode(2, 16, 4)  # warm-up
 out[f"batched{seqs}_decode_tps"] = batched_decode(seqs, 32, 64)
 print(json.dumps(out))

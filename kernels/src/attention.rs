@@ -100,9 +100,115 @@ unsafe fn attend_one_avx2(
     scores: &mut Vec<f32>,
     out: &mut [f32],
 ) {
-    // `mul_add` is a fused multiply-add on both paths (hardware here, libm's exact `fmaf` in
-    // the portable path), so results are bit-identical whichever runs.
-    attend_one_impl(layout, k_cache, v_cache, table, pos, kv_head, q, scale, scores, out)
+    use std::arch::x86_64::*;
+    let hd = layout.head_dim;
+    if hd % 8 != 0 || hd > 256 {
+        // `mul_add` is a fused multiply-add on both paths (hardware here, libm's exact `fmaf` in
+        // the portable path), so results are bit-identical whichever runs.
+        return attend_one_impl(layout, k_cache, v_cache, table, pos, kv_head, q, scale, scores, out);
+    }
+    let bs = layout.block_size;
+    let n = pos + 1;
+    let chunks = hd / 8;
+    scores.clear();
+    scores.resize(n, 0.0);
+    // Scores, 8 keys at a time: 8 independent FMA chains (one per key) instead of one, then an
+    // 8×8 transpose so each key's horizontal sum runs in a lane, in `dot8_fma`'s exact order
+    // ((l0+l4) + (l2+l6)) + ((l1+l5) + (l3+l7)). Keys of one head are contiguous within a block.
+    let mut p = 0;
+    while p < n {
+        let slot0 = p % bs;
+        let run = (bs - slot0).min(n - p);
+        let base = layout.offset(table[p / bs] as usize, kv_head, slot0);
+        let mut j = 0;
+        while j + 8 <= run {
+            let kp = k_cache.as_ptr().add(base + j * hd);
+            let mut acc = [_mm256_setzero_ps(); 8];
+            for c in 0..chunks {
+                let qv = _mm256_loadu_ps(q.as_ptr().add(c * 8));
+                for (key, a) in acc.iter_mut().enumerate() {
+                    *a = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp.add(key * hd + c * 8)), *a);
+                }
+            }
+            let t = transpose8(&acc);
+            let r = _mm256_add_ps(
+                _mm256_add_ps(_mm256_add_ps(t[0], t[4]), _mm256_add_ps(t[2], t[6])),
+                _mm256_add_ps(_mm256_add_ps(t[1], t[5]), _mm256_add_ps(t[3], t[7])),
+            );
+            _mm256_storeu_ps(scores.as_mut_ptr().add(p + j), _mm256_mul_ps(r, _mm256_set1_ps(scale)));
+            j += 8;
+        }
+        for jj in j..run {
+            let off = base + jj * hd;
+            scores[p + jj] = dot8_fma(q, &k_cache[off..off + hd]) * scale;
+        }
+        p += run;
+    }
+    let mut max = f32::NEG_INFINITY;
+    for &s in scores.iter() {
+        if s > max {
+            max = s;
+        }
+    }
+    let mut sum = 0f32;
+    for s in scores.iter_mut() {
+        *s = (*s - max).exp();
+        sum += *s;
+    }
+    // V, in position order; each output lane runs its own FMA chain, as the portable code.
+    let mut o = [_mm256_setzero_ps(); 32];
+    let o = &mut o[..chunks];
+    let mut p = 0;
+    while p < n {
+        let slot0 = p % bs;
+        let run = (bs - slot0).min(n - p);
+        let base = layout.offset(table[p / bs] as usize, kv_head, slot0);
+        for jj in 0..run {
+            let w = _mm256_set1_ps(scores[p + jj] / sum);
+            let vp = v_cache.as_ptr().add(base + jj * hd);
+            for (c, oc) in o.iter_mut().enumerate() {
+                *oc = _mm256_fmadd_ps(w, _mm256_loadu_ps(vp.add(c * 8)), *oc);
+            }
+        }
+        p += run;
+    }
+    for (c, oc) in o.iter().enumerate() {
+        _mm256_storeu_ps(out.as_mut_ptr().add(c * 8), *oc);
+    }
+}
+
+/// Transposes 8 vectors of 8 lanes: `out[l][k] = v[k][l]`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn transpose8(v: &[std::arch::x86_64::__m256; 8]) -> [std::arch::x86_64::__m256; 8] {
+    use std::arch::x86_64::*;
+    let t0 = _mm256_unpacklo_ps(v[0], v[1]);
+    let t1 = _mm256_unpackhi_ps(v[0], v[1]);
+    let t2 = _mm256_unpacklo_ps(v[2], v[3]);
+    let t3 = _mm256_unpackhi_ps(v[2], v[3]);
+    let t4 = _mm256_unpacklo_ps(v[4], v[5]);
+    let t5 = _mm256_unpackhi_ps(v[4], v[5]);
+    let t6 = _mm256_unpacklo_ps(v[6], v[7]);
+    let t7 = _mm256_unpackhi_ps(v[6], v[7]);
+    let u0 = _mm256_shuffle_ps::<0x44>(t0, t2);
+    let u1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
+    let u2 = _mm256_shuffle_ps::<0x44>(t1, t3);
+    let u3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
+    let u4 = _mm256_shuffle_ps::<0x44>(t4, t6);
+    let u5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
+    let u6 = _mm256_shuffle_ps::<0x44>(t5, t7);
+    let u7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
+    [
+        _mm256_permute2f128_ps::<0x20>(u0, u4),
+        _mm256_permute2f128_ps::<0x20>(u1, u5),
+        _mm256_permute2f128_ps::<0x20>(u2, u6),
+        _mm256_permute2f128_ps::<0x20>(u3, u7),
+        _mm256_permute2f128_ps::<0x31>(u0, u4),
+        _mm256_permute2f128_ps::<0x31>(u1, u5),
+        _mm256_permute2f128_ps::<0x31>(u2, u6),
+        _mm256_permute2f128_ps::<0x31>(u3, u7),
+    ]
 }
 
 #[inline(always)]
@@ -156,6 +262,41 @@ fn attend_one_impl(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx2_attention_equals_portable_bit_for_bit() {
+        if !crate::has_avx2() {
+            return;
+        }
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut rnd = || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed >> 40) as f32 / (1u64 << 24) as f32 * 4.0 - 2.0
+        };
+        for (bs, hd) in [(16usize, 64usize), (4, 8), (8, 32), (16, 128), (5, 16)] {
+            let layout = KvLayout { block_size: bs, n_kv_heads: 3, head_dim: hd };
+            let n_blocks = 12;
+            let kc: Vec<f32> = (0..n_blocks * layout.block_elems()).map(|_| rnd()).collect();
+            let vc: Vec<f32> = (0..n_blocks * layout.block_elems()).map(|_| rnd()).collect();
+            let table: Vec<u32> = (0..n_blocks as u32).rev().collect(); // scattered
+            let q: Vec<f32> = (0..hd).map(|_| rnd()).collect();
+            for pos in [0usize, 6, 7, 8, 15, 16, 17, 33, n_blocks * bs - 1] {
+                for head in 0..3 {
+                    let (mut s1, mut s2) = (vec![], vec![]);
+                    let (mut o1, mut o2) = (vec![0f32; hd], vec![0f32; hd]);
+                    attend_one_impl(&layout, &kc, &vc, &table, pos, head, &q, 0.125, &mut s1, &mut o1);
+                    // SAFETY: AVX2 and FMA detected above.
+                    unsafe { attend_one_avx2(&layout, &kc, &vc, &table, pos, head, &q, 0.125, &mut s2, &mut o2) };
+                    let b1: Vec<u32> = o1.iter().map(|x| x.to_bits()).collect();
+                    let b2: Vec<u32> = o2.iter().map(|x| x.to_bits()).collect();
+                    assert_eq!(b1, b2, "bs {bs} hd {hd} pos {pos} head {head}");
+                }
+            }
+        }
+    }
 
     #[test]
     fn paged_attention_matches_contiguous_reference() {
