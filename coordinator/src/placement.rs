@@ -318,9 +318,9 @@ mod tests {
         assert_eq!(chosen(&d), 1);
         let Decision::Place { cached_blocks, reason, ranked, .. } = d else { unreachable!() };
         assert_eq!((cached_blocks, reason), (37, "prefix_hit"));
-        // local: 38 uncached blocks; remote hit: 1 + 20 + 2 hop; remote miss: 38 + 2.
+        // remote hit: 1 + 20 + 8 hop; local: 38 uncached blocks; remote miss: 38 + 8.
         let costs: Vec<f64> = ranked.iter().map(|s| s.cost).collect();
-        assert_eq!(costs, vec![23.0, 38.0, 40.0]);
+        assert_eq!(costs, vec![29.0, 38.0, 46.0]);
         // A partial overlap counts only the leading run of blocks.
         let mut holes = w("b", false);
         holes.cached = Arc::new([1u64, 2, 4, 5, 6].into_iter().collect());
@@ -401,6 +401,6 @@ mod tests {
         let d = place(&view, &req(4), &c, 0);
         let Decision::Place { index, ranked, .. } = d else { panic!() };
         assert_eq!(index, 1);
-        assert!((ranked[1].cost - (5.0 + 2.0 + 64.0 * 0.1)).abs() < 1e-9, "{ranked:?}");
+        assert!((ranked[1].cost - (5.0 + 8.0 + 64.0 * 0.1)).abs() < 1e-9, "{ranked:?}");
     }
 }

@@ -114,35 +114,39 @@ unsafe fn attend_one_avx2(
     scores.resize(n, 0.0);
     // Scores, 8 keys at a time: 8 independent FMA chains (one per key) instead of one, then an
     // 8×8 transpose so each key's horizontal sum runs in a lane, in `dot8_fma`'s exact order
-    // ((l0+l4) + (l2+l6)) + ((l1+l5) + (l3+l7)). Keys of one head are contiguous within a block.
+    // ((l0+l4) + (l2+l6)) + ((l1+l5) + (l3+l7)). The 8 keys may span blocks (any block size).
+    let kbase = k_cache.as_ptr();
+    let (mut blk, mut slot) = (0usize, 0usize);
     let mut p = 0;
-    while p < n {
-        let slot0 = p % bs;
-        let run = (bs - slot0).min(n - p);
-        let base = layout.offset(table[p / bs] as usize, kv_head, slot0);
-        let mut j = 0;
-        while j + 8 <= run {
-            let kp = k_cache.as_ptr().add(base + j * hd);
-            let mut acc = [_mm256_setzero_ps(); 8];
-            for c in 0..chunks {
-                let qv = _mm256_loadu_ps(q.as_ptr().add(c * 8));
-                for (key, a) in acc.iter_mut().enumerate() {
-                    *a = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp.add(key * hd + c * 8)), *a);
-                }
+    while p + 8 <= n {
+        let mut kp = [kbase; 8];
+        for k in kp.iter_mut() {
+            *k = kbase.add(layout.offset(table[blk] as usize, kv_head, slot));
+            slot += 1;
+            if slot == bs {
+                slot = 0;
+                blk += 1;
             }
-            let t = transpose8(&acc);
-            let r = _mm256_add_ps(
-                _mm256_add_ps(_mm256_add_ps(t[0], t[4]), _mm256_add_ps(t[2], t[6])),
-                _mm256_add_ps(_mm256_add_ps(t[1], t[5]), _mm256_add_ps(t[3], t[7])),
-            );
-            _mm256_storeu_ps(scores.as_mut_ptr().add(p + j), _mm256_mul_ps(r, _mm256_set1_ps(scale)));
-            j += 8;
         }
-        for jj in j..run {
-            let off = base + jj * hd;
-            scores[p + jj] = dot8_fma(q, &k_cache[off..off + hd]) * scale;
+        let mut acc = [_mm256_setzero_ps(); 8];
+        for c in 0..chunks {
+            let qv = _mm256_loadu_ps(q.as_ptr().add(c * 8));
+            for (a, k) in acc.iter_mut().zip(&kp) {
+                *a = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k.add(c * 8)), *a);
+            }
         }
-        p += run;
+        let t = transpose8(&acc);
+        let r = _mm256_add_ps(
+            _mm256_add_ps(_mm256_add_ps(t[0], t[4]), _mm256_add_ps(t[2], t[6])),
+            _mm256_add_ps(_mm256_add_ps(t[1], t[5]), _mm256_add_ps(t[3], t[7])),
+        );
+        _mm256_storeu_ps(scores.as_mut_ptr().add(p), _mm256_mul_ps(r, _mm256_set1_ps(scale)));
+        p += 8;
+    }
+    while p < n {
+        let off = layout.offset(table[p / bs] as usize, kv_head, p % bs);
+        scores[p] = dot8_fma(q, &k_cache[off..off + hd]) * scale;
+        p += 1;
     }
     let mut max = f32::NEG_INFINITY;
     for &s in scores.iter() {

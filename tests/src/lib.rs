@@ -197,7 +197,7 @@ impl TestCluster {
                 nc.http = "127.0.0.1:0".into();
                 nc.quic = Some(s.local_addr().unwrap().to_string());
                 nc.workers[0].threads = 2;
-                // 159 blocks of 16 tokens: a worker holds about four 600-token documents, so a
+                // About 2,500 tokens of KV: a worker holds about four 600-token documents, so a
                 // working set of eight fits the cluster only if placement partitions it.
                 nc.workers[0].kv_cache_mb = 112;
                 nc
