@@ -17,6 +17,24 @@ pub mod quant;
 pub mod cuda;
 
 /// Whether the AVX2+FMA+F16C code paths may run on this CPU (detected once).
+/// AVX-512 VNNI with 256-bit forms (and AVX2), for the integer dot products. Setting
+/// `ZEROLAYER_NO_VNNI` turns it off (for A/B benchmarks; results are identical either way).
+pub fn has_vnni() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::sync::OnceLock;
+        static VNNI: OnceLock<bool> = OnceLock::new();
+        *VNNI.get_or_init(|| has_avx2()
+            && is_x86_feature_detected!("avx512vnni")
+            && is_x86_feature_detected!("avx512vl")
+            && std::env::var_os("ZEROLAYER_NO_VNNI").is_none())
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
 pub fn has_avx2() -> bool {
     #[cfg(target_arch = "x86_64")]
     {

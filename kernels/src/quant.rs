@@ -338,11 +338,15 @@ unsafe fn tile_avx2(w: &Weight, x: &[f32], act: &[ActBlock], y: &mut [f32], r0: 
             // SAFETY: rows r..r+8 exist (r + 8 <= r1 <= rows); `act` holds `b` rows of `nb`
             // blocks and `y` holds `b` rows of `n` (checked by `matmul`); AVX2/FMA/F16C are
             // enabled for this function.
-            match w.format {
-                WeightFormat::Q4_1 => avx2::dot_rows8::<avx2::Q41>(w0, rb, act, nb, b, out, n),
-                WeightFormat::Q8_0 => avx2::dot_rows8::<avx2::Q80>(w0, rb, act, nb, b, out, n),
-                WeightFormat::Q4_0 => avx2::dot_rows8::<avx2::Q40>(w0, rb, act, nb, b, out, n),
-                WeightFormat::F32 => unreachable!(),
+            // SAFETY (VNNI arms): AVX-512 VNNI and VL were detected at run time.
+            match (w.format, crate::has_vnni()) {
+                (WeightFormat::Q4_1, true) => avx2::dot_rows8_vnni::<avx2::Q41>(w0, rb, act, nb, b, out, n),
+                (WeightFormat::Q8_0, true) => avx2::dot_rows8_vnni::<avx2::Q80>(w0, rb, act, nb, b, out, n),
+                (WeightFormat::Q4_0, true) => avx2::dot_rows8_vnni::<avx2::Q40>(w0, rb, act, nb, b, out, n),
+                (WeightFormat::Q4_1, false) => avx2::dot_rows8::<avx2::Q41>(w0, rb, act, nb, b, out, n),
+                (WeightFormat::Q8_0, false) => avx2::dot_rows8::<avx2::Q80>(w0, rb, act, nb, b, out, n),
+                (WeightFormat::Q4_0, false) => avx2::dot_rows8::<avx2::Q40>(w0, rb, act, nb, b, out, n),
+                (WeightFormat::F32, _) => unreachable!(),
             }
             r += 8;
         }
@@ -415,6 +419,21 @@ mod avx2 {
         _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sa), _mm256_set1_epi16(1))
     }
 
+    /// `udot` with AVX-512 VNNI: `vpdpbusd` sums the same 4 adjacent byte products into each i32
+    /// lane as `maddubs` + `madd` do (no saturation either way for these formats), in one op.
+    #[inline(always)]
+    unsafe fn udot_v(w: __m256i, a: *const i8) -> __m256i {
+        let av = _mm256_loadu_si256(a as *const __m256i);
+        _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, av)
+    }
+
+    /// `sdot` with AVX-512 VNNI (the same sign trick).
+    #[inline(always)]
+    unsafe fn sdot_v(w: __m256i, a: *const i8) -> __m256i {
+        let av = _mm256_loadu_si256(a as *const __m256i);
+        _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(w, w), _mm256_sign_epi8(av, w))
+    }
+
     /// A quantized block format as the batched kernel sees it.
     pub trait Fmt {
         /// Bytes per block.
@@ -425,6 +444,8 @@ mod avx2 {
         unsafe fn quants(p: *const u8) -> __m256i;
         /// The 8 integer partial sums of a block's quants against activation quants.
         unsafe fn isum(w: __m256i, a: *const i8) -> __m256i;
+        /// The same sums with AVX-512 VNNI (only called where it was detected).
+        unsafe fn isum_v(w: __m256i, a: *const i8) -> __m256i;
     }
 
     pub struct Q41;
@@ -442,6 +463,10 @@ mod avx2 {
         unsafe fn isum(w: __m256i, a: *const i8) -> __m256i {
             udot(w, a)
         }
+        #[inline(always)]
+        unsafe fn isum_v(w: __m256i, a: *const i8) -> __m256i {
+            udot_v(w, a)
+        }
     }
     impl Fmt for Q40 {
         const BB: usize = 18;
@@ -454,6 +479,10 @@ mod avx2 {
         unsafe fn isum(w: __m256i, a: *const i8) -> __m256i {
             sdot(w, a)
         }
+        #[inline(always)]
+        unsafe fn isum_v(w: __m256i, a: *const i8) -> __m256i {
+            sdot_v(w, a)
+        }
     }
     impl Fmt for Q80 {
         const BB: usize = 34;
@@ -465,6 +494,10 @@ mod avx2 {
         #[inline(always)]
         unsafe fn isum(w: __m256i, a: *const i8) -> __m256i {
             sdot(w, a)
+        }
+        #[inline(always)]
+        unsafe fn isum_v(w: __m256i, a: *const i8) -> __m256i {
+            sdot_v(w, a)
         }
     }
 
@@ -562,6 +595,17 @@ mod avx2 {
     /// scalar adds. Each block's 8 weight vectors are decoded once for up to 4 activation rows.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_rows8<F: Fmt>(w0: *const u8, rb: usize, acts: &[ActBlock], nb: usize, b: usize, out: *mut f32, stride: usize) {
+        rows8_body::<F, false>(w0, rb, acts, nb, b, out, stride)
+    }
+
+    /// [`dot_rows8`] with AVX-512 VNNI integer dot products (bit-identical results).
+    #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
+    pub unsafe fn dot_rows8_vnni<F: Fmt>(w0: *const u8, rb: usize, acts: &[ActBlock], nb: usize, b: usize, out: *mut f32, stride: usize) {
+        rows8_body::<F, true>(w0, rb, acts, nb, b, out, stride)
+    }
+
+    #[inline(always)]
+    unsafe fn rows8_body<F: Fmt, const V: bool>(w0: *const u8, rb: usize, acts: &[ActBlock], nb: usize, b: usize, out: *mut f32, stride: usize) {
         debug_assert!(acts.len() >= b * nb);
         debug_assert!(rb == nb * F::BB);
         let mut i0 = 0;
@@ -579,16 +623,8 @@ mod avx2 {
                 for (ii, acc) in acc.iter_mut().enumerate().take(ib) {
                     let a = &acts[(i0 + ii) * nb + j];
                     let qa = a.qs.as_ptr();
-                    let p = [
-                        F::isum(wv[0], qa),
-                        F::isum(wv[1], qa),
-                        F::isum(wv[2], qa),
-                        F::isum(wv[3], qa),
-                        F::isum(wv[4], qa),
-                        F::isum(wv[5], qa),
-                        F::isum(wv[6], qa),
-                        F::isum(wv[7], qa),
-                    ];
+                    let dot = |w: __m256i| if V { F::isum_v(w, qa) } else { F::isum(w, qa) };
+                    let p = [dot(wv[0]), dot(wv[1]), dot(wv[2]), dot(wv[3]), dot(wv[4]), dot(wv[5]), dot(wv[6]), dot(wv[7])];
                     let sumi = _mm256_cvtepi32_ps(hsum8(&p));
                     let mut t = _mm256_mul_ps(_mm256_mul_ps(sumi, dw), _mm256_set1_ps(a.d));
                     if F::MIN {
@@ -695,6 +731,21 @@ mod tests {
                             WeightFormat::Q4_0 => avx2::dot_rows8::<avx2::Q40>(w0, rb, &act, nb, b, fast8.as_mut_ptr(), 8),
                             _ => avx2::dot_rows8::<avx2::Q41>(w0, rb, &act, nb, b, fast8.as_mut_ptr(), 8),
                         }
+                    }
+                    if crate::has_vnni() {
+                        let mut v8 = vec![0f32; b * 8];
+                        // SAFETY: VNNI detected; same bounds as above.
+                        unsafe {
+                            let w0 = w.data.as_ptr().add(3 * rb);
+                            match format {
+                                WeightFormat::Q8_0 => avx2::dot_rows8_vnni::<avx2::Q80>(w0, rb, &act, nb, b, v8.as_mut_ptr(), 8),
+                                WeightFormat::Q4_0 => avx2::dot_rows8_vnni::<avx2::Q40>(w0, rb, &act, nb, b, v8.as_mut_ptr(), 8),
+                                _ => avx2::dot_rows8_vnni::<avx2::Q41>(w0, rb, &act, nb, b, v8.as_mut_ptr(), 8),
+                            }
+                        }
+                        let a: Vec<u32> = fast8.iter().map(|x| x.to_bits()).collect();
+                        let c: Vec<u32> = v8.iter().map(|x| x.to_bits()).collect();
+                        assert_eq!(a, c, "vnni {format:?} cols {cols} b {b}");
                     }
                     for r in 0..8 {
                         let wr = &w.data[(3 + r) * rb..(4 + r) * rb];
