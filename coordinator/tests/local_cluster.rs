@@ -56,10 +56,18 @@ async fn local_cluster_script_and_status() {
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
     assert_eq!(v["node"], "n2");
-    let table = Command::new(env!("CARGO_BIN_EXE_zerolayer")).args(["status", "--addr", &https[0]]).output().unwrap();
-    let table = String::from_utf8(table.stdout).unwrap();
+    // n1's view converges on its own schedule: poll it too (bounded).
+    let table_deadline = Instant::now() + Duration::from_secs(20);
+    let table = loop {
+        let out = Command::new(env!("CARGO_BIN_EXE_zerolayer")).args(["status", "--addr", &https[0]]).output().unwrap();
+        let table = String::from_utf8(out.stdout).unwrap();
+        if table.contains("3 nodes, 3 ready") {
+            break table;
+        }
+        assert!(Instant::now() < table_deadline, "n1 must see 3 ready nodes: {table}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
     println!("{table}");
-    assert!(table.contains("3 nodes, 3 ready"), "{table}");
     for n in ["n1", "n2", "n3"] {
         assert!(table.lines().any(|l| l.contains(&format!(" {n} ")) && l.contains("ready") && l.contains("cpu0")), "{n} row: {table}");
     }

@@ -38,6 +38,9 @@ use crate::coordinator::LocalWorker;
 use crate::placement::{ClusterView, NodeState, WorkerView};
 use transport::{Peers, QuicTransport, Relays, MAX_GOSSIP_BYTES};
 
+/// The shortest silence after which a peer the failure detector gives up on counts as dead.
+const MIN_DEAD_SILENCE: Duration = Duration::from_millis(1500);
+
 /// Shards of a worker's published prefix digest.
 const KV_SHARDS: usize = 16;
 
@@ -342,6 +345,8 @@ async fn publisher(cluster: std::sync::Weak<Cluster>, mut kv_rx: Vec<broadcast::
     let mut dirty: Vec<[bool; KV_SHARDS]> = vec![[true; KV_SHARDS]; kv_rx.len()];
     let mut described = false;
     let mut digests: HashMap<(String, String), DigestCache> = HashMap::new();
+    // When each peer's heartbeat last advanced, as seen here.
+    let mut heard: HashMap<ChitchatId, (chitchat::Heartbeat, std::time::Instant)> = HashMap::new();
     let mut tick = tokio::time::interval(interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -430,8 +435,20 @@ async fn publisher(cluster: std::sync::Weak<Cluster>, mut kv_rx: Vec<broadcast::
         let mut nodes = Vec::new();
         let mut remote = Vec::new();
         for (name, (id, ns)) in latest {
-            let state = if dead.contains(id) {
+            let now = std::time::Instant::now();
+            let hb = ns.heartbeat();
+            let last = heard.entry((*id).clone()).or_insert((hb, now));
+            if last.0 != hb {
+                *last = (hb, now);
+            }
+            // chitchat's detector (silence > phi_threshold × mean heartbeat gap) can fire on a
+            // short silence right after startup, when a few bursty samples make the mean tiny;
+            // a node is dead only once it has also been silent for MIN_DEAD_SILENCE.
+            let silent = now.duration_since(last.1) >= MIN_DEAD_SILENCE;
+            let state = if dead.contains(id) && silent {
                 NodeState::Dead
+            } else if dead.contains(id) {
+                ns.get("state").map(NodeState::parse).unwrap_or(NodeState::Joining)
             } else if !live.contains(id) {
                 NodeState::Joining
             } else {
