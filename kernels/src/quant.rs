@@ -1,19 +1,32 @@
 //! Weight formats and the matrix kernels that read them.
 //!
-//! Weights stay in their GGUF block layout (`Q4_0`, `Q4_1`, `Q8_0`) or as `F32`. For quantized
-//! weights the activation rows are first quantized to 32-element int8 blocks ([`ActBlock`],
-//! the Q8_1 scheme of llama.cpp and candle: scale `d`, and `s = d * Σq` for the offset formats),
-//! then every output element is one integer-accumulated dot product per block, summed over the
-//! blocks in order.
+//! Quantized weights (`Q4_0`, `Q4_1`, `Q8_0`) keep GGUF's 32-element blocks and their f16
+//! scales, but are **repacked at load into 8-row panels** (below); `F32` stays row-major. For
+//! quantized weights the activation rows are first quantized to 32-element int8 blocks
+//! ([`ActBlock`], the Q8_1 scheme of llama.cpp and candle: scale `d`, and `s = d * Σq` for the
+//! offset formats), then every output element is one integer-accumulated dot product per block,
+//! summed over the blocks in order.
+//!
+//! **Panels.** Rows `8p..8p+8` form panel `p`; within it, block `j` of all 8 rows is stored
+//! together as `[8 × f16 d][8 × f16 m, Q4_1 only][quants]`, the same bytes per block as GGUF.
+//! The quants are interleaved so that one 32-byte vector holds *4 consecutive elements of each
+//! of the 8 rows* (lane `r` = row `r`): one `vpdpbusd` (or `pmaddubsw` + `pmaddwd`) against the
+//! matching 4 activation bytes broadcast to every lane adds those 4 products into each row's
+//! lane. Eight such vectors cover a block, so a block's 8 exact integer row sums come out in
+//! 8 lanes with no horizontal reduction, and the 8 scales load as one vector. 4-bit quants
+//! pack two element groups per byte (low nibble: group `2q`, high: `2q + 1`); `Q8_0` quants are
+//! stored offset by 128 (as unsigned bytes) and the offset is taken back out exactly with the
+//! activation block's integer sum, as is `Q4_0`'s 8.
 //!
 //! **Batch invariance.** Output `y[i][j]` depends only on activation row `i` and weight row `j`,
-//! and is computed by exactly one call of the same dot routine with a fixed reduction order. Work
-//! is split over weight-row tiles whose size depends only on the weight shape, never on the batch.
+//! and is computed with the same operations in the same order (exact integer block sums, then
+//! `sumi * d_w * d_a + m_w * s_a` per block, added in block order) whatever the batch. Work is
+//! split over weight-row tiles whose size depends only on the weight shape, never on the batch.
 //! So a row's result is bit-identical whatever else shares the batch, its position in it, or the
-//! number of threads.
+//! number of threads — and bit-identical to the scalar reference code (tested).
 //!
-//! **Batch efficiency.** A tile of weight rows is read once per call and dotted against every
-//! activation row while it is hot in L1, so a batch of B rows costs far less than B mat-vecs.
+//! **Batch efficiency.** A tile of weight panels (about 16 KiB) stays in L1 while a chunk of up
+//! to 8 activation rows is dotted against it; each block's quants are decoded once per chunk.
 
 use crate::pool::ThreadPool;
 use crate::SyncPtr;
@@ -21,6 +34,8 @@ use half::f16;
 
 /// Elements per quantization block for the 32-element formats.
 pub const QK: usize = 32;
+/// Rows per panel.
+pub const PANEL: usize = 8;
 
 /// Supported weight storage formats.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -41,24 +56,73 @@ impl WeightFormat {
             WeightFormat::Q8_0 => 34,
         }
     }
+
+    /// Offset of the quants within a panel block (after the 8 `d`s, and the 8 `m`s for Q4_1).
+    fn quant_offset(self) -> usize {
+        match self {
+            WeightFormat::Q4_1 => 32,
+            _ => 16,
+        }
+    }
 }
 
-/// A weight matrix of `rows` output features by `cols` input features, row-major in blocks.
+/// A weight matrix of `rows` output features by `cols` input features.
 #[derive(Clone)]
 pub struct Weight {
     pub format: WeightFormat,
     pub rows: usize,
     pub cols: usize,
-    /// Raw bytes: `rows * cols / 32` blocks in GGUF layout, or little-endian f32 for `F32`.
-    pub data: Vec<u8>,
+    /// `F32`: row-major little-endian f32. Quantized: `rows.div_ceil(8)` panels (module docs);
+    /// the padding rows of the last panel have zero scales.
+    data: Vec<u8>,
+}
+
+/// One block of one row, decoded: scale, min (Q4_1; else 0) and the 32 integer quants.
+struct BlockView {
+    d: f32,
+    m: f32,
+    q: [i32; QK],
 }
 
 impl Weight {
-    pub fn new(format: WeightFormat, rows: usize, cols: usize, data: Vec<u8>) -> Self {
-        assert!(cols % QK == 0 || format == WeightFormat::F32, "cols {cols} not a multiple of {QK}");
+    /// A weight from GGUF-layout bytes (`rows * cols / 32` blocks, row-major; or f32 for `F32`).
+    pub fn new(format: WeightFormat, rows: usize, cols: usize, gguf: Vec<u8>) -> Self {
+        assert!(cols.is_multiple_of(QK) || format == WeightFormat::F32, "cols {cols} not a multiple of {QK}");
         let want = if format == WeightFormat::F32 { rows * cols * 4 } else { rows * cols / QK * format.block_bytes() };
-        assert_eq!(data.len(), want, "weight data size for {format:?} {rows}x{cols}");
-        Weight { format, rows, cols, data }
+        assert_eq!(gguf.len(), want, "weight data size for {format:?} {rows}x{cols}");
+        if format == WeightFormat::F32 {
+            return Weight { format, rows, cols, data: gguf };
+        }
+        let nb = cols / QK;
+        let bb = format.block_bytes();
+        let mut w = Weight { format, rows, cols, data: vec![0u8; rows.div_ceil(PANEL) * PANEL * nb * bb] };
+        if format == WeightFormat::Q8_0 {
+            // Stored quants are offset by 128: the padding rows' zeros are code 0x80.
+            for p in 0..rows.div_ceil(PANEL) {
+                for j in 0..nb {
+                    let at = w.panel_block(p, j) + format.quant_offset();
+                    w.data[at..at + PANEL * QK].fill(0x80);
+                }
+            }
+        }
+        for r in 0..rows {
+            for j in 0..nb {
+                let src = &gguf[(r * nb + j) * bb..(r * nb + j + 1) * bb];
+                let (d, m, codes) = match format {
+                    WeightFormat::Q4_1 => ([src[0], src[1]], [src[2], src[3]], nibble_codes(&src[4..20])),
+                    WeightFormat::Q4_0 => ([src[0], src[1]], [0, 0], nibble_codes(&src[2..18])),
+                    _ => {
+                        let mut c = [0u8; QK];
+                        for (c, &b) in c.iter_mut().zip(&src[2..34]) {
+                            *c = b ^ 0x80;
+                        }
+                        ([src[0], src[1]], [0, 0], c)
+                    }
+                };
+                w.set_block(r, j, d, m, &codes);
+            }
+        }
+        w
     }
 
     pub fn from_f32(rows: usize, cols: usize, values: &[f32]) -> Self {
@@ -70,6 +134,11 @@ impl Weight {
         Weight::new(WeightFormat::F32, rows, cols, data)
     }
 
+    /// Bytes held (padding included).
+    pub fn bytes(&self) -> usize {
+        self.data.len()
+    }
+
     fn row_bytes(&self) -> usize {
         match self.format {
             WeightFormat::F32 => self.cols * 4,
@@ -77,59 +146,147 @@ impl Weight {
         }
     }
 
-    /// Dequantizes row `r` into `out` (length `cols`). Used for embeddings and tests.
-    pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
-        assert_eq!(out.len(), self.cols);
-        let rb = self.row_bytes();
-        let row = &self.data[r * rb..(r + 1) * rb];
+    /// Byte offset of block `j` of panel `p`.
+    fn panel_block(&self, p: usize, j: usize) -> usize {
+        let pb = PANEL * self.format.block_bytes();
+        p * (self.cols / QK) * pb + j * pb
+    }
+
+    /// Where the stored code of element `k` of lane `r` lives: (byte offset in the quants, shift).
+    fn code_at(&self, r: usize, k: usize) -> (usize, u32) {
+        let (g, e) = (k / 4, k % 4);
         match self.format {
-            WeightFormat::F32 => {
-                for (o, c) in out.iter_mut().zip(row.chunks_exact(4)) {
-                    *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
-                }
+            WeightFormat::Q8_0 => (g * 32 + r * 4 + e, 0),
+            _ => ((g / 2) * 32 + r * 4 + e, 4 * (g % 2) as u32),
+        }
+    }
+
+    fn set_block(&mut self, r: usize, j: usize, d: [u8; 2], m: [u8; 2], codes: &[u8; QK]) {
+        let (p, lane) = (r / PANEL, r % PANEL);
+        let at = self.panel_block(p, j);
+        self.data[at + 2 * lane..at + 2 * lane + 2].copy_from_slice(&d);
+        if self.format == WeightFormat::Q4_1 {
+            self.data[at + 16 + 2 * lane..at + 16 + 2 * lane + 2].copy_from_slice(&m);
+        }
+        let q0 = at + self.format.quant_offset();
+        for (k, &c) in codes.iter().enumerate() {
+            let (o, sh) = self.code_at(lane, k);
+            if self.format == WeightFormat::Q8_0 {
+                self.data[q0 + o] = c;
+            } else {
+                self.data[q0 + o] |= c << sh;
             }
-            WeightFormat::Q8_0 => {
-                for (b, o) in row.chunks_exact(34).zip(out.chunks_exact_mut(QK)) {
-                    let d = f16_at(b, 0);
-                    for i in 0..QK {
-                        o[i] = d * (b[2 + i] as i8) as f32;
-                    }
-                }
-            }
-            WeightFormat::Q4_0 => {
-                for (b, o) in row.chunks_exact(18).zip(out.chunks_exact_mut(QK)) {
-                    let d = f16_at(b, 0);
-                    for i in 0..16 {
-                        o[i] = d * ((b[2 + i] & 0xF) as i32 - 8) as f32;
-                        o[i + 16] = d * ((b[2 + i] >> 4) as i32 - 8) as f32;
-                    }
-                }
-            }
-            WeightFormat::Q4_1 => {
-                for (b, o) in row.chunks_exact(20).zip(out.chunks_exact_mut(QK)) {
-                    let d = f16_at(b, 0);
-                    let m = f16_at(b, 2);
-                    for i in 0..16 {
-                        o[i] = d * (b[4 + i] & 0xF) as f32 + m;
-                        o[i + 16] = d * (b[4 + i] >> 4) as f32 + m;
+        }
+    }
+
+    /// The stored codes of block `j` of row `r` (4-bit formats: 0..15; Q8_0: quant + 128) and
+    /// the raw f16 bits of `d` and `m`.
+    fn codes(&self, r: usize, j: usize) -> ([u8; 2], [u8; 2], [u8; QK]) {
+        let (p, lane) = (r / PANEL, r % PANEL);
+        let at = self.panel_block(p, j);
+        let d = [self.data[at + 2 * lane], self.data[at + 2 * lane + 1]];
+        let m = if self.format == WeightFormat::Q4_1 { [self.data[at + 16 + 2 * lane], self.data[at + 17 + 2 * lane]] } else { [0, 0] };
+        let q0 = at + self.format.quant_offset();
+        let mut c = [0u8; QK];
+        for (k, c) in c.iter_mut().enumerate() {
+            let (o, sh) = self.code_at(lane, k);
+            *c = if self.format == WeightFormat::Q8_0 { self.data[q0 + o] } else { (self.data[q0 + o] >> sh) & 0xF };
+        }
+        (d, m, c)
+    }
+
+    fn block(&self, r: usize, j: usize) -> BlockView {
+        let (d, m, c) = self.codes(r, j);
+        let h = |b: [u8; 2]| f16::from_bits(u16::from_le_bytes(b)).to_f32();
+        let off = match self.format {
+            WeightFormat::Q4_0 => 8,
+            WeightFormat::Q8_0 => 128,
+            _ => 0,
+        };
+        BlockView { d: h(d), m: h(m), q: c.map(|c| c as i32 - off) }
+    }
+
+    /// The weight in GGUF layout again (lossless).
+    pub fn to_gguf(&self) -> Vec<u8> {
+        if self.format == WeightFormat::F32 {
+            return self.data.clone();
+        }
+        let nb = self.cols / QK;
+        let mut out = Vec::with_capacity(self.rows * self.row_bytes());
+        for r in 0..self.rows {
+            for j in 0..nb {
+                let (d, m, c) = self.codes(r, j);
+                out.extend_from_slice(&d);
+                match self.format {
+                    WeightFormat::Q8_0 => out.extend(c.iter().map(|c| c ^ 0x80)),
+                    f => {
+                        if f == WeightFormat::Q4_1 {
+                            out.extend_from_slice(&m);
+                        }
+                        out.extend((0..16).map(|i| c[i] | (c[i + 16] << 4)));
                     }
                 }
             }
         }
+        out
+    }
+
+    /// Dequantizes row `r` into `out` (length `cols`). Used for embeddings and tests.
+    pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
+        assert_eq!(out.len(), self.cols);
+        assert!(r < self.rows);
+        if self.format == WeightFormat::F32 {
+            let rb = self.row_bytes();
+            for (o, c) in out.iter_mut().zip(self.data[r * rb..(r + 1) * rb].chunks_exact(4)) {
+                *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            }
+            return;
+        }
+        for (j, o) in out.chunks_exact_mut(QK).enumerate() {
+            let b = self.block(r, j);
+            for (o, &q) in o.iter_mut().zip(&b.q) {
+                *o = match self.format {
+                    WeightFormat::Q4_1 => b.d * q as f32 + b.m,
+                    _ => b.d * q as f32,
+                };
+            }
+        }
+    }
+
+    /// Stacks weights with the same format and column count into one (rows concatenated), so
+    /// that e.g. Q, K and V projections run as a single matmul.
+    pub fn concat_rows(parts: &[&Weight]) -> Option<Weight> {
+        let first = parts.first()?;
+        if parts.iter().any(|p| p.format != first.format || p.cols != first.cols) {
+            return None;
+        }
+        let rows = parts.iter().map(|p| p.rows).sum();
+        let mut data = Vec::with_capacity(parts.iter().map(|p| p.rows * p.row_bytes()).sum());
+        for p in parts {
+            data.extend_from_slice(&p.to_gguf());
+        }
+        Some(Weight::new(first.format, rows, first.cols, data))
     }
 }
 
-#[inline(always)]
-fn f16_at(b: &[u8], at: usize) -> f32 {
-    f16::from_bits(u16::from_le_bytes([b[at], b[at + 1]])).to_f32()
+/// The 32 codes of a 4-bit GGUF block's 16 bytes (element `i` low nibble, `i + 16` high).
+fn nibble_codes(qs: &[u8]) -> [u8; QK] {
+    let mut c = [0u8; QK];
+    for i in 0..16 {
+        c[i] = qs[i] & 0xF;
+        c[i + 16] = qs[i] >> 4;
+    }
+    c
 }
 
-/// One quantized activation block: `x[i] ≈ d * qs[i]`, and `s = d * Σ qs` (both rounded to f16).
+/// One quantized activation block: `x[i] ≈ d * qs[i]`, `s = d * Σ qs` (both rounded to f16),
+/// and the exact integer `sum = Σ qs`.
 #[derive(Clone, Copy, Debug, Default)]
 #[repr(C)]
 pub struct ActBlock {
     pub d: f32,
     pub s: f32,
+    pub sum: i32,
     pub qs: [i8; QK],
 }
 
@@ -154,46 +311,26 @@ pub fn quantize_row(x: &[f32], out: &mut [ActBlock]) {
         let d16 = f16::from_f32(d);
         ob.d = d16.to_f32();
         ob.s = (f16::from_f32(sum as f32) * d16).to_f32();
+        ob.sum = sum;
     }
 }
 
-#[inline(always)]
-fn dot_q8_0(w: &[u8], a: &[ActBlock]) -> f32 {
+/// The scalar reference: row `r` of `w` against one quantized activation row. Exactly the
+/// arithmetic of candle's and ggml's `vec_dot` for these formats (per block: exact integer sum,
+/// then `sumi * d_w * d_a (+ m_w * s_a)`, accumulated in block order).
+fn dot_block_row(w: &Weight, r: usize, a: &[ActBlock]) -> f32 {
     let mut acc = 0f32;
-    for (b, ab) in w.chunks_exact(34).zip(a) {
+    for (j, ab) in a.iter().enumerate() {
+        let b = w.block(r, j);
         let mut sumi = 0i32;
-        for i in 0..QK {
-            sumi += (b[2 + i] as i8) as i32 * ab.qs[i] as i32;
+        for (q, &x) in b.q.iter().zip(&ab.qs) {
+            sumi += q * x as i32;
         }
-        acc += sumi as f32 * f16_at(b, 0) * ab.d;
-    }
-    acc
-}
-
-#[inline(always)]
-fn dot_q4_0(w: &[u8], a: &[ActBlock]) -> f32 {
-    let mut acc = 0f32;
-    for (b, ab) in w.chunks_exact(18).zip(a) {
-        let mut sumi = 0i32;
-        for i in 0..16 {
-            let q = b[2 + i];
-            sumi += ((q & 0xF) as i32 - 8) * ab.qs[i] as i32 + ((q >> 4) as i32 - 8) * ab.qs[i + 16] as i32;
+        let mut term = sumi as f32 * b.d * ab.d;
+        if w.format == WeightFormat::Q4_1 {
+            term += b.m * ab.s;
         }
-        acc += sumi as f32 * f16_at(b, 0) * ab.d;
-    }
-    acc
-}
-
-#[inline(always)]
-fn dot_q4_1(w: &[u8], a: &[ActBlock]) -> f32 {
-    let mut acc = 0f32;
-    for (b, ab) in w.chunks_exact(20).zip(a) {
-        let mut sumi = 0i32;
-        for i in 0..16 {
-            let q = b[4 + i];
-            sumi += (q & 0xF) as i32 * ab.qs[i] as i32 + (q >> 4) as i32 * ab.qs[i + 16] as i32;
-        }
-        acc += sumi as f32 * f16_at(b, 0) * ab.d + f16_at(b, 2) * ab.s;
+        acc += term;
     }
     acc
 }
@@ -232,14 +369,11 @@ pub struct MatmulScratch {
 }
 
 /// Rows of weights per task: a function of the weight shape only (never of the batch).
-/// Activation rows from which the 8-row AVX2 kernel is used.
-const ROWS8_MIN_BATCH: usize = 2;
-
 fn tile_rows(w: &Weight) -> usize {
     let rb = w.row_bytes().max(1);
-    // About 16 KiB of weights per task, between 8 and 64 rows, a multiple of 8 (the AVX2
-    // kernel's row group). It depends only on the weight's shape (batch invariance).
-    ((16384 / rb).clamp(8, 64) / 8) * 8
+    // About 16 KiB of weights per task, between 8 and 64 rows, a multiple of 8 (whole panels).
+    // It depends only on the weight's shape (batch invariance).
+    ((16384 / rb).clamp(8, 64) / PANEL) * PANEL
 }
 
 /// `y[b × rows] = x[b × cols] · Wᵀ` for `b = x.len() / cols` activation rows.
@@ -264,383 +398,321 @@ pub fn matmul(pool: &ThreadPool, w: &Weight, x: &[f32], y: &mut [f32], scratch: 
     let tile = tile_rows(w);
     let n_tasks = n.div_ceil(tile);
     let yp = SyncPtr(y.as_mut_ptr());
-    let use_avx2 = crate::has_avx2();
+    let kernel = Kernel::detect();
     pool.run(n_tasks, |t| {
         let r0 = t * tile;
         let r1 = (r0 + tile).min(n);
         // SAFETY: each task writes only columns r0..r1 of every output row, disjoint across
         // tasks, and `y` outlives `pool.run`.
         let y = unsafe { std::slice::from_raw_parts_mut(yp.get(), b * n) };
-        #[cfg(target_arch = "x86_64")]
-        if use_avx2 {
-            // SAFETY: AVX2 and FMA were detected at run time.
-            unsafe { tile_avx2(w, x, act, y, r0, r1, b) };
-            return;
-        }
-        let _ = use_avx2;
-        tile_portable(w, x, act, y, r0, r1, b);
+        tile_run(kernel, w, x, act, y, r0, r1, b);
     });
 }
 
-#[inline(always)]
-fn tile_impl(w: &Weight, x: &[f32], act: &[ActBlock], y: &mut [f32], r0: usize, r1: usize, b: usize) {
+/// Which implementation runs (detected once per call; tests pick each explicitly).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kernel {
+    Portable,
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    #[cfg(target_arch = "x86_64")]
+    Vnni,
+}
+
+impl Kernel {
+    fn detect() -> Kernel {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if crate::has_vnni() {
+                return Kernel::Vnni;
+            }
+            if crate::has_avx2() {
+                return Kernel::Avx2;
+            }
+        }
+        Kernel::Portable
+    }
+}
+
+/// Rows `r0..r1` (whole panels, except at the end) of all `b` outputs.
+#[allow(clippy::too_many_arguments)]
+fn tile_run(kernel: Kernel, w: &Weight, x: &[f32], act: &[ActBlock], y: &mut [f32], r0: usize, r1: usize, b: usize) {
     let k = w.cols;
     let n = w.rows;
-    let rb = w.row_bytes();
+    if w.format == WeightFormat::F32 {
+        let rb = w.row_bytes();
+        for r in r0..r1 {
+            let wf = f32_row(&w.data[r * rb..(r + 1) * rb]);
+            for i in 0..b {
+                y[i * n + r] = dot_f32(wf, &x[i * k..(i + 1) * k]);
+            }
+        }
+        return;
+    }
     let nb = k / QK;
-    for r in r0..r1 {
-        let wr = &w.data[r * rb..(r + 1) * rb];
-        match w.format {
-            WeightFormat::F32 => {
-                let wf = f32_row(wr);
+    assert!(act.len() >= b * nb && y.len() >= b * n && r0.is_multiple_of(PANEL) && r1 <= n);
+    match kernel {
+        Kernel::Portable => {
+            for r in r0..r1 {
                 for i in 0..b {
-                    y[i * n + r] = dot_f32(wf, &x[i * k..(i + 1) * k]);
+                    y[i * n + r] = dot_block_row(w, r, &act[i * nb..(i + 1) * nb]);
                 }
             }
-            WeightFormat::Q8_0 => {
-                for i in 0..b {
-                    y[i * n + r] = dot_q8_0(wr, &act[i * nb..(i + 1) * nb]);
-                }
-            }
-            WeightFormat::Q4_0 => {
-                for i in 0..b {
-                    y[i * n + r] = dot_q4_0(wr, &act[i * nb..(i + 1) * nb]);
-                }
-            }
-            WeightFormat::Q4_1 => {
-                for i in 0..b {
-                    y[i * n + r] = dot_q4_1(wr, &act[i * nb..(i + 1) * nb]);
+        }
+        #[cfg(target_arch = "x86_64")]
+        Kernel::Avx2 | Kernel::Vnni => {
+            let p0 = r0 / PANEL;
+            let p1 = r1.div_ceil(PANEL);
+            let pb = nb * PANEL * w.format.block_bytes();
+            // SAFETY: panels p0..p1 exist (r1 <= rows); `act` holds b rows of nb blocks and `y`
+            // b rows of n (asserted above); each panel writes lanes r < n only; the CPU
+            // features of the chosen kernel were detected at run time (`Kernel::detect`).
+            unsafe {
+                let panels = avx2::Panels { ptr: w.data.as_ptr().add(p0 * pb), pb, np: p1 - p0, lanes_last: r1 - (p1 - 1) * PANEL };
+                let rows = avx2::Rows { acts: act.as_ptr(), nb, b, out: y.as_mut_ptr().add(p0 * PANEL), stride: n };
+                match (w.format, kernel == Kernel::Vnni) {
+                    (WeightFormat::Q4_1, true) => avx2::tile_vnni::<avx2::Q41>(panels, rows),
+                    (WeightFormat::Q4_0, true) => avx2::tile_vnni::<avx2::Q40>(panels, rows),
+                    (WeightFormat::Q8_0, true) => avx2::tile_vnni::<avx2::Q80>(panels, rows),
+                    (WeightFormat::Q4_1, false) => avx2::tile_avx2::<avx2::Q41>(panels, rows),
+                    (WeightFormat::Q4_0, false) => avx2::tile_avx2::<avx2::Q40>(panels, rows),
+                    (WeightFormat::Q8_0, false) => avx2::tile_avx2::<avx2::Q80>(panels, rows),
+                    (WeightFormat::F32, _) => unreachable!(),
                 }
             }
         }
     }
 }
 
-fn tile_portable(w: &Weight, x: &[f32], act: &[ActBlock], y: &mut [f32], r0: usize, r1: usize, b: usize) {
-    tile_impl(w, x, act, y, r0, r1, b)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn tile_avx2(w: &Weight, x: &[f32], act: &[ActBlock], y: &mut [f32], r0: usize, r1: usize, b: usize) {
-    let k = w.cols;
-    let n = w.rows;
-    let rb = w.row_bytes();
-    let nb = k / QK;
-    // Groups of 8 rows: lanes are rows, so each output accumulates in a vector lane. It pays
-    // from 2 activation rows on; a single row (batch-1 decode, bandwidth-bound) reads each
-    // weight row as one sequential stream instead. Both give bit-identical results.
-    let mut r = r0;
-    if w.format != WeightFormat::F32 && b >= ROWS8_MIN_BATCH {
-        while r + 8 <= r1 {
-            let w0 = w.data.as_ptr().add(r * rb);
-            let out = y.as_mut_ptr().add(r);
-            // SAFETY: rows r..r+8 exist (r + 8 <= r1 <= rows); `act` holds `b` rows of `nb`
-            // blocks and `y` holds `b` rows of `n` (checked by `matmul`); AVX2/FMA/F16C are
-            // enabled for this function.
-            // SAFETY (VNNI arms): AVX-512 VNNI and VL were detected at run time.
-            match (w.format, crate::has_vnni()) {
-                (WeightFormat::Q4_1, true) => avx2::dot_rows8_vnni::<avx2::Q41>(w0, rb, act, nb, b, out, n),
-                (WeightFormat::Q8_0, true) => avx2::dot_rows8_vnni::<avx2::Q80>(w0, rb, act, nb, b, out, n),
-                (WeightFormat::Q4_0, true) => avx2::dot_rows8_vnni::<avx2::Q40>(w0, rb, act, nb, b, out, n),
-                (WeightFormat::Q4_1, false) => avx2::dot_rows8::<avx2::Q41>(w0, rb, act, nb, b, out, n),
-                (WeightFormat::Q8_0, false) => avx2::dot_rows8::<avx2::Q80>(w0, rb, act, nb, b, out, n),
-                (WeightFormat::Q4_0, false) => avx2::dot_rows8::<avx2::Q40>(w0, rb, act, nb, b, out, n),
-                (WeightFormat::F32, _) => unreachable!(),
-            }
-            r += 8;
-        }
-    }
-    for r in r..r1 {
-        let wr = &w.data[r * rb..(r + 1) * rb];
-        // SAFETY (all arms): AVX2/FMA/F16C are enabled for this function; `act` holds `b`
-        // rows of exactly `nb` blocks and `y` holds `b` rows of `n` (checked by `matmul`).
-        let out = y.as_mut_ptr().add(r);
-        match w.format {
-            WeightFormat::Q4_1 => avx2::dot_rows::<avx2::Q41>(wr, act, nb, b, out, n),
-            WeightFormat::Q8_0 => avx2::dot_rows::<avx2::Q80>(wr, act, nb, b, out, n),
-            WeightFormat::Q4_0 => avx2::dot_rows::<avx2::Q40>(wr, act, nb, b, out, n),
-            WeightFormat::F32 => {
-                for i in 0..b {
-                    y[i * n + r] = dot_f32(f32_row(wr), &x[i * k..(i + 1) * k]);
-                }
-            }
-        }
-    }
-}
-
-/// AVX2 block dot products. Each block's integer sum is exact, and the float arithmetic per
-/// block is the portable code's, in the same order, so results are bit-identical to
-/// `dot_q4_1` & co. (asserted by `avx2_equals_portable`).
+/// AVX2 (and AVX-512 VNNI) panel kernels. Each block's integer row sums are exact and the
+/// float arithmetic per block is the scalar code's, in the same order (no fused multiply-add),
+/// with lane `r` holding row `r`, so results are bit-identical to [`dot_block_row`].
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{f16_at, ActBlock, QK};
+    use super::{ActBlock, PANEL, QK};
     use std::arch::x86_64::*;
 
-    /// The four lane-sums of `a`, `b`, `c`, `d`.
-    #[inline(always)]
-    unsafe fn hsum4(a: __m256i, b: __m256i, c: __m256i, d: __m256i) -> [i32; 4] {
-        let ab = _mm256_hadd_epi32(a, b);
-        let cd = _mm256_hadd_epi32(c, d);
-        let abcd = _mm256_hadd_epi32(ab, cd);
-        let s = _mm_add_epi32(_mm256_castsi256_si128(abcd), _mm256_extracti128_si256::<1>(abcd));
-        let mut out = [0i32; 4];
-        _mm_storeu_si128(out.as_mut_ptr() as *mut __m128i, s);
-        out
-    }
-
-    #[inline(always)]
-    unsafe fn hsum1(a: __m256i) -> i32 {
-        hsum4(a, a, a, a)[0]
-    }
-
-    /// u8 weights (0..15) × i8 activations → 8 i32 partial sums.
-    #[inline(always)]
-    unsafe fn nibbles(qs: *const u8) -> __m256i {
-        let raw = _mm_loadu_si128(qs as *const __m128i);
-        let m = _mm_set1_epi8(0x0F);
-        let lo = _mm_and_si128(raw, m);
-        let hi = _mm_and_si128(_mm_srli_epi16::<4>(raw), m);
-        _mm256_set_m128i(hi, lo)
-    }
-
-    #[inline(always)]
-    unsafe fn udot(w: __m256i, a: *const i8) -> __m256i {
-        let av = _mm256_loadu_si256(a as *const __m256i);
-        _mm256_madd_epi16(_mm256_maddubs_epi16(w, av), _mm256_set1_epi16(1))
-    }
-
-    /// Signed × signed through the sign trick (|w| ≤ 128, |a| ≤ 127: no i16 saturation).
-    #[inline(always)]
-    unsafe fn sdot(w: __m256i, a: *const i8) -> __m256i {
-        let av = _mm256_loadu_si256(a as *const __m256i);
-        let aw = _mm256_sign_epi8(w, w);
-        let sa = _mm256_sign_epi8(av, w);
-        _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sa), _mm256_set1_epi16(1))
-    }
-
-    /// `udot` with AVX-512 VNNI: `vpdpbusd` sums the same 4 adjacent byte products into each i32
-    /// lane as `maddubs` + `madd` do (no saturation either way for these formats), in one op.
-    #[inline(always)]
-    unsafe fn udot_v(w: __m256i, a: *const i8) -> __m256i {
-        let av = _mm256_loadu_si256(a as *const __m256i);
-        _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, av)
-    }
-
-    /// `sdot` with AVX-512 VNNI (the same sign trick).
-    #[inline(always)]
-    unsafe fn sdot_v(w: __m256i, a: *const i8) -> __m256i {
-        let av = _mm256_loadu_si256(a as *const __m256i);
-        _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(w, w), _mm256_sign_epi8(av, w))
-    }
-
-    /// A quantized block format as the batched kernel sees it.
+    /// A quantized block format as the panel kernel sees it.
     pub trait Fmt {
-        /// Bytes per block.
-        const BB: usize;
-        /// Whether blocks carry a min (`m` at byte 2), as Q4_1 does.
+        /// Bytes per panel block (8 rows).
+        const PB: usize;
+        /// Whether blocks carry a min (8 f16 `m`s after the `d`s), as Q4_1 does.
         const MIN: bool;
-        /// The block's 32 quants as a vector (u8 for unsigned formats, i8 for signed).
-        unsafe fn quants(p: *const u8) -> __m256i;
-        /// The 8 integer partial sums of a block's quants against activation quants.
-        unsafe fn isum(w: __m256i, a: *const i8) -> __m256i;
-        /// The same sums with AVX-512 VNNI (only called where it was detected).
-        unsafe fn isum_v(w: __m256i, a: *const i8) -> __m256i;
+        /// Offset of the quants in a panel block.
+        const QOFF: usize;
+        /// What the integer sums must lose, times the activation block's `Σq` (the stored
+        /// quant offset; 0 where the AVX2 path decodes to signed values instead).
+        const OFFSET_VNNI: i32;
+        const OFFSET_AVX2: i32;
+        /// The 8 group vectors of one panel block (lane `r`: elements `4g..4g+4` of row `r`).
+        unsafe fn decode<const V: bool>(q: *const u8) -> [__m256i; 8];
+        /// `acc + Σ₄ w·a` per lane.
+        unsafe fn dot<const V: bool>(acc: __m256i, w: __m256i, a: __m256i) -> __m256i;
     }
 
     pub struct Q41;
     pub struct Q40;
     pub struct Q80;
 
+    #[inline(always)]
+    unsafe fn nibbles(q: *const u8) -> [__m256i; 8] {
+        let m = _mm256_set1_epi8(0x0F);
+        let mut out = [_mm256_setzero_si256(); 8];
+        for h in 0..4 {
+            let v = _mm256_loadu_si256(q.add(32 * h) as *const __m256i);
+            out[2 * h] = _mm256_and_si256(v, m);
+            out[2 * h + 1] = _mm256_and_si256(_mm256_srli_epi16::<4>(v), m);
+        }
+        out
+    }
+
+    /// Unsigned weights × signed activations, 4 products per lane added to `acc`. Without VNNI
+    /// this is `pmaddubsw` + `pmaddwd`, exact for weights ≤ 15 (no i16 saturation).
+    #[inline(always)]
+    unsafe fn udot<const V: bool>(acc: __m256i, w: __m256i, a: __m256i) -> __m256i {
+        if V {
+            _mm256_dpbusd_epi32(acc, w, a)
+        } else {
+            _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), _mm256_set1_epi16(1)))
+        }
+    }
+
     impl Fmt for Q41 {
-        const BB: usize = 20;
+        const PB: usize = 8 * 20;
         const MIN: bool = true;
+        const QOFF: usize = 32;
+        const OFFSET_VNNI: i32 = 0;
+        const OFFSET_AVX2: i32 = 0;
         #[inline(always)]
-        unsafe fn quants(p: *const u8) -> __m256i {
-            nibbles(p.add(4))
+        unsafe fn decode<const V: bool>(q: *const u8) -> [__m256i; 8] {
+            nibbles(q)
         }
         #[inline(always)]
-        unsafe fn isum(w: __m256i, a: *const i8) -> __m256i {
-            udot(w, a)
-        }
-        #[inline(always)]
-        unsafe fn isum_v(w: __m256i, a: *const i8) -> __m256i {
-            udot_v(w, a)
+        unsafe fn dot<const V: bool>(acc: __m256i, w: __m256i, a: __m256i) -> __m256i {
+            udot::<V>(acc, w, a)
         }
     }
     impl Fmt for Q40 {
-        const BB: usize = 18;
+        const PB: usize = 8 * 18;
         const MIN: bool = false;
+        const QOFF: usize = 16;
+        const OFFSET_VNNI: i32 = 8;
+        const OFFSET_AVX2: i32 = 8;
         #[inline(always)]
-        unsafe fn quants(p: *const u8) -> __m256i {
-            _mm256_sub_epi8(nibbles(p.add(2)), _mm256_set1_epi8(8))
+        unsafe fn decode<const V: bool>(q: *const u8) -> [__m256i; 8] {
+            nibbles(q)
         }
         #[inline(always)]
-        unsafe fn isum(w: __m256i, a: *const i8) -> __m256i {
-            sdot(w, a)
-        }
-        #[inline(always)]
-        unsafe fn isum_v(w: __m256i, a: *const i8) -> __m256i {
-            sdot_v(w, a)
+        unsafe fn dot<const V: bool>(acc: __m256i, w: __m256i, a: __m256i) -> __m256i {
+            udot::<V>(acc, w, a)
         }
     }
     impl Fmt for Q80 {
-        const BB: usize = 34;
+        const PB: usize = 8 * 34;
         const MIN: bool = false;
+        const QOFF: usize = 16;
+        const OFFSET_VNNI: i32 = 128;
+        const OFFSET_AVX2: i32 = 0;
         #[inline(always)]
-        unsafe fn quants(p: *const u8) -> __m256i {
-            _mm256_loadu_si256(p.add(2) as *const __m256i)
-        }
-        #[inline(always)]
-        unsafe fn isum(w: __m256i, a: *const i8) -> __m256i {
-            sdot(w, a)
-        }
-        #[inline(always)]
-        unsafe fn isum_v(w: __m256i, a: *const i8) -> __m256i {
-            sdot_v(w, a)
-        }
-    }
-
-    /// Lane sums of eight vectors, in order: `[Σv0, …, Σv7]` (exact integer adds).
-    #[inline(always)]
-    unsafe fn hsum8(v: &[__m256i; 8]) -> __m256i {
-        let a = _mm256_hadd_epi32(v[0], v[1]);
-        let b = _mm256_hadd_epi32(v[2], v[3]);
-        let c = _mm256_hadd_epi32(v[4], v[5]);
-        let d = _mm256_hadd_epi32(v[6], v[7]);
-        let ab = _mm256_hadd_epi32(a, b);
-        let cd = _mm256_hadd_epi32(c, d);
-        let lo = _mm256_permute2x128_si256::<0x20>(ab, cd);
-        let hi = _mm256_permute2x128_si256::<0x31>(ab, cd);
-        _mm256_add_epi32(lo, hi)
-    }
-
-    /// Eight f16 values at `p + j * stride` as f32s.
-    #[inline(always)]
-    unsafe fn f16x8(p: *const u8, stride: usize) -> __m256 {
-        let h = |j: usize| i16::from_le_bytes([*p.add(j * stride), *p.add(j * stride + 1)]);
-        _mm256_cvtph_ps(_mm_setr_epi16(h(0), h(1), h(2), h(3), h(4), h(5), h(6), h(7)))
-    }
-
-    /// One weight row against `b` activation rows, writing `out[i * stride]`.
-    ///
-    /// Weight blocks are decoded once per group of 8 and reused for up to 4 activation rows.
-    /// Each (row, block) float term is computed in a vector lane with exactly the scalar code's
-    /// operations and order (`sumi * d_w * d_a + m_w * s_a`, no fused multiply-add) and the
-    /// terms are accumulated one by one in block order, so every result equals the portable
-    /// path's bit for bit.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot_rows<F: Fmt>(w: &[u8], acts: &[ActBlock], nb: usize, b: usize, out: *mut f32, stride: usize) {
-        debug_assert_eq!(w.len(), nb * F::BB);
-        debug_assert!(acts.len() >= b * nb);
-        let wp = w.as_ptr();
-        let groups = nb / 8;
-        let mut i0 = 0;
-        while i0 < b {
-            let ib = (b - i0).min(4);
-            let mut acc = [0f32; 4];
-            for g in 0..groups {
-                let base = wp.add(g * 8 * F::BB);
-                let mut wv = [_mm256_setzero_si256(); 8];
-                for (j, v) in wv.iter_mut().enumerate() {
-                    *v = F::quants(base.add(j * F::BB));
-                }
-                let dw = f16x8(base, F::BB);
-                let mw = if F::MIN { f16x8(base.add(2), F::BB) } else { _mm256_setzero_ps() };
-                for (ii, acc) in acc.iter_mut().enumerate().take(ib) {
-                    let a = &acts[(i0 + ii) * nb + g * 8..(i0 + ii) * nb + g * 8 + 8];
-                    let mut p = [_mm256_setzero_si256(); 8];
-                    for j in 0..8 {
-                        p[j] = F::isum(wv[j], a[j].qs.as_ptr());
-                    }
-                    let sumi = _mm256_cvtepi32_ps(hsum8(&p));
-                    let da = _mm256_setr_ps(a[0].d, a[1].d, a[2].d, a[3].d, a[4].d, a[5].d, a[6].d, a[7].d);
-                    let mut t = _mm256_mul_ps(_mm256_mul_ps(sumi, dw), da);
-                    if F::MIN {
-                        let sa = _mm256_setr_ps(a[0].s, a[1].s, a[2].s, a[3].s, a[4].s, a[5].s, a[6].s, a[7].s);
-                        t = _mm256_add_ps(t, _mm256_mul_ps(mw, sa));
-                    }
-                    let mut lanes = [0f32; 8];
-                    _mm256_storeu_ps(lanes.as_mut_ptr(), t);
-                    for l in lanes {
-                        *acc += l;
-                    }
-                }
+        unsafe fn decode<const V: bool>(q: *const u8) -> [__m256i; 8] {
+            let mut out = [_mm256_setzero_si256(); 8];
+            for (g, o) in out.iter_mut().enumerate() {
+                let v = _mm256_loadu_si256(q.add(32 * g) as *const __m256i);
+                // VNNI: stored codes are the quants + 128, unsigned. AVX2: back to signed i8,
+                // for the sign trick below.
+                *o = if V { v } else { _mm256_xor_si256(v, _mm256_set1_epi8(-128)) };
             }
-            for (ii, acc) in acc.iter_mut().enumerate().take(ib) {
-                for blk in groups * 8..nb {
-                    let bw = &w[blk * F::BB..(blk + 1) * F::BB];
-                    let ab = &acts[(i0 + ii) * nb + blk];
-                    let sumi = hsum1(F::isum(F::quants(bw.as_ptr()), ab.qs.as_ptr()));
-                    let mut term = sumi as f32 * f16_at(bw, 0) * ab.d;
-                    if F::MIN {
-                        term += f16_at(bw, 2) * ab.s;
-                    }
-                    *acc += term;
-                }
-                *out.add((i0 + ii) * stride) = *acc;
+            out
+        }
+        #[inline(always)]
+        unsafe fn dot<const V: bool>(acc: __m256i, w: __m256i, a: __m256i) -> __m256i {
+            if V {
+                _mm256_dpbusd_epi32(acc, w, a)
+            } else {
+                // |w| ≤ 128 and |a| ≤ 127: pmaddubsw(|w|, ±a) cannot saturate.
+                let p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w));
+                _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)))
             }
-            i0 += ib;
         }
     }
 
-    /// Eight weight rows (`w0 + r * rb`, r = 0..8) against `b` activation rows, writing
-    /// `out[i * stride + r]`.
-    ///
-    /// Lanes are the 8 rows. For each block, the rows' integer sums come out of one `hsum8`, the
-    /// float term is formed with the scalar code's operations (`sumi * d_w * d_a + m_w * s_a`,
-    /// no fused multiply-add), and each lane adds its term to its own accumulator. So every
-    /// output still accumulates its blocks one by one in block order — bit-identical to the
-    /// portable path — while the adds of 8 outputs run as one vector add instead of 8 dependent
-    /// scalar adds. Each block's 8 weight vectors are decoded once for up to 4 activation rows.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot_rows8<F: Fmt>(w0: *const u8, rb: usize, acts: &[ActBlock], nb: usize, b: usize, out: *mut f32, stride: usize) {
-        rows8_body::<F, false>(w0, rb, acts, nb, b, out, stride)
+    /// A tile's weight panels: `np` panels of `pb` bytes from `ptr`; the last has `lanes_last`
+    /// real rows.
+    #[derive(Clone, Copy)]
+    pub struct Panels {
+        pub ptr: *const u8,
+        pub pb: usize,
+        pub np: usize,
+        pub lanes_last: usize,
     }
 
-    /// [`dot_rows8`] with AVX-512 VNNI integer dot products (bit-identical results).
-    #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
-    pub unsafe fn dot_rows8_vnni<F: Fmt>(w0: *const u8, rb: usize, acts: &[ActBlock], nb: usize, b: usize, out: *mut f32, stride: usize) {
-        rows8_body::<F, true>(w0, rb, acts, nb, b, out, stride)
+    /// Activation rows and where their outputs go: `b` rows of `nb` blocks from `acts`; row
+    /// `i`'s output for the tile's first weight row is at `out + i * stride`.
+    #[derive(Clone, Copy)]
+    pub struct Rows {
+        pub acts: *const ActBlock,
+        pub nb: usize,
+        pub b: usize,
+        pub out: *mut f32,
+        pub stride: usize,
     }
 
+    impl Rows {
+        unsafe fn skip(self, i: usize) -> Rows {
+            Rows { acts: self.acts.add(i * self.nb), b: self.b - i, out: self.out.add(i * self.stride), ..self }
+        }
+    }
+
+    /// The first `N` of `rows` against every panel, writing `out[i * stride + 8p + r]` for lanes
+    /// `r < 8` (`< lanes_last` in the last panel).
     #[inline(always)]
-    unsafe fn rows8_body<F: Fmt, const V: bool>(w0: *const u8, rb: usize, acts: &[ActBlock], nb: usize, b: usize, out: *mut f32, stride: usize) {
-        debug_assert!(acts.len() >= b * nb);
-        debug_assert!(rb == nb * F::BB);
-        let mut i0 = 0;
-        while i0 < b {
-            let ib = (b - i0).min(4);
-            let mut acc = [_mm256_setzero_ps(); 4];
+    unsafe fn chunk<F: Fmt, const V: bool, const N: usize>(w: Panels, rows: Rows) {
+        let Panels { ptr: panels, pb, np, lanes_last } = w;
+        let Rows { acts, nb, out, stride, .. } = rows;
+        debug_assert!(rows.b >= N);
+        let offset = if V { F::OFFSET_VNNI } else { F::OFFSET_AVX2 };
+        for p in 0..np {
+            let mut acc = [_mm256_setzero_ps(); N];
             for j in 0..nb {
-                let base = w0.add(j * F::BB);
-                let mut wv = [_mm256_setzero_si256(); 8];
-                for (r, v) in wv.iter_mut().enumerate() {
-                    *v = F::quants(base.add(r * rb));
-                }
-                let dw = f16x8(base, rb);
-                let mw = if F::MIN { f16x8(base.add(2), rb) } else { _mm256_setzero_ps() };
-                for (ii, acc) in acc.iter_mut().enumerate().take(ib) {
-                    let a = &acts[(i0 + ii) * nb + j];
-                    let qa = a.qs.as_ptr();
-                    let dot = |w: __m256i| if V { F::isum_v(w, qa) } else { F::isum(w, qa) };
-                    let p = [dot(wv[0]), dot(wv[1]), dot(wv[2]), dot(wv[3]), dot(wv[4]), dot(wv[5]), dot(wv[6]), dot(wv[7])];
-                    let sumi = _mm256_cvtepi32_ps(hsum8(&p));
-                    let mut t = _mm256_mul_ps(_mm256_mul_ps(sumi, dw), _mm256_set1_ps(a.d));
+                let blk = panels.add(p * pb + j * F::PB);
+                let dw = _mm256_cvtph_ps(_mm_loadu_si128(blk as *const __m128i));
+                let mw = if F::MIN { _mm256_cvtph_ps(_mm_loadu_si128(blk.add(16) as *const __m128i)) } else { _mm256_setzero_ps() };
+                let w = F::decode::<V>(blk.add(F::QOFF));
+                for (i, acc) in acc.iter_mut().enumerate() {
+                    let a = &*acts.add(i * nb + j);
+                    let q = a.qs.as_ptr();
+                    let bc = |g: usize| _mm256_set1_epi32((q.add(4 * g) as *const i32).read_unaligned());
+                    // Two chains; integer adds are exact, so the split changes nothing.
+                    let mut s0 = F::dot::<V>(_mm256_setzero_si256(), w[0], bc(0));
+                    let mut s1 = F::dot::<V>(_mm256_setzero_si256(), w[1], bc(1));
+                    s0 = F::dot::<V>(s0, w[2], bc(2));
+                    s1 = F::dot::<V>(s1, w[3], bc(3));
+                    s0 = F::dot::<V>(s0, w[4], bc(4));
+                    s1 = F::dot::<V>(s1, w[5], bc(5));
+                    s0 = F::dot::<V>(s0, w[6], bc(6));
+                    s1 = F::dot::<V>(s1, w[7], bc(7));
+                    let mut si = _mm256_add_epi32(s0, s1);
+                    if offset != 0 {
+                        si = _mm256_sub_epi32(si, _mm256_set1_epi32(offset * a.sum));
+                    }
+                    // The scalar code's `sumi * d_w * d_a (+ m_w * s_a)`, then `acc += term`.
+                    let mut t = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(si), dw), _mm256_set1_ps(a.d));
                     if F::MIN {
                         t = _mm256_add_ps(t, _mm256_mul_ps(mw, _mm256_set1_ps(a.s)));
                     }
                     *acc = _mm256_add_ps(*acc, t);
                 }
             }
-            for (ii, acc) in acc.iter().enumerate().take(ib) {
-                _mm256_storeu_ps(out.add((i0 + ii) * stride), *acc);
+            let lanes = if p + 1 == np { lanes_last } else { PANEL };
+            for (i, acc) in acc.iter().enumerate() {
+                let o = out.add(i * stride + p * PANEL);
+                if lanes == PANEL {
+                    _mm256_storeu_ps(o, *acc);
+                } else {
+                    let mut tmp = [0f32; PANEL];
+                    _mm256_storeu_ps(tmp.as_mut_ptr(), *acc);
+                    std::ptr::copy_nonoverlapping(tmp.as_ptr(), o, lanes);
+                }
             }
-            i0 += ib;
         }
     }
 
-    const _: () = assert!(QK == 32);
+    /// All rows in chunks of `MAX` (then 4, 2, 1), each chunk against every panel of the tile
+    /// while the tile's weights stay in L1.
+    #[inline(always)]
+    unsafe fn tile_body<F: Fmt, const V: bool, const MAX: usize>(w: Panels, rows: Rows) {
+        let mut i = 0;
+        while i < rows.b {
+            let r = rows.skip(i);
+            i += if r.b >= MAX {
+                chunk::<F, V, MAX>(w, r);
+                MAX
+            } else if r.b >= 4 {
+                chunk::<F, V, 4>(w, r);
+                4
+            } else if r.b >= 2 {
+                chunk::<F, V, 2>(w, r);
+                2
+            } else {
+                chunk::<F, V, 1>(w, r);
+                1
+            };
+        }
+    }
+
+    /// The AVX2 panel kernel (16 vector registers: chunks of 4 activation rows).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn tile_avx2<F: Fmt>(w: Panels, rows: Rows) {
+        tile_body::<F, false, 4>(w, rows)
+    }
+
+    /// The AVX-512 VNNI panel kernel on 256-bit vectors (32 registers: chunks of 8 rows).
+    #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
+    pub unsafe fn tile_vnni<F: Fmt>(w: Panels, rows: Rows) {
+        tile_body::<F, true, 8>(w, rows)
+    }
+
+    const _: () = assert!(QK == 32 && PANEL == 8);
 }
 
 #[cfg(test)]
@@ -652,7 +724,8 @@ mod tests {
         (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
     }
 
-    fn quantize_weight(format: WeightFormat, rows: usize, cols: usize, v: &[f32]) -> Weight {
+    /// GGUF-layout bytes of `v` quantized to `format` (as llama.cpp's reference quantizers do).
+    fn quantize_gguf(format: WeightFormat, v: &[f32]) -> Vec<u8> {
         let mut data = Vec::new();
         for blk in v.chunks_exact(QK) {
             let amax = blk.iter().fold(0f32, |m, x| m.max(x.abs()));
@@ -686,7 +759,47 @@ mod tests {
                 WeightFormat::F32 => unreachable!(),
             }
         }
-        Weight::new(format, rows, cols, data)
+        data
+    }
+
+    fn quantize_weight(format: WeightFormat, rows: usize, cols: usize, v: &[f32]) -> Weight {
+        Weight::new(format, rows, cols, quantize_gguf(format, v))
+    }
+
+    fn f16_at(b: &[u8], at: usize) -> f32 {
+        f16::from_bits(u16::from_le_bytes([b[at], b[at + 1]])).to_f32()
+    }
+
+    /// ggml's scalar `vec_dot` on one GGUF-layout row: independent of the panel layout.
+    fn gguf_dot(format: WeightFormat, row: &[u8], a: &[ActBlock]) -> f32 {
+        let mut acc = 0f32;
+        for (b, ab) in row.chunks_exact(format.block_bytes()).zip(a) {
+            let mut sumi = 0i32;
+            let term = match format {
+                WeightFormat::Q8_0 => {
+                    for i in 0..QK {
+                        sumi += (b[2 + i] as i8) as i32 * ab.qs[i] as i32;
+                    }
+                    sumi as f32 * f16_at(b, 0) * ab.d
+                }
+                WeightFormat::Q4_0 => {
+                    for i in 0..16 {
+                        let q = b[2 + i];
+                        sumi += ((q & 0xF) as i32 - 8) * ab.qs[i] as i32 + ((q >> 4) as i32 - 8) * ab.qs[i + 16] as i32;
+                    }
+                    sumi as f32 * f16_at(b, 0) * ab.d
+                }
+                _ => {
+                    for i in 0..16 {
+                        let q = b[4 + i];
+                        sumi += (q & 0xF) as i32 * ab.qs[i] as i32 + (q >> 4) as i32 * ab.qs[i + 16] as i32;
+                    }
+                    sumi as f32 * f16_at(b, 0) * ab.d + f16_at(b, 2) * ab.s
+                }
+            };
+            acc += term;
+        }
+        acc
     }
 
     /// Reference: dequantize the weights, use the f32 activations, accumulate in f64.
@@ -703,82 +816,77 @@ mod tests {
         y
     }
 
-    #[cfg(target_arch = "x86_64")]
+    const QFORMATS: [WeightFormat; 3] = [WeightFormat::Q8_0, WeightFormat::Q4_0, WeightFormat::Q4_1];
+
     #[test]
-    fn avx2_equals_portable() {
-        if !crate::has_avx2() {
-            return;
+    fn panels_round_trip_to_gguf() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        for format in QFORMATS {
+            for &(rows, cols) in &[(1usize, 32usize), (8, 64), (13, 96), (24, 576)] {
+                let gguf = quantize_gguf(format, &rand_vec(&mut rng, rows * cols));
+                let w = Weight::new(format, rows, cols, gguf.clone());
+                assert_eq!(w.to_gguf(), gguf, "{format:?} {rows}x{cols}");
+                assert_eq!(w.bytes(), rows.div_ceil(PANEL) * PANEL * cols / QK * format.block_bytes());
+                // Dequantization through the panels equals dequantizing the GGUF bytes.
+                let rb = cols / QK * format.block_bytes();
+                let mut row = vec![0f32; cols];
+                for r in 0..rows {
+                    w.dequantize_row(r, &mut row);
+                    for (j, b) in gguf[r * rb..(r + 1) * rb].chunks_exact(format.block_bytes()).enumerate() {
+                        for k in 0..QK {
+                            let want = match format {
+                                WeightFormat::Q8_0 => f16_at(b, 0) * (b[2 + k] as i8) as f32,
+                                WeightFormat::Q4_0 => f16_at(b, 0) * ((if k < 16 { b[2 + k] & 0xF } else { b[2 + k - 16] >> 4 }) as i32 - 8) as f32,
+                                _ => f16_at(b, 0) * (if k < 16 { b[4 + k] & 0xF } else { b[4 + k - 16] >> 4 }) as f32 + f16_at(b, 2),
+                            };
+                            assert_eq!(row[j * QK + k].to_bits(), want.to_bits(), "{format:?} row {r} elem {}", j * QK + k);
+                        }
+                    }
+                }
+                let cat = Weight::concat_rows(&[&w, &w]).unwrap();
+                assert_eq!(cat.to_gguf(), [gguf.clone(), gguf].concat());
+            }
+        }
+    }
+
+    /// Every kernel (portable, AVX2, VNNI where present) equals ggml's scalar dot on the GGUF
+    /// bytes bit for bit: ragged batches, partial last panels, every chunk size.
+    #[test]
+    fn kernels_equal_scalar_bit_for_bit() {
+        let mut kernels = vec![Kernel::Portable];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if crate::has_avx2() {
+                kernels.push(Kernel::Avx2);
+            }
+            if crate::has_vnni() {
+                kernels.push(Kernel::Vnni);
+            }
         }
         let mut rng = rand::rngs::StdRng::seed_from_u64(11);
-        for format in [WeightFormat::Q8_0, WeightFormat::Q4_0, WeightFormat::Q4_1] {
-            for cols in [32usize, 96, 160, 256, 576, 1536] {
+        for format in QFORMATS {
+            for &(rows, cols) in &[(8usize, 32usize), (11, 96), (16, 160), (27, 576), (8, 1536)] {
                 let nb = cols / QK;
-                let w = quantize_weight(format, 11, cols, &rand_vec(&mut rng, 11 * cols));
-                for b in [1usize, 3, 4, 5, 9] {
+                let gguf = quantize_gguf(format, &rand_vec(&mut rng, rows * cols));
+                let w = Weight::new(format, rows, cols, gguf.clone());
+                let rb = nb * format.block_bytes();
+                for b in [1usize, 2, 3, 4, 5, 8, 9, 13, 17] {
                     let x = rand_vec(&mut rng, b * cols);
                     let mut act = vec![ActBlock::default(); b * nb];
                     for (xr, ar) in x.chunks_exact(cols).zip(act.chunks_exact_mut(nb)) {
                         quantize_row(xr, ar);
                     }
-                    let rb = w.row_bytes();
-                    // Rows 3..11 as one group of 8 (lanes = rows), against the scalar code.
-                    let mut fast8 = vec![0f32; b * 8];
-                    // SAFETY: AVX2/FMA/F16C detected above; rows 3..11 exist; `fast8` holds b rows of 8.
-                    unsafe {
-                        let w0 = w.data.as_ptr().add(3 * rb);
-                        match format {
-                            WeightFormat::Q8_0 => avx2::dot_rows8::<avx2::Q80>(w0, rb, &act, nb, b, fast8.as_mut_ptr(), 8),
-                            WeightFormat::Q4_0 => avx2::dot_rows8::<avx2::Q40>(w0, rb, &act, nb, b, fast8.as_mut_ptr(), 8),
-                            _ => avx2::dot_rows8::<avx2::Q41>(w0, rb, &act, nb, b, fast8.as_mut_ptr(), 8),
-                        }
-                    }
-                    if crate::has_vnni() {
-                        let mut v8 = vec![0f32; b * 8];
-                        // SAFETY: VNNI detected; same bounds as above.
-                        unsafe {
-                            let w0 = w.data.as_ptr().add(3 * rb);
-                            match format {
-                                WeightFormat::Q8_0 => avx2::dot_rows8_vnni::<avx2::Q80>(w0, rb, &act, nb, b, v8.as_mut_ptr(), 8),
-                                WeightFormat::Q4_0 => avx2::dot_rows8_vnni::<avx2::Q40>(w0, rb, &act, nb, b, v8.as_mut_ptr(), 8),
-                                _ => avx2::dot_rows8_vnni::<avx2::Q41>(w0, rb, &act, nb, b, v8.as_mut_ptr(), 8),
-                            }
-                        }
-                        let a: Vec<u32> = fast8.iter().map(|x| x.to_bits()).collect();
-                        let c: Vec<u32> = v8.iter().map(|x| x.to_bits()).collect();
-                        assert_eq!(a, c, "vnni {format:?} cols {cols} b {b}");
-                    }
-                    for r in 0..8 {
-                        let wr = &w.data[(3 + r) * rb..(4 + r) * rb];
-                        for i in 0..b {
-                            let a = &act[i * nb..(i + 1) * nb];
-                            let slow = match format {
-                                WeightFormat::Q8_0 => dot_q8_0(wr, a),
-                                WeightFormat::Q4_0 => dot_q4_0(wr, a),
-                                _ => dot_q4_1(wr, a),
-                            };
-                            assert_eq!(fast8[i * 8 + r].to_bits(), slow.to_bits(), "rows8 {format:?} cols {cols} b {b} row {r} act {i}");
-                        }
-                    }
-                    for r in 0..3 {
-                        let wr = &w.data[r * rb..(r + 1) * rb];
-                        let mut fast = vec![0f32; b];
-                        // SAFETY: AVX2/FMA/F16C detected above; `act` has b rows of nb blocks.
-                        unsafe {
-                            match format {
-                                WeightFormat::Q8_0 => avx2::dot_rows::<avx2::Q80>(wr, &act, nb, b, fast.as_mut_ptr(), 1),
-                                WeightFormat::Q4_0 => avx2::dot_rows::<avx2::Q40>(wr, &act, nb, b, fast.as_mut_ptr(), 1),
-                                _ => avx2::dot_rows::<avx2::Q41>(wr, &act, nb, b, fast.as_mut_ptr(), 1),
-                            }
-                        }
-                        for i in 0..b {
-                            let a = &act[i * nb..(i + 1) * nb];
-                            let slow = match format {
-                                WeightFormat::Q8_0 => dot_q8_0(wr, a),
-                                WeightFormat::Q4_0 => dot_q4_0(wr, a),
-                                _ => dot_q4_1(wr, a),
-                            };
-                            assert_eq!(fast[i].to_bits(), slow.to_bits(), "{format:?} cols {cols} b {b} row {r} act {i}");
-                        }
+                    let want: Vec<u32> = (0..b * rows)
+                        .map(|o| gguf_dot(format, &gguf[(o % rows) * rb..(o % rows + 1) * rb], &act[(o / rows) * nb..(o / rows + 1) * nb]).to_bits())
+                        .collect();
+                    for &kernel in &kernels {
+                        let mut y = vec![f32::NAN; b * rows];
+                        // Two tiles (the first whole panels), as `matmul` splits work.
+                        let split = if rows > 8 { 8 } else { rows };
+                        tile_run(kernel, &w, &x, &act, &mut y, 0, split, b);
+                        tile_run(kernel, &w, &x, &act, &mut y, split, rows, b);
+                        let got: Vec<u32> = y.iter().map(|v| v.to_bits()).collect();
+                        assert_eq!(got, want, "{kernel:?} {format:?} {rows}x{cols} b {b}");
                     }
                 }
             }
@@ -797,7 +905,7 @@ mod tests {
                 } else {
                     quantize_weight(format, rows, cols, &wv)
                 };
-                for &b in &[1usize, 3, 8] {
+                for &b in &[1usize, 3, 8, 11] {
                     let x = rand_vec(&mut rng, b * cols);
                     let mut y = vec![0f32; b * rows];
                     let mut scratch = MatmulScratch::default();
@@ -817,22 +925,5 @@ mod tests {
                 }
             }
         }
-    }
-}
-
-impl Weight {
-    /// Stacks weights with the same format and column count into one (rows concatenated), so
-    /// that e.g. Q, K and V projections run as a single matmul.
-    pub fn concat_rows(parts: &[&Weight]) -> Option<Weight> {
-        let first = parts.first()?;
-        if parts.iter().any(|p| p.format != first.format || p.cols != first.cols) {
-            return None;
-        }
-        let rows = parts.iter().map(|p| p.rows).sum();
-        let mut data = Vec::with_capacity(parts.iter().map(|p| p.data.len()).sum());
-        for p in parts {
-            data.extend_from_slice(&p.data);
-        }
-        Some(Weight::new(first.format, rows, first.cols, data))
     }
 }

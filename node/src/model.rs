@@ -163,9 +163,9 @@ impl Model {
                 embed.rows, embed.cols, output.rows, output.cols, cfg.dim, cfg.vocab_size
             )));
         }
-        let weight_bytes = embed.data.len()
-            + if Arc::ptr_eq(&embed, &output) { 0 } else { output.data.len() }
-            + layers.iter().map(|l| l.wqkv.data.len() + l.wo.data.len() + l.wgate_up.data.len() + l.wdown.data.len()).sum::<usize>();
+        let weight_bytes = embed.bytes()
+            + if Arc::ptr_eq(&embed, &output) { 0 } else { output.bytes() }
+            + layers.iter().map(|l| l.wqkv.bytes() + l.wo.bytes() + l.wgate_up.bytes() + l.wdown.bytes()).sum::<usize>();
         let threads = if threads == 0 { std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) } else { threads };
         let rope = RopeTable::new(cfg.head_dim, cfg.context_length, cfg.rope_base, cfg.rope_style);
         Ok(Model { cfg, embed, layers, norm, output, rope, pool: ThreadPool::new(threads), scratch: Scratch::default(), weight_bytes })
