@@ -13,6 +13,8 @@
 
 /// The element type of the KV cache.
 pub type KvElem = f32;
+
+use crate::ops::exp_fast;
 #[inline(always)]
 fn to_kv(x: f32) -> KvElem {
     x
@@ -154,10 +156,20 @@ unsafe fn attend_one_avx2(
             max = s;
         }
     }
+    // e^(s - max) 8 at a time (bit-identical to `exp_fast`), then summed in position order.
+    let mut p = 0;
+    let mv = _mm256_set1_ps(max);
+    while p + 8 <= n {
+        let sp = scores.as_mut_ptr().add(p);
+        _mm256_storeu_ps(sp, crate::ops::avx2::exp8(_mm256_sub_ps(_mm256_loadu_ps(sp), mv)));
+        p += 8;
+    }
+    for s in &mut scores[p..] {
+        *s = exp_fast(*s - max);
+    }
     let mut sum = 0f32;
-    for s in scores.iter_mut() {
-        *s = (*s - max).exp();
-        sum += *s;
+    for &s in scores.iter() {
+        sum += s;
     }
     // V, in position order; each output lane runs its own FMA chain, as the portable code.
     let mut o = [_mm256_setzero_ps(); 32];
@@ -250,7 +262,7 @@ fn attend_one_impl(
     }
     let mut sum = 0f32;
     for s in scores.iter_mut() {
-        *s = (*s - max).exp();
+        *s = exp_fast(*s - max);
         sum += *s;
     }
     out.iter_mut().for_each(|o| *o = 0.0);

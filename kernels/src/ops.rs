@@ -90,11 +90,90 @@ impl RopeTable {
     }
 }
 
-/// `gate = silu(gate) * up`, elementwise.
+/// `e^x` in f32 (Cephes' `expf`: range reduction by ln 2 in two parts, a degree-5 polynomial;
+/// within 2 ulp of the true value over the range, 0 below -88.38, `e^88.38` above 88.38).
+///
+/// Written as a fixed sequence of IEEE operations (fused multiply-adds are `mul_add`, exact
+/// on every target) so that [`avx2::exp8`] computes the same bits 8 at a time; libm's `expf`
+/// differs between platforms and cannot be vectorized bit-for-bit.
+#[inline(always)]
+pub fn exp_fast(x: f32) -> f32 {
+    // Not `clamp`: max-then-min maps NaN to EXP_HI exactly as the vector form's maxps/minps do.
+    #[allow(clippy::manual_clamp)]
+    let x = x.max(EXP_LO).min(EXP_HI);
+    let n = x.mul_add(LOG2E, 0.5).floor();
+    let r = (-n).mul_add(LN2_HI, x);
+    let r = (-n).mul_add(LN2_LO, r);
+    let z = r * r;
+    let mut y = EXP_P[0];
+    for p in &EXP_P[1..] {
+        y = y.mul_add(r, *p);
+    }
+    let y = y.mul_add(z, r) + 1.0;
+    y * f32::from_bits(((n as i32 + 127) << 23) as u32)
+}
+
+const EXP_HI: f32 = 88.376_26;
+const EXP_LO: f32 = -88.376_26;
+const LOG2E: f32 = std::f32::consts::LOG2_E;
+const LN2_HI: f32 = 0.693_359_4;
+const LN2_LO: f32 = -2.121_944_4e-4;
+const EXP_P: [f32; 6] = [1.987_569_1e-4, 1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 0.166_666_65, 0.5];
+
+/// `gate = silu(gate) * up`, elementwise: `g / (1 + e^-g) * u`.
 pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
+    assert_eq!(gate.len(), up.len());
+    #[cfg(target_arch = "x86_64")]
+    if crate::has_avx2() {
+        // SAFETY: AVX2/FMA detected; lengths checked.
+        unsafe { avx2::silu_mul(gate, up) };
+        return;
+    }
+    silu_mul_portable(gate, up)
+}
+
+fn silu_mul_portable(gate: &mut [f32], up: &[f32]) {
     for (g, &u) in gate.iter_mut().zip(up) {
         let v = *g;
-        *g = v / (1.0 + (-v).exp()) * u;
+        *g = v / (1.0 + exp_fast(-v)) * u;
+    }
+}
+
+/// Vector forms, bit-identical to the scalar ones above (tested).
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx2 {
+    use super::*;
+    use std::arch::x86_64::*;
+
+    /// [`exp_fast`] on 8 lanes.
+    #[inline(always)]
+    pub(crate) unsafe fn exp8(x: __m256) -> __m256 {
+        let x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(EXP_LO)), _mm256_set1_ps(EXP_HI));
+        let n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(LOG2E), _mm256_set1_ps(0.5)));
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_HI), x);
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_LO), r);
+        let z = _mm256_mul_ps(r, r);
+        let mut y = _mm256_set1_ps(EXP_P[0]);
+        for p in &EXP_P[1..] {
+            y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(*p));
+        }
+        let y = _mm256_add_ps(_mm256_fmadd_ps(y, z, r), _mm256_set1_ps(1.0));
+        let pow2 = _mm256_slli_epi32::<23>(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)));
+        _mm256_mul_ps(y, _mm256_castsi256_ps(pow2))
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub(crate) unsafe fn silu_mul(gate: &mut [f32], up: &[f32]) {
+        let n8 = gate.len() / 8 * 8;
+        let one = _mm256_set1_ps(1.0);
+        let neg = _mm256_set1_ps(-0.0);
+        for i in (0..n8).step_by(8) {
+            let g = _mm256_loadu_ps(gate.as_ptr().add(i));
+            let u = _mm256_loadu_ps(up.as_ptr().add(i));
+            let e = exp8(_mm256_xor_ps(g, neg));
+            _mm256_storeu_ps(gate.as_mut_ptr().add(i), _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), u));
+        }
+        silu_mul_portable(&mut gate[n8..], &up[n8..]);
     }
 }
 
@@ -108,6 +187,34 @@ pub fn add_assign(x: &mut [f32], y: &[f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn exp_fast_is_accurate_and_vector_equals_scalar() {
+        let mut xs: Vec<f32> = (-2000..=2000).map(|i| i as f32 * 0.0467).collect();
+        xs.extend([0.0, -0.0, 1e-30, -1e-30, 88.0, -87.0, 88.37, -88.37, 100.0, -100.0, f32::INFINITY, f32::NEG_INFINITY]);
+        for &x in &xs {
+            let (got, want) = (exp_fast(x) as f64, (x as f64).exp());
+            if (-87.0..=88.0).contains(&x) {
+                assert!(((got - want) / want).abs() < 4.0 * f32::EPSILON as f64, "exp({x}) = {got}, want {want}");
+            }
+        }
+        assert_eq!(exp_fast(-100.0), 0.0);
+        assert!(exp_fast(100.0).is_finite());
+        #[cfg(target_arch = "x86_64")]
+        if crate::has_avx2() {
+            let gate: Vec<f32> = xs.iter().map(|x| x * 0.25).collect();
+            let up: Vec<f32> = (0..gate.len()).map(|i| (i as f32 * 0.37).sin()).collect();
+            let (mut a, mut b) = (gate.clone(), gate.clone());
+            silu_mul_portable(&mut a, &up);
+            // SAFETY: AVX2/FMA detected.
+            unsafe { avx2::silu_mul(&mut b, &up) };
+            assert_eq!(a.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), b.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+            for (i, &g) in gate.iter().enumerate().filter(|(_, g)| g.is_finite()) {
+                let want = g as f64 / (1.0 + (-(g as f64)).exp()) * up[i] as f64;
+                assert!((a[i] as f64 - want).abs() <= 1e-6 * (1.0 + want.abs()), "silu({g})");
+            }
+        }
+    }
 
     #[test]
     fn rms_norm_matches_definition() {

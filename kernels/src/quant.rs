@@ -291,8 +291,21 @@ pub struct ActBlock {
 }
 
 /// Quantizes one activation row (length a multiple of 32) into `out` (length/32 blocks).
+///
+/// `q = round(x / d)` rounds half away from zero (Rust's `f32::round`, as candle does); the
+/// AVX2 path computes exactly the same bytes and sums (tested).
 pub fn quantize_row(x: &[f32], out: &mut [ActBlock]) {
     assert_eq!(x.len(), out.len() * QK);
+    #[cfg(target_arch = "x86_64")]
+    if crate::has_avx2() {
+        // SAFETY: AVX2/FMA/F16C detected; lengths checked above.
+        unsafe { quantize_row_avx2(x, out) };
+        return;
+    }
+    quantize_row_portable(x, out)
+}
+
+fn quantize_row_portable(x: &[f32], out: &mut [ActBlock]) {
     for (xb, ob) in x.chunks_exact(QK).zip(out.iter_mut()) {
         let mut amax = 0f32;
         for &v in xb {
@@ -306,12 +319,57 @@ pub fn quantize_row(x: &[f32], out: &mut [ActBlock]) {
             *q = r as i8;
             sum += r;
         }
-        // Scales are kept at f16 precision, as in ggml's and candle's Q8_0/Q8_1 blocks, so
-        // results match those references (and llama.cpp) closely.
-        let d16 = f16::from_f32(d);
-        ob.d = d16.to_f32();
-        ob.s = (f16::from_f32(sum as f32) * d16).to_f32();
-        ob.sum = sum;
+        set_scales(ob, d, sum);
+    }
+}
+
+/// Scales are kept at f16 precision, as in ggml's and candle's Q8_0/Q8_1 blocks, so results
+/// match those references (and llama.cpp) closely.
+#[inline(always)]
+fn set_scales(ob: &mut ActBlock, d: f32, sum: i32) {
+    let d16 = f16::from_f32(d);
+    ob.d = d16.to_f32();
+    ob.s = (f16::from_f32(sum as f32) * d16).to_f32();
+    ob.sum = sum;
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn quantize_row_avx2(x: &[f32], out: &mut [ActBlock]) {
+    use std::arch::x86_64::*;
+    let abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFF_FFFF));
+    let sign_mask = _mm256_castsi256_ps(_mm256_set1_epi32(i32::MIN));
+    let (half, one) = (_mm256_set1_ps(0.5), _mm256_set1_ps(1.0));
+    for (xb, ob) in x.chunks_exact(QK).zip(out.iter_mut()) {
+        let v: [__m256; 4] = std::array::from_fn(|i| _mm256_loadu_ps(xb.as_ptr().add(8 * i)));
+        // max is exact and order-free; NaN lanes are dropped as `f32::max` drops them.
+        let mut m = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], abs_mask), _mm256_and_ps(v[1], abs_mask)), _mm256_max_ps(_mm256_and_ps(v[2], abs_mask), _mm256_and_ps(v[3], abs_mask)));
+        m = _mm256_max_ps(m, _mm256_permute2f128_ps::<1>(m, m));
+        m = _mm256_max_ps(m, _mm256_permute_ps::<0b01_00_11_10>(m));
+        m = _mm256_max_ps(m, _mm256_permute_ps::<0b10_11_00_01>(m));
+        let amax = _mm256_cvtss_f32(m);
+        let d = amax / 127.0;
+        let id = _mm256_set1_ps(if d != 0.0 { 1.0 / d } else { 0.0 });
+        let q: [__m256i; 4] = std::array::from_fn(|i| {
+            let r = _mm256_mul_ps(v[i], id);
+            // Round half away from zero: truncate, then step away from zero when the (exact)
+            // remainder is at least one half.
+            let t = _mm256_round_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(r);
+            let rem = _mm256_and_ps(_mm256_sub_ps(r, t), abs_mask);
+            let step = _mm256_and_ps(_mm256_cmp_ps::<_CMP_GE_OQ>(rem, half), _mm256_or_ps(one, _mm256_and_ps(r, sign_mask)));
+            _mm256_cvttps_epi32(_mm256_add_ps(t, step))
+        });
+        let s = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+        let s = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256::<1>(s));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01_00_11_10>(s));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s));
+        let sum = _mm_cvtsi128_si32(s);
+        // i32 → i8 in element order (as ggml's quantize_row_q8 does).
+        let p01 = _mm256_packs_epi32(q[0], q[1]);
+        let p23 = _mm256_packs_epi32(q[2], q[3]);
+        let bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p01, p23), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256(ob.qs.as_mut_ptr() as *mut __m256i, bytes);
+        set_scales(ob, d, sum);
     }
 }
 
@@ -814,6 +872,30 @@ mod tests {
             }
         }
         y
+    }
+
+    #[test]
+    fn quantize_row_paths_agree_bit_for_bit() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+        for n in [32usize, 64, 576, 1536] {
+            let mut x = rand_vec(&mut rng, n);
+            // Exact halves after scaling (ties round away from zero), zeros and a zero block.
+            x[0] = 1.0;
+            x[1] = 0.5 / 127.0 * 3.0;
+            x[2] = -2.5 / 127.0;
+            x[3] = 0.0;
+            if n >= 64 {
+                x[32..64].fill(0.0);
+            }
+            let mut a = vec![ActBlock::default(); n / QK];
+            let mut b = a.clone();
+            quantize_row_portable(&x, &mut a);
+            quantize_row(&x, &mut b);
+            for (a, b) in a.iter().zip(&b) {
+                assert_eq!((a.d.to_bits(), a.s.to_bits(), a.sum, a.qs), (b.d.to_bits(), b.s.to_bits(), b.sum, b.qs));
+                assert_eq!(a.sum, a.qs.iter().map(|&q| q as i32).sum::<i32>());
+            }
+        }
     }
 
     const QFORMATS: [WeightFormat; 3] = [WeightFormat::Q8_0, WeightFormat::Q4_0, WeightFormat::Q4_1];

@@ -1,9 +1,10 @@
 //! Engine throughput on the real model, measured directly on the engine (no HTTP).
 //!
-//! `cargo run -p zerolayer-tests --bin engine_bench -- [--threads N] [--json PATH]`
+//! `cargo run -p zerolayer-tests --bin engine_bench -- [--threads N] [--json PATH] [--repeat N] [--only FIGURE]`
 //!
 //! Reports batch-1 decode tokens/s, prefill tokens/s, and aggregate decode tokens/s with 8 and
-//! 16 concurrent sequences. Run it on an idle machine.
+//! 16 concurrent sequences: each the median of `--repeat` runs (default 3). `--only b1|prefill|
+//! agg8|agg16` measures one figure (for profiling). Run it on an idle machine.
 
 use std::time::Instant;
 
@@ -59,16 +60,38 @@ fn main() {
     let json_path = get("--json");
     let l = load(&model_path(), None, threads, |_, _| {}).unwrap();
     let mut engine = Engine::new(l.model, l.tokenizer, &EngineConfig { max_batch_tokens: 512, kv_cache_bytes: 1 << 30, ..Default::default() }).unwrap();
+    let repeat: usize = get("--repeat").map(|v| v.parse().unwrap()).unwrap_or(3).max(1);
+    let only = get("--only");
+    let want = |name: &str| only.as_deref().is_none_or(|o| o == name);
     // Warm-up.
     run(&mut engine, 1, 32, 8, 1);
-    let (_, d1, g1) = run(&mut engine, 1, 32, 128, 2);
-    let b1 = g1 as f64 / d1;
-    let (p, _, _) = run(&mut engine, 1, 512, 1, 3);
-    let prefill = 512.0 / p;
-    let (_, d8, g8) = run(&mut engine, 8, 32, 64, 4);
-    let a8 = g8 as f64 / d8;
-    let (_, d16, g16) = run(&mut engine, 16, 32, 64, 5);
-    let a16 = g16 as f64 / d16;
+    let mut salt = 2;
+    let mut median = |name: &str, f: &mut dyn FnMut(&mut Engine, usize) -> f64| -> f64 {
+        if !want(name) {
+            return f64::NAN;
+        }
+        let mut v: Vec<f64> = (0..repeat)
+            .map(|_| {
+                salt += 1;
+                f(&mut engine, salt)
+            })
+            .collect();
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let b1 = median("b1", &mut |e, s| {
+        let (_, d, g) = run(e, 1, 32, 128, s);
+        g as f64 / d
+    });
+    let prefill = median("prefill", &mut |e, s| 512.0 / run(e, 1, 512, 1, s).0);
+    let a8 = median("agg8", &mut |e, s| {
+        let (_, d, g) = run(e, 8, 32, 64, s);
+        g as f64 / d
+    });
+    let a16 = median("agg16", &mut |e, s| {
+        let (_, d, g) = run(e, 16, 32, 64, s);
+        g as f64 / d
+    });
     println!("| figure | tokens/s |\n|---|---|");
     println!("| batch-1 decode (32-token prompt, 128 generated) | {b1:.1} |");
     println!("| prefill, one 512-token prompt | {prefill:.1} |");
