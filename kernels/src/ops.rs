@@ -98,7 +98,7 @@ impl RopeTable {
 /// differs between platforms and cannot be vectorized bit-for-bit.
 #[inline(always)]
 pub fn exp_fast(x: f32) -> f32 {
-    // Not `clamp`: max-then-min maps NaN to EXP_HI exactly as the vector form's maxps/minps do.
+    // Not `clamp`: max-then-min maps NaN to EXP_LO exactly as the vector form's maxps/minps do.
     #[allow(clippy::manual_clamp)]
     let x = x.max(EXP_LO).min(EXP_HI);
     let n = x.mul_add(LOG2E, 0.5).floor();
