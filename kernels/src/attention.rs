@@ -172,8 +172,26 @@ unsafe fn attend_one_avx2(
         sum += s;
     }
     // V, in position order; each output lane runs its own FMA chain, as the portable code.
-    let mut o = [_mm256_setzero_ps(); 32];
-    let o = &mut o[..chunks];
+    // The accumulators live in registers for the common head sizes (a const length).
+    match chunks {
+        8 => accumulate_v::<8>(layout, v_cache, table, kv_head, scores, sum, out),
+        16 => accumulate_v::<16>(layout, v_cache, table, kv_head, scores, sum, out),
+        4 => accumulate_v::<4>(layout, v_cache, table, kv_head, scores, sum, out),
+        _ => accumulate_v::<32>(layout, v_cache, table, kv_head, scores, sum, out),
+    }
+}
+
+/// `out = Σ_p (scores[p] / sum) · V[p]` over `scores.len()` positions, with `C` 8-lane
+/// accumulators (`C * 8 >= head_dim`; only `head_dim / 8` of them are used).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn accumulate_v<const C: usize>(layout: &KvLayout, v_cache: &[KvElem], table: &[u32], kv_head: usize, scores: &[f32], sum: f32, out: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let (hd, bs, n) = (layout.head_dim, layout.block_size, scores.len());
+    let chunks = hd / 8;
+    debug_assert!(chunks <= C);
+    let mut o = [_mm256_setzero_ps(); C];
     let mut p = 0;
     while p < n {
         let slot0 = p % bs;
@@ -183,12 +201,14 @@ unsafe fn attend_one_avx2(
             let w = _mm256_set1_ps(scores[p + jj] / sum);
             let vp = v_cache.as_ptr().add(base + jj * hd);
             for (c, oc) in o.iter_mut().enumerate() {
-                *oc = _mm256_fmadd_ps(w, _mm256_loadu_ps(vp.add(c * 8)), *oc);
+                if C == chunks || c < chunks {
+                    *oc = _mm256_fmadd_ps(w, _mm256_loadu_ps(vp.add(c * 8)), *oc);
+                }
             }
         }
         p += run;
     }
-    for (c, oc) in o.iter().enumerate() {
+    for (c, oc) in o.iter().enumerate().take(chunks) {
         _mm256_storeu_ps(out.as_mut_ptr().add(c * 8), *oc);
     }
 }
