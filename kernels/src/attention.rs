@@ -435,17 +435,22 @@ pub fn paged_attention(
     assert!(q.len() >= (rows.len().saturating_sub(1)) * q_stride + od);
     let op = crate::SyncPtr(out.as_mut_ptr());
     let n_out = out.len();
-    pool.run(rows.len() * n_heads, |task| {
-        let (t, h) = (task / n_heads, task % n_heads);
+    // One task per (row, KV head): the `group` query heads that read the same K/V run back to
+    // back on one thread, so the 2nd and later find it in L1/L2.
+    let n_kv = layout.n_kv_heads;
+    pool.run(rows.len() * n_kv, |task| {
+        let (t, kvh) = (task / n_kv, task % n_kv);
         let row = rows[t];
-        let qh = &q[t * q_stride + h * hd..t * q_stride + (h + 1) * hd];
-        // SAFETY: task (t, h) writes only out[t*od + h*hd .. + hd], disjoint across tasks;
-        // `out` outlives `pool.run`.
+        // SAFETY: task (t, kvh) writes only out[t*od + h*hd .. + hd] for its own query heads h,
+        // disjoint across tasks; `out` outlives `pool.run`.
         let out_all = unsafe { std::slice::from_raw_parts_mut(op.get(), n_out) };
-        let o = &mut out_all[t * od + h * hd..t * od + (h + 1) * hd];
         SCORES.with(|s| {
             let mut s = s.borrow_mut();
-            attend_one(layout, k_cache, v_cache, row.table, row.pos, h / group, qh, scale, &mut s, o);
+            for h in kvh * group..(kvh + 1) * group {
+                let qh = &q[t * q_stride + h * hd..t * q_stride + (h + 1) * hd];
+                let o = &mut out_all[t * od + h * hd..t * od + (h + 1) * hd];
+                attend_one(layout, k_cache, v_cache, row.table, row.pos, kvh, qh, scale, &mut s, o);
+            }
         });
     });
 }
