@@ -681,6 +681,21 @@ mod avx2 {
         }
     }
 
+    /// Runs `$body` with `$i` = 0, 1, … `$n - 1` (`$n` ≤ 8, a constant), unrolled.
+    macro_rules! rows {
+        ($n:expr, $i:ident, $body:block) => {
+            rows!(@ $n, $i, $body, 0, 1, 2, 3, 4, 5, 6, 7)
+        };
+        (@ $n:expr, $i:ident, $body:block, $($k:literal),*) => {
+            $(
+                if $k < $n {
+                    let $i: usize = $k;
+                    $body
+                }
+            )*
+        };
+    }
+
     /// The first `N` of `rows` against every panel, writing `out[i * stride + 8p + r]` for lanes
     /// `r < 8` (`< lanes_last` in the last panel).
     #[inline(always)]
@@ -696,7 +711,10 @@ mod avx2 {
                 let dw = _mm256_cvtph_ps(_mm_loadu_si128(blk as *const __m128i));
                 let mw = if F::MIN { _mm256_cvtph_ps(_mm_loadu_si128(blk.add(16) as *const __m128i)) } else { _mm256_setzero_ps() };
                 let w = F::decode::<V>(blk.add(F::QOFF));
-                for (i, acc) in acc.iter_mut().enumerate() {
+                // Unrolled by hand (`rows!`): LLVM leaves an 8-row loop rolled, with the
+                // accumulators on the stack.
+                rows!(N, i, {
+                    let acc = &mut acc[i];
                     let a = &*acts.add(i * nb + j);
                     let q = a.qs.as_ptr();
                     let bc = |g: usize| _mm256_set1_epi32((q.add(4 * g) as *const i32).read_unaligned());
@@ -719,7 +737,7 @@ mod avx2 {
                         t = _mm256_add_ps(t, _mm256_mul_ps(mw, _mm256_set1_ps(a.s)));
                     }
                     *acc = _mm256_add_ps(*acc, t);
-                }
+                });
             }
             let lanes = if p + 1 == np { lanes_last } else { PANEL };
             for (i, acc) in acc.iter().enumerate() {
@@ -764,13 +782,18 @@ mod avx2 {
         tile_body::<F, false, 4>(w, rows)
     }
 
+    /// Activation rows per chunk in the VNNI kernel.
+    const VNNI_ROWS: usize = 8;
+
     /// The AVX-512 VNNI panel kernel on 256-bit vectors (32 registers: chunks of 8 rows).
     #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
     pub unsafe fn tile_vnni<F: Fmt>(w: Panels, rows: Rows) {
-        tile_body::<F, true, 8>(w, rows)
+        tile_body::<F, true, VNNI_ROWS>(w, rows)
     }
 
     const _: () = assert!(QK == 32 && PANEL == 8);
+    // `rows!` unrolls at most 8.
+    const _: () = assert!(VNNI_ROWS <= 8);
 }
 
 #[cfg(test)]
