@@ -708,6 +708,14 @@ mod avx2 {
             let mut acc = [_mm256_setzero_ps(); N];
             for j in 0..nb {
                 let blk = panels.add(p * pb + j * F::PB);
+                // The first chunk streams the tile from memory: ask for blocks ahead (a few
+                // blocks of the next panel at the end of a row; past the tile it is harmless).
+                let ahead = blk.wrapping_add(PREFETCH_BLOCKS * F::PB);
+                let mut line = 0;
+                while line < F::PB {
+                    _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line) as *const i8);
+                    line += 64;
+                }
                 let dw = _mm256_cvtph_ps(_mm_loadu_si128(blk as *const __m128i));
                 let mw = if F::MIN { _mm256_cvtph_ps(_mm_loadu_si128(blk.add(16) as *const __m128i)) } else { _mm256_setzero_ps() };
                 let w = F::decode::<V>(blk.add(F::QOFF));
@@ -781,6 +789,9 @@ mod avx2 {
     pub unsafe fn tile_avx2<F: Fmt>(w: Panels, rows: Rows) {
         tile_body::<F, false, 4>(w, rows)
     }
+
+    /// How far ahead (in panel blocks) the kernel prefetches weights.
+    const PREFETCH_BLOCKS: usize = 4;
 
     /// Activation rows per chunk in the VNNI kernel.
     const VNNI_ROWS: usize = 8;
