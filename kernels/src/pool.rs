@@ -16,13 +16,29 @@ use std::thread::JoinHandle;
 
 type Job = *const (dyn Fn(usize) + Sync);
 
+/// One value on its own cache line, so that counters written by different threads do not
+/// bounce one line between cores.
+#[repr(align(128))]
+struct Line<T>(T);
+
+impl<T> std::ops::Deref for Line<T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        &self.0
+    }
+}
+
 struct Shared {
-    generation: AtomicU64,
+    generation: Line<AtomicU64>,
     /// The current region's closure and task count; `None` between regions.
     job: Mutex<Option<(SendPtr, usize)>>,
-    next: AtomicUsize,
-    done: AtomicUsize,
-    active_workers: AtomicUsize,
+    /// The next task index to claim.
+    next: Line<AtomicUsize>,
+    /// Tasks finished (each thread adds its count once it finds no more to claim).
+    done: Line<AtomicUsize>,
+    active_workers: Line<AtomicUsize>,
+    /// Workers parked on `park_cv` (a region only takes the lock to wake them if any are).
+    parked: AtomicUsize,
     shutdown: AtomicBool,
     park_lock: Mutex<()>,
     park_cv: Condvar,
@@ -47,11 +63,12 @@ impl ThreadPool {
     pub fn new(n_threads: usize) -> Self {
         let n_threads = n_threads.max(1);
         let shared = Arc::new(Shared {
-            generation: AtomicU64::new(0),
+            generation: Line(AtomicU64::new(0)),
             job: Mutex::new(None),
-            next: AtomicUsize::new(0),
-            done: AtomicUsize::new(0),
-            active_workers: AtomicUsize::new(0),
+            next: Line(AtomicUsize::new(0)),
+            done: Line(AtomicUsize::new(0)),
+            active_workers: Line(AtomicUsize::new(0)),
+            parked: AtomicUsize::new(0),
             shutdown: AtomicBool::new(false),
             park_lock: Mutex::new(()),
             park_cv: Condvar::new(),
@@ -95,19 +112,14 @@ impl ThreadPool {
         s.done.store(0, Ordering::SeqCst);
         *s.job.lock().unwrap() = Some((SendPtr(ptr), n_tasks));
         s.generation.fetch_add(1, Ordering::SeqCst);
-        {
+        // A worker registers in `parked` (SeqCst) before re-checking the generation under the
+        // lock, so either it sees the new generation or we see it parked and wake it.
+        if s.parked.load(Ordering::SeqCst) > 0 {
             let _l = s.park_lock.lock().unwrap();
             s.park_cv.notify_all();
         }
         // Participate.
-        loop {
-            let i = s.next.fetch_add(1, Ordering::AcqRel);
-            if i >= n_tasks {
-                break;
-            }
-            f(i);
-            s.done.fetch_add(1, Ordering::AcqRel);
-        }
+        claim_tasks(s, &f, n_tasks);
         while s.done.load(Ordering::Acquire) < n_tasks || s.active_workers.load(Ordering::Acquire) > 0 {
             std::hint::spin_loop();
         }
@@ -117,6 +129,23 @@ impl ThreadPool {
         while s.active_workers.load(Ordering::Acquire) > 0 {
             std::hint::spin_loop();
         }
+    }
+}
+
+/// Claims and runs tasks until none are left, then adds how many this thread ran to `done`.
+#[inline]
+fn claim_tasks(s: &Shared, f: &(dyn Fn(usize) + Sync), n: usize) {
+    let mut ran = 0;
+    loop {
+        let i = s.next.fetch_add(1, Ordering::AcqRel);
+        if i >= n {
+            break;
+        }
+        f(i);
+        ran += 1;
+    }
+    if ran > 0 {
+        s.done.fetch_add(ran, Ordering::AcqRel);
     }
 }
 
@@ -139,9 +168,11 @@ fn worker_loop(s: &Shared) {
                 std::hint::spin_loop();
             } else {
                 let l = s.park_lock.lock().unwrap();
-                if s.generation.load(Ordering::Acquire) == seen && !s.shutdown.load(Ordering::Acquire) {
+                s.parked.fetch_add(1, Ordering::SeqCst);
+                if s.generation.load(Ordering::SeqCst) == seen && !s.shutdown.load(Ordering::Acquire) {
                     let _ = s.park_cv.wait_timeout(l, std::time::Duration::from_millis(50)).unwrap();
                 }
+                s.parked.fetch_sub(1, Ordering::SeqCst);
                 spins = 0;
             }
         }
@@ -150,14 +181,7 @@ fn worker_loop(s: &Shared) {
         if let Some((SendPtr(p), n)) = job {
             // SAFETY: `run` keeps the closure alive until `active_workers` drops back to 0.
             let f = unsafe { &*p };
-            loop {
-                let i = s.next.fetch_add(1, Ordering::AcqRel);
-                if i >= n {
-                    break;
-                }
-                f(i);
-                s.done.fetch_add(1, Ordering::AcqRel);
-            }
+            claim_tasks(s, f, n);
         }
         s.active_workers.fetch_sub(1, Ordering::AcqRel);
     }
