@@ -424,6 +424,7 @@ fn f32_row(bytes: &[u8]) -> &[f32] {
 #[derive(Default)]
 pub struct MatmulScratch {
     act: Vec<ActBlock>,
+    x: Vec<f32>,
 }
 
 /// Rows of weights per task: a function of the weight shape only (never of the batch).
@@ -439,22 +440,85 @@ fn tile_rows(w: &Weight) -> usize {
 /// `y[b × rows] = x[b × cols] · Wᵀ` for `b = x.len() / cols` activation rows.
 pub fn matmul(pool: &ThreadPool, w: &Weight, x: &[f32], y: &mut [f32], scratch: &mut MatmulScratch) {
     let k = w.cols;
-    let n = w.rows;
     assert_eq!(x.len() % k, 0);
     let b = x.len() / k;
+    if w.format == WeightFormat::F32 {
+        return multiply(pool, w, x, b, y, &[]);
+    }
+    let nb = k / QK;
+    scratch.act.resize(b * nb, ActBlock::default());
+    let ap = ActPtr(scratch.act.as_mut_ptr());
+    pool.run(row_tasks(pool, b), |t| {
+        for i in row_range(pool, b, t) {
+            // SAFETY: task t writes only the blocks of its own rows, disjoint across tasks;
+            // `scratch.act` holds b * nb blocks and outlives `pool.run`.
+            let a = unsafe { std::slice::from_raw_parts_mut(ap.get().add(i * nb), nb) };
+            quantize_row(&x[i * k..(i + 1) * k], a);
+        }
+    });
+    multiply(pool, w, x, b, y, &scratch.act);
+}
+
+/// `y = X · Wᵀ` where row `i` of the `b × cols` matrix `X` is written by `row(i, out)`: the rows
+/// are produced (and quantized, for quantized weights) in parallel on the pool, then
+/// multiplied. This fuses per-row work that feeds a projection (RMSNorm, SiLU·mul) into the
+/// projection's activation quantization, in parallel instead of on the calling thread.
+pub fn matmul_rows<R: Fn(usize, &mut [f32]) + Sync>(pool: &ThreadPool, w: &Weight, b: usize, y: &mut [f32], scratch: &mut MatmulScratch, row: R) {
+    let k = w.cols;
+    let nb = k / QK;
+    let quantized = w.format != WeightFormat::F32;
+    scratch.x.resize(b * k, 0.0);
+    if quantized {
+        scratch.act.resize(b * nb, ActBlock::default());
+    }
+    let (xp, ap) = (SyncPtr(scratch.x.as_mut_ptr()), ActPtr(scratch.act.as_mut_ptr()));
+    pool.run(row_tasks(pool, b), |t| {
+        for i in row_range(pool, b, t) {
+            // SAFETY: task t writes only row i's slices of `x` and `act` for its own rows,
+            // disjoint across tasks; both hold b rows and outlive `pool.run`.
+            let xr = unsafe { std::slice::from_raw_parts_mut(xp.get().add(i * k), k) };
+            row(i, xr);
+            if quantized {
+                let a = unsafe { std::slice::from_raw_parts_mut(ap.get().add(i * nb), nb) };
+                quantize_row(xr, a);
+            }
+        }
+    });
+    let act: &[ActBlock] = if quantized { &scratch.act } else { &[] };
+    multiply(pool, w, &scratch.x, b, y, act);
+}
+
+/// Pool tasks for `b` rows of per-row work: a few per thread (rows are cheap, regions are not).
+fn row_tasks(pool: &ThreadPool, b: usize) -> usize {
+    b.min(2 * pool.n_threads())
+}
+
+/// The rows of task `t` of [`row_tasks`]: contiguous, sizes differing by at most one.
+fn row_range(pool: &ThreadPool, b: usize, t: usize) -> std::ops::Range<usize> {
+    let n = row_tasks(pool, b);
+    (t * b / n)..((t + 1) * b / n)
+}
+
+/// A raw pointer to activation blocks handed to pool tasks that write disjoint rows.
+#[derive(Clone, Copy)]
+struct ActPtr(*mut ActBlock);
+// SAFETY: only used to give pool tasks disjoint rows of a buffer that outlives the region.
+unsafe impl Send for ActPtr {}
+unsafe impl Sync for ActPtr {}
+impl ActPtr {
+    fn get(self) -> *mut ActBlock {
+        self.0
+    }
+}
+
+/// The weight-tile region: `act` holds `b` quantized rows (quantized weights) and `x` the f32
+/// rows (F32 weights).
+fn multiply(pool: &ThreadPool, w: &Weight, x: &[f32], b: usize, y: &mut [f32], act: &[ActBlock]) {
+    let n = w.rows;
     assert_eq!(y.len(), b * n);
     if b == 0 {
         return;
     }
-    let quantized = w.format != WeightFormat::F32;
-    if quantized {
-        let nb = k / QK;
-        scratch.act.resize(b * nb, ActBlock::default());
-        for (xr, ar) in x.chunks_exact(k).zip(scratch.act.chunks_exact_mut(nb)) {
-            quantize_row(xr, ar);
-        }
-    }
-    let act: &[ActBlock] = &scratch.act;
     let tile = tile_rows(w);
     let n_tasks = n.div_ceil(tile);
     let yp = SyncPtr(y.as_mut_ptr());
@@ -1007,6 +1071,31 @@ mod tests {
                         assert_eq!(got, want, "{kernel:?} {format:?} {rows}x{cols} b {b}");
                     }
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn matmul_rows_equals_matmul_on_the_same_rows() {
+        let pool = ThreadPool::new(2);
+        let mut rng = rand::rngs::StdRng::seed_from_u64(9);
+        for format in [WeightFormat::F32, WeightFormat::Q4_1, WeightFormat::Q8_0] {
+            let (rows, cols) = (40, 96);
+            let wv = rand_vec(&mut rng, rows * cols);
+            let w = if format == WeightFormat::F32 { Weight::from_f32(rows, cols, &wv) } else { quantize_weight(format, rows, cols, &wv) };
+            for b in [1usize, 5, 16] {
+                let src = rand_vec(&mut rng, b * cols);
+                // The rows as produced: each source row doubled.
+                let x: Vec<f32> = src.iter().map(|v| v * 2.0).collect();
+                let (mut y0, mut y1) = (vec![0f32; b * rows], vec![0f32; b * rows]);
+                let mut scratch = MatmulScratch::default();
+                matmul(&pool, &w, &x, &mut y0, &mut scratch);
+                matmul_rows(&pool, &w, b, &mut y1, &mut scratch, |i, out| {
+                    for (o, v) in out.iter_mut().zip(&src[i * cols..(i + 1) * cols]) {
+                        *o = v * 2.0;
+                    }
+                });
+                assert_eq!(y0, y1, "{format:?} b {b}");
             }
         }
     }

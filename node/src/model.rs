@@ -21,9 +21,9 @@ use std::sync::Arc;
 use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
 use zerolayer_kernels::attention::{paged_attention, write_kv, AttnRow, KvElem, KvLayout, KV_ZERO};
-use zerolayer_kernels::ops::{add_assign, rms_norm, silu_mul, RopeStyle, RopeTable};
+use zerolayer_kernels::ops::{add_assign, rms_norm_row, silu_mul, RopeStyle, RopeTable};
 use zerolayer_kernels::pool::ThreadPool;
-use zerolayer_kernels::quant::{matmul, MatmulScratch, Weight, WeightFormat};
+use zerolayer_kernels::quant::{matmul, matmul_rows, MatmulScratch, Weight, WeightFormat};
 
 use crate::error::{NodeError, Result};
 
@@ -122,13 +122,10 @@ pub struct ForwardItem<'a> {
 #[derive(Default)]
 struct Scratch {
     x: Vec<f32>,
-    xn: Vec<f32>,
     qkv: Vec<f32>,
     att: Vec<f32>,
     proj: Vec<f32>,
     gu: Vec<f32>,
-    h: Vec<f32>,
-    last: Vec<f32>,
     mm: MatmulScratch,
 }
 
@@ -353,16 +350,16 @@ impl Model {
                 r += 1;
             }
         }
-        resize(&mut s.xn, t_total * d);
         resize(&mut s.qkv, t_total * qkv_w);
         resize(&mut s.att, t_total * qd);
         resize(&mut s.proj, t_total * d);
         resize(&mut s.gu, t_total * 2 * cfg.ffn_dim);
-        resize(&mut s.h, t_total * cfg.ffn_dim);
         let scale = 1.0 / (hd as f32).sqrt();
+        let (eps, f) = (cfg.rms_eps, cfg.ffn_dim);
         for (li, layer) in self.layers.iter().enumerate() {
-            rms_norm(&s.x, &layer.attn_norm, cfg.rms_eps, &mut s.xn);
-            matmul(&self.pool, &layer.wqkv, &s.xn, &mut s.qkv, &mut s.mm);
+            // RMSNorm runs per row inside the projection's parallel activation quantization.
+            let x = &s.x;
+            matmul_rows(&self.pool, &layer.wqkv, t_total, &mut s.qkv, &mut s.mm, |i, out| rms_norm_row(&x[i * d..(i + 1) * d], &layer.attn_norm, eps, out));
             let (kc, vc) = (&mut cache.k[li], &mut cache.v[li]);
             for (t, row) in rows.iter().enumerate() {
                 let rr = &mut s.qkv[t * qkv_w..(t + 1) * qkv_w];
@@ -375,16 +372,15 @@ impl Model {
             paged_attention(&self.pool, &cache.layout, kc, vc, &rows, &s.qkv, qkv_w, cfg.n_heads, scale, &mut s.att);
             matmul(&self.pool, &layer.wo, &s.att, &mut s.proj, &mut s.mm);
             add_assign(&mut s.x, &s.proj);
-            rms_norm(&s.x, &layer.ffn_norm, cfg.rms_eps, &mut s.xn);
-            matmul(&self.pool, &layer.wgate_up, &s.xn, &mut s.gu, &mut s.mm);
-            let f = cfg.ffn_dim;
-            for t in 0..t_total {
-                let (g, u) = s.gu[t * 2 * f..(t + 1) * 2 * f].split_at(f);
-                let h = &mut s.h[t * f..(t + 1) * f];
-                h.copy_from_slice(g);
-                silu_mul(h, u);
-            }
-            matmul(&self.pool, &layer.wdown, &s.h, &mut s.proj, &mut s.mm);
+            let x = &s.x;
+            matmul_rows(&self.pool, &layer.wgate_up, t_total, &mut s.gu, &mut s.mm, |i, out| rms_norm_row(&x[i * d..(i + 1) * d], &layer.ffn_norm, eps, out));
+            // SiLU(gate)·up per row, inside the down projection's activation quantization.
+            let gu = &s.gu;
+            matmul_rows(&self.pool, &layer.wdown, t_total, &mut s.proj, &mut s.mm, |i, out| {
+                let (g, u) = gu[i * 2 * f..(i + 1) * 2 * f].split_at(f);
+                out.copy_from_slice(g);
+                silu_mul(out, u);
+            });
             add_assign(&mut s.x, &s.proj);
         }
         // Final norm and logits, only for the rows that are sampled.
@@ -399,13 +395,13 @@ impl Model {
         if last_rows.is_empty() {
             return Ok(0);
         }
-        resize(&mut s.last, last_rows.len() * d);
-        for (i, &row) in last_rows.iter().enumerate() {
-            zerolayer_kernels::ops::rms_norm_row(&s.x[row * d..(row + 1) * d], &self.norm, cfg.rms_eps, &mut s.last[i * d..(i + 1) * d]);
-        }
         let v = cfg.vocab_size;
         resize(logits, last_rows.len() * v);
-        matmul(&self.pool, &self.output, &s.last, logits, &mut s.mm);
+        let x = &s.x;
+        matmul_rows(&self.pool, &self.output, last_rows.len(), logits, &mut s.mm, |i, out| {
+            let row = last_rows[i];
+            rms_norm_row(&x[row * d..(row + 1) * d], &self.norm, eps, out)
+        });
         Ok(last_rows.len())
     }
 }
