@@ -34,6 +34,8 @@ use half::f16;
 
 /// Elements per quantization block for the 32-element formats.
 pub const QK: usize = 32;
+/// Elements per GGUF K-quant super-block.
+pub const QK_K: usize = 256;
 /// Rows per panel.
 pub const PANEL: usize = 8;
 
@@ -44,6 +46,12 @@ pub enum WeightFormat {
     Q4_0,
     Q4_1,
     Q8_0,
+    /// GGUF's `Q4_K`, repacked: 32-element blocks of 4-bit quants with an f32 scale and min
+    /// each (the exact products of the super-block's f16 `d`/`dmin` and 6-bit sub-scales).
+    Q4K,
+    /// GGUF's `Q6_K`, repacked: 32-element blocks of 6-bit quants (offset 32) with an f32 scale
+    /// per 16 elements (the exact product of the super-block's f16 `d` and an int8 sub-scale).
+    Q6K,
 }
 
 impl WeightFormat {
@@ -54,15 +62,43 @@ impl WeightFormat {
             WeightFormat::Q4_0 => 18,
             WeightFormat::Q4_1 => 20,
             WeightFormat::Q8_0 => 34,
+            WeightFormat::Q4K => 24,
+            WeightFormat::Q6K => 40,
+        }
+    }
+
+    /// Bytes of one scale (f16 for the GGUF 32-element formats, f32 for the repacked K-quants).
+    fn scale_bytes(self) -> usize {
+        match self {
+            WeightFormat::Q4K | WeightFormat::Q6K => 4,
+            _ => 2,
+        }
+    }
+
+    /// Whether a block carries a second scale array (Q4_1/Q4K: the min; Q6K: the upper half's
+    /// scale).
+    fn two_scales(self) -> bool {
+        matches!(self, WeightFormat::Q4_1 | WeightFormat::Q4K | WeightFormat::Q6K)
+    }
+
+    /// Whether quants are stored one per byte (else two per byte).
+    fn byte_codes(self) -> bool {
+        matches!(self, WeightFormat::Q8_0 | WeightFormat::Q6K)
+    }
+
+    /// What a stored code is above the quant it stands for.
+    fn code_offset(self) -> i32 {
+        match self {
+            WeightFormat::Q4_0 => 8,
+            WeightFormat::Q8_0 => 128,
+            WeightFormat::Q6K => 32,
+            _ => 0,
         }
     }
 
     /// Offset of the quants within a panel block (after the 8 `d`s, and the 8 `m`s for Q4_1).
     fn quant_offset(self) -> usize {
-        match self {
-            WeightFormat::Q4_1 => 32,
-            _ => 16,
-        }
+        PANEL * self.scale_bytes() * if self.two_scales() { 2 } else { 1 }
     }
 }
 
@@ -77,7 +113,8 @@ pub struct Weight {
     data: Vec<u8>,
 }
 
-/// One block of one row, decoded: scale, min (Q4_1; else 0) and the 32 integer quants.
+/// One block of one row, decoded: scale, second scale (Q4_1/Q4K: the min; Q6K: the scale of
+/// elements 16..32; else 0) and the 32 integer quants.
 struct BlockView {
     d: f32,
     m: f32,
@@ -88,6 +125,7 @@ impl Weight {
     /// A weight from GGUF-layout bytes (`rows * cols / 32` blocks, row-major; or f32 for `F32`).
     pub fn new(format: WeightFormat, rows: usize, cols: usize, gguf: Vec<u8>) -> Self {
         assert!(cols.is_multiple_of(QK) || format == WeightFormat::F32, "cols {cols} not a multiple of {QK}");
+        assert!(!matches!(format, WeightFormat::Q4K | WeightFormat::Q6K), "K-quants load through from_q4_k / from_q6_k");
         let want = if format == WeightFormat::F32 { rows * cols * 4 } else { rows * cols / QK * format.block_bytes() };
         assert_eq!(gguf.len(), want, "weight data size for {format:?} {rows}x{cols}");
         if format == WeightFormat::F32 {
@@ -95,16 +133,7 @@ impl Weight {
         }
         let nb = cols / QK;
         let bb = format.block_bytes();
-        let mut w = Weight { format, rows, cols, data: vec![0u8; rows.div_ceil(PANEL) * PANEL * nb * bb] };
-        if format == WeightFormat::Q8_0 {
-            // Stored quants are offset by 128: the padding rows' zeros are code 0x80.
-            for p in 0..rows.div_ceil(PANEL) {
-                for j in 0..nb {
-                    let at = w.panel_block(p, j) + format.quant_offset();
-                    w.data[at..at + PANEL * QK].fill(0x80);
-                }
-            }
-        }
+        let mut w = Weight::empty(format, rows, cols);
         for r in 0..rows {
             for j in 0..nb {
                 let src = &gguf[(r * nb + j) * bb..(r * nb + j + 1) * bb];
@@ -119,7 +148,82 @@ impl Weight {
                         ([src[0], src[1]], [0, 0], c)
                     }
                 };
-                w.set_block(r, j, d, m, &codes);
+                w.set_block(r, j, &d, &m, &codes);
+            }
+        }
+        w
+    }
+
+    /// Zeroed panels for `rows` × `cols` (padding rows stay zero-scaled).
+    fn empty(format: WeightFormat, rows: usize, cols: usize) -> Self {
+        let nb = cols / QK;
+        let mut w = Weight { format, rows, cols, data: vec![0u8; rows.div_ceil(PANEL) * PANEL * nb * format.block_bytes()] };
+        if format == WeightFormat::Q8_0 {
+            // Stored quants are offset by 128: the padding rows' zeros are code 0x80.
+            for p in 0..rows.div_ceil(PANEL) {
+                for j in 0..nb {
+                    let at = w.panel_block(p, j) + format.quant_offset();
+                    w.data[at..at + PANEL * QK].fill(0x80);
+                }
+            }
+        }
+        w
+    }
+
+    /// A weight from GGUF `Q4_K` bytes (`rows × cols / 256` super-blocks of 144 bytes: f16 `d`,
+    /// f16 `dmin`, 12 bytes of 6-bit scales and mins, 128 bytes of 4-bit quants), repacked as
+    /// [`WeightFormat::Q4K`]. Dequantized values are bit-identical to ggml's.
+    pub fn from_q4_k(rows: usize, cols: usize, bytes: &[u8]) -> Self {
+        assert!(cols.is_multiple_of(QK_K), "Q4_K needs cols a multiple of {QK_K}, got {cols}");
+        assert_eq!(bytes.len(), rows * cols / QK_K * 144, "Q4_K data size for {rows}x{cols}");
+        let mut w = Weight::empty(WeightFormat::Q4K, rows, cols);
+        for (sb, b) in bytes.chunks_exact(144).enumerate() {
+            let (r, s0) = (sb / (cols / QK_K), sb % (cols / QK_K) * (QK_K / QK));
+            let d = f16_at(b, 0);
+            let dmin = f16_at(b, 2);
+            let (sc, qs) = (&b[4..16], &b[16..144]);
+            for j in 0..8 {
+                // ggml's get_scale_min_k4.
+                let (s, m) = if j < 4 {
+                    (sc[j] & 63, sc[j + 4] & 63)
+                } else {
+                    ((sc[j + 4] & 0xF) | ((sc[j - 4] >> 6) << 4), (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4))
+                };
+                // Sub-block j: nibble (j % 2) of bytes 32·(j / 2) .. +32.
+                let q = &qs[32 * (j / 2)..32 * (j / 2) + 32];
+                let codes: [u8; QK] = std::array::from_fn(|l| if j % 2 == 0 { q[l] & 0xF } else { q[l] >> 4 });
+                // d·sc and dmin·m are exact in f32 (11 × 6 significant bits); ggml computes
+                // `d1 * q - m1`, which equals `d1 * q + (-m1)`.
+                let (d1, m1) = (d * s as f32, -(dmin * m as f32));
+                w.set_block(r, s0 + j, &d1.to_le_bytes(), &m1.to_le_bytes(), &codes);
+            }
+        }
+        w
+    }
+
+    /// A weight from GGUF `Q6_K` bytes (`rows × cols / 256` super-blocks of 210 bytes: 128
+    /// bytes of low 4 bits, 64 of high 2 bits, 16 int8 scales, f16 `d`), repacked as
+    /// [`WeightFormat::Q6K`]. Dequantized values are bit-identical to ggml's.
+    pub fn from_q6_k(rows: usize, cols: usize, bytes: &[u8]) -> Self {
+        assert!(cols.is_multiple_of(QK_K), "Q6_K needs cols a multiple of {QK_K}, got {cols}");
+        assert_eq!(bytes.len(), rows * cols / QK_K * 210, "Q6_K data size for {rows}x{cols}");
+        let mut w = Weight::empty(WeightFormat::Q6K, rows, cols);
+        for (sb, b) in bytes.chunks_exact(210).enumerate() {
+            let (r, s0) = (sb / (cols / QK_K), sb % (cols / QK_K) * (QK_K / QK));
+            let (ql, qh, sc) = (&b[0..128], &b[128..192], &b[192..208]);
+            let d = f16_at(b, 208);
+            // ggml's dequantize_row_q6_K: element e = 128·n + 32·quarter + l.
+            let code = |e: usize| -> u8 {
+                let (n, quarter, l) = (e / 128, e % 128 / 32, e % 32);
+                let (lo, h) = (ql[64 * n + l + 32 * (quarter % 2)], qh[32 * n + l]);
+                let low = if quarter < 2 { lo & 0xF } else { lo >> 4 };
+                low | (((h >> (2 * quarter)) & 3) << 4)
+            };
+            for j in 0..8 {
+                let codes: [u8; QK] = std::array::from_fn(|k| code(32 * j + k));
+                // `d * sc` is exact in f32 (11 × 8 significant bits), as ggml's `d * sc[is]`.
+                let (dlo, dhi) = (d * sc[2 * j] as i8 as f32, d * sc[2 * j + 1] as i8 as f32);
+                w.set_block(r, s0 + j, &dlo.to_le_bytes(), &dhi.to_le_bytes(), &codes);
             }
         }
         w
@@ -155,23 +259,27 @@ impl Weight {
     /// Where the stored code of element `k` of lane `r` lives: (byte offset in the quants, shift).
     fn code_at(&self, r: usize, k: usize) -> (usize, u32) {
         let (g, e) = (k / 4, k % 4);
-        match self.format {
-            WeightFormat::Q8_0 => (g * 32 + r * 4 + e, 0),
-            _ => ((g / 2) * 32 + r * 4 + e, 4 * (g % 2) as u32),
+        if self.format.byte_codes() {
+            (g * 32 + r * 4 + e, 0)
+        } else {
+            ((g / 2) * 32 + r * 4 + e, 4 * (g % 2) as u32)
         }
     }
 
-    fn set_block(&mut self, r: usize, j: usize, d: [u8; 2], m: [u8; 2], codes: &[u8; QK]) {
+    /// Writes block `j` of row `r`: raw scale bytes (`scale_bytes` each) and stored codes.
+    fn set_block(&mut self, r: usize, j: usize, d: &[u8], m: &[u8], codes: &[u8; QK]) {
         let (p, lane) = (r / PANEL, r % PANEL);
         let at = self.panel_block(p, j);
-        self.data[at + 2 * lane..at + 2 * lane + 2].copy_from_slice(&d);
-        if self.format == WeightFormat::Q4_1 {
-            self.data[at + 16 + 2 * lane..at + 16 + 2 * lane + 2].copy_from_slice(&m);
+        let sb = self.format.scale_bytes();
+        self.data[at + sb * lane..at + sb * (lane + 1)].copy_from_slice(&d[..sb]);
+        if self.format.two_scales() {
+            let m0 = at + PANEL * sb;
+            self.data[m0 + sb * lane..m0 + sb * (lane + 1)].copy_from_slice(&m[..sb]);
         }
         let q0 = at + self.format.quant_offset();
         for (k, &c) in codes.iter().enumerate() {
             let (o, sh) = self.code_at(lane, k);
-            if self.format == WeightFormat::Q8_0 {
+            if self.format.byte_codes() {
                 self.data[q0 + o] = c;
             } else {
                 self.data[q0 + o] |= c << sh;
@@ -179,35 +287,38 @@ impl Weight {
         }
     }
 
-    /// The stored codes of block `j` of row `r` (4-bit formats: 0..15; Q8_0: quant + 128) and
-    /// the raw f16 bits of `d` and `m`.
-    fn codes(&self, r: usize, j: usize) -> ([u8; 2], [u8; 2], [u8; QK]) {
+    /// The stored codes of block `j` of row `r` (quant + `code_offset`) and the raw bytes of its
+    /// scales (`scale_bytes` each; the second is zero where there is none).
+    fn codes(&self, r: usize, j: usize) -> ([u8; 4], [u8; 4], [u8; QK]) {
         let (p, lane) = (r / PANEL, r % PANEL);
         let at = self.panel_block(p, j);
-        let d = [self.data[at + 2 * lane], self.data[at + 2 * lane + 1]];
-        let m = if self.format == WeightFormat::Q4_1 { [self.data[at + 16 + 2 * lane], self.data[at + 17 + 2 * lane]] } else { [0, 0] };
+        let sb = self.format.scale_bytes();
+        let (mut d, mut m) = ([0u8; 4], [0u8; 4]);
+        d[..sb].copy_from_slice(&self.data[at + sb * lane..at + sb * (lane + 1)]);
+        if self.format.two_scales() {
+            let m0 = at + PANEL * sb;
+            m[..sb].copy_from_slice(&self.data[m0 + sb * lane..m0 + sb * (lane + 1)]);
+        }
         let q0 = at + self.format.quant_offset();
         let mut c = [0u8; QK];
         for (k, c) in c.iter_mut().enumerate() {
             let (o, sh) = self.code_at(lane, k);
-            *c = if self.format == WeightFormat::Q8_0 { self.data[q0 + o] } else { (self.data[q0 + o] >> sh) & 0xF };
+            *c = if self.format.byte_codes() { self.data[q0 + o] } else { (self.data[q0 + o] >> sh) & 0xF };
         }
         (d, m, c)
     }
 
     fn block(&self, r: usize, j: usize) -> BlockView {
         let (d, m, c) = self.codes(r, j);
-        let h = |b: [u8; 2]| f16::from_bits(u16::from_le_bytes(b)).to_f32();
-        let off = match self.format {
-            WeightFormat::Q4_0 => 8,
-            WeightFormat::Q8_0 => 128,
-            _ => 0,
-        };
-        BlockView { d: h(d), m: h(m), q: c.map(|c| c as i32 - off) }
+        let scale = |b: [u8; 4]| if self.format.scale_bytes() == 4 { f32::from_le_bytes(b) } else { f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32() };
+        let off = self.format.code_offset();
+        BlockView { d: scale(d), m: scale(m), q: c.map(|c| c as i32 - off) }
     }
 
-    /// The weight in GGUF layout again (lossless).
+    /// The weight in GGUF layout again (lossless). Not for the repacked K-quants, whose
+    /// 32-element blocks have no GGUF form.
     pub fn to_gguf(&self) -> Vec<u8> {
+        assert!(!matches!(self.format, WeightFormat::Q4K | WeightFormat::Q6K), "no GGUF form for {:?}", self.format);
         if self.format == WeightFormat::F32 {
             return self.data.clone();
         }
@@ -216,12 +327,12 @@ impl Weight {
         for r in 0..self.rows {
             for j in 0..nb {
                 let (d, m, c) = self.codes(r, j);
-                out.extend_from_slice(&d);
+                out.extend_from_slice(&d[..2]);
                 match self.format {
                     WeightFormat::Q8_0 => out.extend(c.iter().map(|c| c ^ 0x80)),
                     f => {
                         if f == WeightFormat::Q4_1 {
-                            out.extend_from_slice(&m);
+                            out.extend_from_slice(&m[..2]);
                         }
                         out.extend((0..16).map(|i| c[i] | (c[i + 16] << 4)));
                     }
@@ -244,9 +355,10 @@ impl Weight {
         }
         for (j, o) in out.chunks_exact_mut(QK).enumerate() {
             let b = self.block(r, j);
-            for (o, &q) in o.iter_mut().zip(&b.q) {
+            for (k, (o, &q)) in o.iter_mut().zip(&b.q).enumerate() {
                 *o = match self.format {
-                    WeightFormat::Q4_1 => b.d * q as f32 + b.m,
+                    WeightFormat::Q4_1 | WeightFormat::Q4K => b.d * q as f32 + b.m,
+                    WeightFormat::Q6K if k >= QK / 2 => b.m * q as f32,
                     _ => b.d * q as f32,
                 };
             }
@@ -261,12 +373,25 @@ impl Weight {
             return None;
         }
         let rows = parts.iter().map(|p| p.rows).sum();
+        if first.format == WeightFormat::F32 || parts.iter().all(|p| p.rows.is_multiple_of(PANEL)) {
+            // Whole panels (or row-major f32): the bytes simply follow each other.
+            let data = parts.iter().flat_map(|p| p.data.iter().copied()).collect();
+            return Some(Weight { format: first.format, rows, cols: first.cols, data });
+        }
+        if matches!(first.format, WeightFormat::Q4K | WeightFormat::Q6K) {
+            return None;
+        }
         let mut data = Vec::with_capacity(parts.iter().map(|p| p.rows * p.row_bytes()).sum());
         for p in parts {
             data.extend_from_slice(&p.to_gguf());
         }
         Some(Weight::new(first.format, rows, first.cols, data))
     }
+}
+
+/// The little-endian f16 at `b[at..at + 2]`, as f32.
+fn f16_at(b: &[u8], at: usize) -> f32 {
+    f16::from_bits(u16::from_le_bytes([b[at], b[at + 1]])).to_f32()
 }
 
 /// The 32 codes of a 4-bit GGUF block's 16 bytes (element `i` low nibble, `i + 16` high).
@@ -287,6 +412,8 @@ pub struct ActBlock {
     pub d: f32,
     pub s: f32,
     pub sum: i32,
+    /// `Σ qs[..16]` (for Q6K's per-half offsets).
+    pub sum_lo: i32,
     pub qs: [i8; QK],
 }
 
@@ -313,24 +440,28 @@ fn quantize_row_portable(x: &[f32], out: &mut [ActBlock]) {
         }
         let d = amax / 127.0;
         let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-        let mut sum = 0i32;
-        for (q, &v) in ob.qs.iter_mut().zip(xb) {
+        let (mut sum, mut sum_lo) = (0i32, 0i32);
+        for (k, (q, &v)) in ob.qs.iter_mut().zip(xb).enumerate() {
             let r = (v * id).round() as i32;
             *q = r as i8;
             sum += r;
+            if k < QK / 2 {
+                sum_lo += r;
+            }
         }
-        set_scales(ob, d, sum);
+        set_scales(ob, d, sum, sum_lo);
     }
 }
 
 /// Scales are kept at f16 precision, as in ggml's and candle's Q8_0/Q8_1 blocks, so results
 /// match those references (and llama.cpp) closely.
 #[inline(always)]
-fn set_scales(ob: &mut ActBlock, d: f32, sum: i32) {
+fn set_scales(ob: &mut ActBlock, d: f32, sum: i32, sum_lo: i32) {
     let d16 = f16::from_f32(d);
     ob.d = d16.to_f32();
     ob.s = (f16::from_f32(sum as f32) * d16).to_f32();
     ob.sum = sum;
+    ob.sum_lo = sum_lo;
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -359,17 +490,21 @@ unsafe fn quantize_row_avx2(x: &[f32], out: &mut [ActBlock]) {
             let step = _mm256_and_ps(_mm256_cmp_ps::<_CMP_GE_OQ>(rem, half), _mm256_or_ps(one, _mm256_and_ps(r, sign_mask)));
             _mm256_cvttps_epi32(_mm256_add_ps(t, step))
         });
-        let s = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
-        let s = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256::<1>(s));
-        let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01_00_11_10>(s));
-        let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s));
-        let sum = _mm_cvtsi128_si32(s);
+        let hsum = |s: __m256i| {
+            let s = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256::<1>(s));
+            let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01_00_11_10>(s));
+            let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s));
+            _mm_cvtsi128_si32(s)
+        };
+        let lo = _mm256_add_epi32(q[0], q[1]);
+        let sum_lo = hsum(lo);
+        let sum = hsum(_mm256_add_epi32(lo, _mm256_add_epi32(q[2], q[3])));
         // i32 → i8 in element order (as ggml's quantize_row_q8 does).
         let p01 = _mm256_packs_epi32(q[0], q[1]);
         let p23 = _mm256_packs_epi32(q[2], q[3]);
         let bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p01, p23), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
         _mm256_storeu_si256(ob.qs.as_mut_ptr() as *mut __m256i, bytes);
-        set_scales(ob, d, sum);
+        set_scales(ob, d, sum, sum_lo);
     }
 }
 
@@ -380,14 +515,21 @@ fn dot_block_row(w: &Weight, r: usize, a: &[ActBlock]) -> f32 {
     let mut acc = 0f32;
     for (j, ab) in a.iter().enumerate() {
         let b = w.block(r, j);
-        let mut sumi = 0i32;
-        for (q, &x) in b.q.iter().zip(&ab.qs) {
-            sumi += q * x as i32;
-        }
-        let mut term = sumi as f32 * b.d * ab.d;
-        if w.format == WeightFormat::Q4_1 {
-            term += b.m * ab.s;
-        }
+        let term = if w.format == WeightFormat::Q6K {
+            // Two 16-element halves with their own scales: `(Σlo·d_lo + Σhi·d_hi) · d_a`.
+            let half = |h: std::ops::Range<usize>| h.map(|k| b.q[k] * ab.qs[k] as i32).sum::<i32>() as f32;
+            (half(0..QK / 2) * b.d + half(QK / 2..QK) * b.m) * ab.d
+        } else {
+            let mut sumi = 0i32;
+            for (q, &x) in b.q.iter().zip(&ab.qs) {
+                sumi += q * x as i32;
+            }
+            let mut term = sumi as f32 * b.d * ab.d;
+            if matches!(w.format, WeightFormat::Q4_1 | WeightFormat::Q4K) {
+                term += b.m * ab.s;
+            }
+            term
+        };
         acc += term;
     }
     acc
@@ -598,6 +740,10 @@ fn tile_run(kernel: Kernel, w: &Weight, x: &[f32], act: &[ActBlock], y: &mut [f3
                     (WeightFormat::Q4_1, true) => avx2::tile_vnni::<avx2::Q41>(panels, rows),
                     (WeightFormat::Q4_0, true) => avx2::tile_vnni::<avx2::Q40>(panels, rows),
                     (WeightFormat::Q8_0, true) => avx2::tile_vnni::<avx2::Q80>(panels, rows),
+                    (WeightFormat::Q4K, true) => avx2::tile_vnni::<avx2::Q4K>(panels, rows),
+                    (WeightFormat::Q6K, true) => avx2::tile_vnni::<avx2::Q6K>(panels, rows),
+                    (WeightFormat::Q4K, false) => avx2::tile_avx2::<avx2::Q4K>(panels, rows),
+                    (WeightFormat::Q6K, false) => avx2::tile_avx2::<avx2::Q6K>(panels, rows),
                     (WeightFormat::Q4_1, false) => avx2::tile_avx2::<avx2::Q41>(panels, rows),
                     (WeightFormat::Q4_0, false) => avx2::tile_avx2::<avx2::Q40>(panels, rows),
                     (WeightFormat::Q8_0, false) => avx2::tile_avx2::<avx2::Q80>(panels, rows),
@@ -620,8 +766,12 @@ mod avx2 {
     pub trait Fmt {
         /// Bytes per panel block (8 rows).
         const PB: usize;
-        /// Whether blocks carry a min (8 f16 `m`s after the `d`s), as Q4_1 does.
+        /// Whether blocks carry a min (8 `m`s after the `d`s), as Q4_1 and Q4K do.
         const MIN: bool;
+        /// Whether scales are f32 (else f16).
+        const F32_SCALES: bool = false;
+        /// Whether each 16-element half has its own scale (Q6K: 8 `d_lo`, then 8 `d_hi`).
+        const HALVES: bool = false;
         /// Offset of the quants in a panel block.
         const QOFF: usize;
         /// What the integer sums must lose, times the activation block's `Σq` (the stored
@@ -637,6 +787,8 @@ mod avx2 {
     pub struct Q41;
     pub struct Q40;
     pub struct Q80;
+    pub struct Q4K;
+    pub struct Q6K;
 
     #[inline(always)]
     unsafe fn nibbles(q: *const u8) -> [__m256i; 8] {
@@ -670,6 +822,41 @@ mod avx2 {
         #[inline(always)]
         unsafe fn decode<const V: bool>(q: *const u8) -> [__m256i; 8] {
             nibbles(q)
+        }
+        #[inline(always)]
+        unsafe fn dot<const V: bool>(acc: __m256i, w: __m256i, a: __m256i) -> __m256i {
+            udot::<V>(acc, w, a)
+        }
+    }
+    impl Fmt for Q4K {
+        const PB: usize = 8 * 24;
+        const MIN: bool = true;
+        const F32_SCALES: bool = true;
+        const QOFF: usize = 64;
+        const OFFSET_VNNI: i32 = 0;
+        const OFFSET_AVX2: i32 = 0;
+        #[inline(always)]
+        unsafe fn decode<const V: bool>(q: *const u8) -> [__m256i; 8] {
+            nibbles(q)
+        }
+        #[inline(always)]
+        unsafe fn dot<const V: bool>(acc: __m256i, w: __m256i, a: __m256i) -> __m256i {
+            udot::<V>(acc, w, a)
+        }
+    }
+    impl Fmt for Q6K {
+        const PB: usize = 8 * 40;
+        const MIN: bool = false;
+        const F32_SCALES: bool = true;
+        const HALVES: bool = true;
+        const QOFF: usize = 64;
+        // Codes are the quants + 32 (0..63): unsigned for both paths (pmaddubsw cannot
+        // saturate: 63 · 127 · 2 < 2¹⁵).
+        const OFFSET_VNNI: i32 = 32;
+        const OFFSET_AVX2: i32 = 32;
+        #[inline(always)]
+        unsafe fn decode<const V: bool>(q: *const u8) -> [__m256i; 8] {
+            std::array::from_fn(|g| _mm256_loadu_si256(q.add(32 * g) as *const __m256i))
         }
         #[inline(always)]
         unsafe fn dot<const V: bool>(acc: __m256i, w: __m256i, a: __m256i) -> __m256i {
@@ -782,8 +969,15 @@ mod avx2 {
                     _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line) as *const i8);
                     line += 64;
                 }
-                let dw = _mm256_cvtph_ps(_mm_loadu_si128(blk as *const __m128i));
-                let mw = if F::MIN { _mm256_cvtph_ps(_mm_loadu_si128(blk.add(16) as *const __m128i)) } else { _mm256_setzero_ps() };
+                let scales = |at: usize| {
+                    if F::F32_SCALES {
+                        _mm256_loadu_ps(blk.add(at * 32) as *const f32)
+                    } else {
+                        _mm256_cvtph_ps(_mm_loadu_si128(blk.add(at * 16) as *const __m128i))
+                    }
+                };
+                let dw = scales(0);
+                let mw = if F::MIN || F::HALVES { scales(1) } else { _mm256_setzero_ps() };
                 let w = F::decode::<V>(blk.add(F::QOFF));
                 // Unrolled by hand (`rows!`): LLVM leaves an 8-row loop rolled, with the
                 // accumulators on the stack.
@@ -792,24 +986,36 @@ mod avx2 {
                     let a = &*acts.add(i * nb + j);
                     let q = a.qs.as_ptr();
                     let bc = |g: usize| _mm256_set1_epi32((q.add(4 * g) as *const i32).read_unaligned());
-                    // Two chains; integer adds are exact, so the split changes nothing.
-                    let mut s0 = F::dot::<V>(_mm256_setzero_si256(), w[0], bc(0));
-                    let mut s1 = F::dot::<V>(_mm256_setzero_si256(), w[1], bc(1));
+                    // Four chains (elements 0..8, 8..16, 16..24, 24..32); integer adds are exact,
+                    // so the split changes nothing.
+                    let z = _mm256_setzero_si256();
+                    let mut s0 = F::dot::<V>(z, w[0], bc(0));
+                    let mut s1 = F::dot::<V>(z, w[1], bc(1));
+                    let mut s2 = F::dot::<V>(z, w[4], bc(4));
+                    let mut s3 = F::dot::<V>(z, w[5], bc(5));
                     s0 = F::dot::<V>(s0, w[2], bc(2));
                     s1 = F::dot::<V>(s1, w[3], bc(3));
-                    s0 = F::dot::<V>(s0, w[4], bc(4));
-                    s1 = F::dot::<V>(s1, w[5], bc(5));
-                    s0 = F::dot::<V>(s0, w[6], bc(6));
-                    s1 = F::dot::<V>(s1, w[7], bc(7));
-                    let mut si = _mm256_add_epi32(s0, s1);
-                    if offset != 0 {
-                        si = _mm256_sub_epi32(si, _mm256_set1_epi32(offset * a.sum));
-                    }
-                    // The scalar code's `sumi * d_w * d_a (+ m_w * s_a)`, then `acc += term`.
-                    let mut t = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(si), dw), _mm256_set1_ps(a.d));
-                    if F::MIN {
-                        t = _mm256_add_ps(t, _mm256_mul_ps(mw, _mm256_set1_ps(a.s)));
-                    }
+                    s2 = F::dot::<V>(s2, w[6], bc(6));
+                    s3 = F::dot::<V>(s3, w[7], bc(7));
+                    let (lo, hi) = (_mm256_add_epi32(s0, s1), _mm256_add_epi32(s2, s3));
+                    let t = if F::HALVES {
+                        // Q6K: `(Σlo · d_lo + Σhi · d_hi) · d_a`, as the scalar code.
+                        let lo = _mm256_sub_epi32(lo, _mm256_set1_epi32(offset * a.sum_lo));
+                        let hi = _mm256_sub_epi32(hi, _mm256_set1_epi32(offset * (a.sum - a.sum_lo)));
+                        let t = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(lo), dw), _mm256_mul_ps(_mm256_cvtepi32_ps(hi), mw));
+                        _mm256_mul_ps(t, _mm256_set1_ps(a.d))
+                    } else {
+                        let mut si = _mm256_add_epi32(lo, hi);
+                        if offset != 0 {
+                            si = _mm256_sub_epi32(si, _mm256_set1_epi32(offset * a.sum));
+                        }
+                        // The scalar code's `sumi * d_w * d_a (+ m_w * s_a)`.
+                        let mut t = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(si), dw), _mm256_set1_ps(a.d));
+                        if F::MIN {
+                            t = _mm256_add_ps(t, _mm256_mul_ps(mw, _mm256_set1_ps(a.s)));
+                        }
+                        t
+                    };
                     *acc = _mm256_add_ps(*acc, t);
                 });
             }
@@ -914,7 +1120,7 @@ mod tests {
                         data.push(q(blk[i]) | (q(blk[i + 16]) << 4));
                     }
                 }
-                WeightFormat::F32 => unreachable!(),
+                f => unreachable!("{f:?}"),
             }
         }
         data
@@ -922,10 +1128,6 @@ mod tests {
 
     fn quantize_weight(format: WeightFormat, rows: usize, cols: usize, v: &[f32]) -> Weight {
         Weight::new(format, rows, cols, quantize_gguf(format, v))
-    }
-
-    fn f16_at(b: &[u8], at: usize) -> f32 {
-        f16::from_bits(u16::from_le_bytes([b[at], b[at + 1]])).to_f32()
     }
 
     /// ggml's scalar `vec_dot` on one GGUF-layout row: independent of the panel layout.
@@ -1071,6 +1273,86 @@ mod tests {
                         assert_eq!(got, want, "{kernel:?} {format:?} {rows}x{cols} b {b}");
                     }
                 }
+            }
+        }
+    }
+
+    /// Random GGUF K-quant super-blocks (any bytes are valid quants and sub-scales; the f16
+    /// super-scales are set to sane values).
+    fn random_k(rng: &mut impl Rng, format: WeightFormat, rows: usize, cols: usize) -> Weight {
+        let (bb, d_at) = if format == WeightFormat::Q4K { (144, &[0usize, 2][..]) } else { (210, &[208usize][..]) };
+        let mut bytes: Vec<u8> = (0..rows * cols / QK_K * bb).map(|_| rng.random()).collect();
+        for b in bytes.chunks_exact_mut(bb) {
+            for &at in d_at {
+                let d = f16::from_f32(rng.random_range(0.001f32..0.01));
+                b[at..at + 2].copy_from_slice(&d.to_bits().to_le_bytes());
+            }
+        }
+        if format == WeightFormat::Q4K {
+            Weight::from_q4_k(rows, cols, &bytes)
+        } else {
+            Weight::from_q6_k(rows, cols, &bytes)
+        }
+    }
+
+    /// The repacked K-quants: every kernel equals the scalar code bit for bit, and the matmul is
+    /// batch invariant and close to the dequantized reference.
+    #[test]
+    fn k_quant_kernels_agree() {
+        let pool = ThreadPool::new(2);
+        let mut kernels = vec![Kernel::Portable];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if crate::has_avx2() {
+                kernels.push(Kernel::Avx2);
+            }
+            if crate::has_vnni() {
+                kernels.push(Kernel::Vnni);
+            }
+        }
+        let mut rng = rand::rngs::StdRng::seed_from_u64(13);
+        for format in [WeightFormat::Q4K, WeightFormat::Q6K] {
+            for &(rows, cols) in &[(8usize, 256usize), (13, 512), (27, 256)] {
+                let w = random_k(&mut rng, format, rows, cols);
+                let nb = cols / QK;
+                for b in [1usize, 2, 3, 5, 8, 9, 17] {
+                    let x = rand_vec(&mut rng, b * cols);
+                    let mut act = vec![ActBlock::default(); b * nb];
+                    for (xr, ar) in x.chunks_exact(cols).zip(act.chunks_exact_mut(nb)) {
+                        quantize_row(xr, ar);
+                    }
+                    let want: Vec<u32> = (0..b * rows).map(|o| dot_block_row(&w, o % rows, &act[(o / rows) * nb..(o / rows + 1) * nb]).to_bits()).collect();
+                    for &kernel in &kernels {
+                        let mut y = vec![f32::NAN; b * rows];
+                        let split = if rows > 8 { 8 } else { rows };
+                        tile_run(kernel, &w, &x, &act, &mut y, 0, split, b);
+                        tile_run(kernel, &w, &x, &act, &mut y, split, rows, b);
+                        let got: Vec<u32> = y.iter().map(|v| v.to_bits()).collect();
+                        assert_eq!(got, want, "{kernel:?} {format:?} {rows}x{cols} b {b}");
+                    }
+                    let mut y = vec![0f32; b * rows];
+                    matmul(&pool, &w, &x, &mut y, &mut MatmulScratch::default());
+                    let reference = reference(&w, &x, b);
+                    let scale = reference.iter().fold(0f32, |m, v| m.max(v.abs()));
+                    for (i, (a, r)) in y.iter().zip(&reference).enumerate() {
+                        assert!((a - r).abs() <= 0.02 * scale, "{format:?} b {b} out {i}: {a} vs {r}");
+                        let mut y1 = vec![0f32; rows];
+                        if i % rows == 0 {
+                            let row = i / rows;
+                            matmul(&pool, &w, &x[row * cols..(row + 1) * cols], &mut y1, &mut MatmulScratch::default());
+                            assert_eq!(&y1[..], &y[row * rows..(row + 1) * rows]);
+                        }
+                    }
+                }
+            }
+            // Stacking whole panels keeps every value.
+            let w = random_k(&mut rng, format, 16, 256);
+            let cat = Weight::concat_rows(&[&w, &w]).unwrap();
+            let (mut a, mut b) = (vec![0f32; 256], vec![0f32; 256]);
+            for r in 0..32 {
+                w.dequantize_row(r % 16, &mut a);
+                cat.dequantize_row(r, &mut b);
+                assert_eq!(a, b);
             }
         }
     }

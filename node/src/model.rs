@@ -5,8 +5,9 @@
 //! one batched matmul over all rows; attention reads and writes K/V through each sequence's
 //! block table. Logits are computed only for rows that are sampled.
 //!
-//! Weights load from GGUF (through candle's quantized types: Q4_0, Q4_1 and Q8_0 stay in their
-//! block format; F32, F16, BF16, K-quants and others are dequantized to F32) or from Hugging
+//! Weights load from GGUF (through candle's quantized types: Q4_0, Q4_1 and Q8_0 keep their
+//! blocks, Q4_K and Q6_K are repacked exactly into 32-element blocks with f32 scales, all in
+//! 8-row panels; F32, F16, BF16 and other K-quants are dequantized to F32) or from Hugging
 //! Face safetensors with `config.json`. The architecture is read from metadata; nothing about
 //! a particular model is hard-coded.
 //!
@@ -426,8 +427,8 @@ fn to_vec(qt: QTensor) -> Result<Vec<f32>> {
     qt.dequantize(&Device::Cpu).and_then(|t| t.flatten_all()).and_then(|t| t.to_vec1::<f32>()).map_err(NodeError::candle)
 }
 
-/// Converts a GGUF tensor to a kernel weight: native block formats are kept as they are;
-/// everything else is dequantized through candle to F32.
+/// Converts a GGUF tensor to a kernel weight: Q4_0/Q4_1/Q8_0 keep their blocks, Q4_K/Q6_K are
+/// repacked (exactly), everything else is dequantized through candle to F32.
 fn to_weight(qt: QTensor) -> Result<Weight> {
     let (rows, cols) = qt.shape().dims2().map_err(NodeError::candle)?;
     let fmt = match qt.dtype() {
@@ -437,9 +438,12 @@ fn to_weight(qt: QTensor) -> Result<Weight> {
         GgmlDType::F32 => Some(WeightFormat::F32),
         _ => None,
     };
-    match fmt {
-        Some(f) => Ok(Weight::new(f, rows, cols, qt.data().map_err(NodeError::candle)?.into_owned())),
-        None => {
+    match (qt.dtype(), fmt) {
+        // K-quants are repacked into our 32-element panels (exact scales, no precision lost).
+        (GgmlDType::Q4K, _) if cols % 256 == 0 => Ok(Weight::from_q4_k(rows, cols, &qt.data().map_err(NodeError::candle)?)),
+        (GgmlDType::Q6K, _) if cols % 256 == 0 => Ok(Weight::from_q6_k(rows, cols, &qt.data().map_err(NodeError::candle)?)),
+        (_, Some(f)) => Ok(Weight::new(f, rows, cols, qt.data().map_err(NodeError::candle)?.into_owned())),
+        (_, None) => {
             let t = qt.dequantize(&Device::Cpu).map_err(NodeError::candle)?;
             dense_weight(&t)
         }
