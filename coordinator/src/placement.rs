@@ -5,7 +5,11 @@
 //! Algorithm (the form SGLang's cache-aware router and Dynamo's KV router converged on):
 //! 1. **Hard filters.** A worker is skipped if its node is not `ready`; its waiting queue is
 //!    full; its memory is over `memory_high_water`; or its free + evictable KV blocks cannot hold
-//!    the uncached part of the prompt plus `decode_headroom_blocks`.
+//!    the uncached part of the prompt plus `decode_headroom_blocks`. If KV space is the only
+//!    reason every worker was skipped, the request is placed anyway (by the same policy, among
+//!    those workers) and waits in that worker's bounded queue for blocks to free up: a burst of
+//!    long prompts queues, as on a single engine, instead of failing with 529. A full queue, a
+//!    draining node or memory over the high-water mark still refuses.
 //! 2. **Policy.**
 //!    - `round_robin`: the `rr`-th candidate in (node, worker) order.
 //!    - `least_loaded`: fewest running + waiting sequences, then fewest active blocks.
@@ -179,9 +183,22 @@ pub fn place(view: &ClusterView, req: &RequestSummary, cfg: &PlacementConfig, rr
             None => cands.push((i, cached)),
         }
     }
+    let mut kv_wait = false;
     if cands.is_empty() {
-        return Decision::NoWorker { skipped };
+        if !skipped.iter().any(|&(_, s)| s == Skip::KvSpace) {
+            return Decision::NoWorker { skipped };
+        }
+        cands = skipped.iter().filter(|&&(_, s)| s == Skip::KvSpace).map(|&(i, _)| (i, cached_prefix_blocks(&view.workers[i], &req.block_hashes))).collect();
+        kv_wait = true;
     }
+    let decision = place_among(view, req, cfg, rr, cands);
+    match decision {
+        Decision::Place { index, cached_blocks, ranked, .. } if kv_wait => Decision::Place { index, cached_blocks, reason: "queued_for_kv", ranked },
+        d => d,
+    }
+}
+
+fn place_among(view: &ClusterView, req: &RequestSummary, cfg: &PlacementConfig, rr: usize, mut cands: Vec<(usize, usize)>) -> Decision {
     // A stable order, whatever order the view was built in.
     cands.sort_by(|a, b| {
         let (x, y) = (&view.workers[a.0], &view.workers[b.0]);
@@ -298,8 +315,23 @@ mod tests {
             let d = place(&view, &r, &c, 0);
             assert_eq!(chosen(&d), 1, "{skip:?}: the filtered worker must not be chosen");
             let only = ClusterView { workers: vec![view.workers[0].clone()] };
-            assert_eq!(place(&only, &r, &c, 0), Decision::NoWorker { skipped: vec![(0, skip)] });
+            if skip == Skip::KvSpace {
+                // Short of KV everywhere: it queues on that worker rather than failing.
+                let Decision::Place { index, reason, .. } = place(&only, &r, &c, 0) else { panic!("KV-short worker refused") };
+                assert_eq!((index, reason), (0, "queued_for_kv"));
+            } else {
+                assert_eq!(place(&only, &r, &c, 0), Decision::NoWorker { skipped: vec![(0, skip)] });
+            }
         }
+        // KV-short and queue-full: the KV-short one takes it; both queue-full: refused.
+        let mut a = w("a", true);
+        a.signals.kv_blocks_free = 0;
+        let mut b = w("b", false);
+        b.signals.waiting = 8;
+        assert_eq!(chosen(&place(&ClusterView { workers: vec![a, b.clone()] }, &r, &c, 0)), 0);
+        let mut b2 = b.clone();
+        b2.worker = "w2".into();
+        assert!(matches!(place(&ClusterView { workers: vec![b, b2] }, &r, &c, 0), Decision::NoWorker { .. }));
         // Cached blocks do not need free space: 1 uncached block + 4 headroom fits in 5.
         let mut a = with_cache(w("a", true), 10);
         a.signals.kv_blocks_free = 5;
