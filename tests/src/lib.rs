@@ -269,3 +269,59 @@ impl TestCluster {
         }
     }
 }
+
+/// A ~620-token document, distinct from its first block on (the cluster workloads' shared
+/// prefixes).
+pub fn document(p: usize, tag: &str) -> String {
+    let mut s = format!("[{tag} document {p}] ");
+    for k in 0..3 {
+        s.push_str(&format!("Part {k} of document {p}. "));
+        s.push_str(LOREM);
+        s.push(' ');
+    }
+    s.push_str(&LOREM[..LOREM.len() / 2]);
+    s
+}
+
+/// A fixed pseudo-random permutation of `0..n` (xorshift), so that every policy sees the same
+/// order.
+pub fn shuffled(n: usize, seed: u64) -> Vec<usize> {
+    let mut v: Vec<usize> = (0..n).collect();
+    let mut x = seed;
+    for i in (1..n).rev() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        v.swap(i, (x % (i as u64 + 1)) as usize);
+    }
+    v
+}
+
+/// One answered non-streaming Messages request: where it ran and its usage.
+pub struct Answer {
+    /// The `zerolayer-worker` header (`node/worker`).
+    pub served_by: String,
+    pub input_tokens: u64,
+    pub cached_tokens: u64,
+    pub output_tokens: u64,
+    pub secs: f64,
+}
+
+/// Sends `text` as a greedy Messages request to `url` and returns where it ran and its usage.
+/// Panics on anything but a 200 within 120 s.
+pub async fn ask(http: &reqwest::Client, url: &str, text: &str, max_tokens: u32) -> Answer {
+    let body = serde_json::json!({"model": "smollm2-135m-instruct", "max_tokens": max_tokens, "temperature": 0,
+                                  "messages": [{"role": "user", "content": text}]});
+    let t = std::time::Instant::now();
+    let r = tokio::time::timeout(std::time::Duration::from_secs(120), http.post(url).json(&body).send())
+        .await
+        .expect("answer in time")
+        .expect("request");
+    let status = r.status();
+    let served_by = r.headers().get("zerolayer-worker").map(|v| v.to_str().unwrap().to_string()).unwrap_or_default();
+    let v: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(status, 200, "{v}");
+    let u = &v["usage"];
+    let n = |k: &str| u[k].as_u64().unwrap_or_else(|| panic!("usage.{k} in {v}"));
+    Answer { served_by, input_tokens: n("input_tokens"), cached_tokens: n("cache_read_input_tokens"), output_tokens: n("output_tokens"), secs: t.elapsed().as_secs_f64() }
+}

@@ -9,53 +9,22 @@ use serde_json::{json, Value};
 use tokio::time::timeout;
 use zerolayer_common::PlacementPolicy;
 use zerolayer_coordinator::placement::NodeState;
-use zerolayer_tests::{heavy, parse_sse, TestCluster, LOREM};
+use zerolayer_tests::{ask, document, heavy, parse_sse, shuffled, Answer, TestCluster, LOREM};
 
 const PREFIXES: usize = 8;
 const ROUNDS: usize = 3;
 
-/// A ~620-token document, distinct from its first block on.
-fn document(p: usize, tag: &str) -> String {
-    let mut s = format!("[{tag} document {p}] ");
-    for k in 0..3 {
-        s.push_str(&format!("Part {k} of document {p}. "));
-        s.push_str(LOREM);
-        s.push(' ');
-    }
-    s.push_str(&LOREM[..LOREM.len() / 2]);
-    s
-}
-
+/// An answer and the document it asked about.
 struct Outcome {
     prefix: usize,
-    served_by: String,
-    input_tokens: u64,
-    cached_tokens: u64,
+    answer: Answer,
 }
 
-async fn ask(http: &reqwest::Client, url: &str, text: &str, max_tokens: u32) -> Outcome {
-    let body = json!({"model": "smollm2-135m-instruct", "max_tokens": max_tokens, "temperature": 0,
-                      "messages": [{"role": "user", "content": text}]});
-    let r = timeout(Duration::from_secs(120), http.post(url).json(&body).send()).await.expect("answer in time").expect("request");
-    let status = r.status();
-    let served_by = r.headers().get("zerolayer-worker").map(|v| v.to_str().unwrap().to_string()).unwrap_or_default();
-    let v: Value = r.json().await.unwrap();
-    assert_eq!(status, 200, "{v}");
-    let u = &v["usage"];
-    Outcome { prefix: usize::MAX, served_by, input_tokens: u["input_tokens"].as_u64().unwrap(), cached_tokens: u["cache_read_input_tokens"].as_u64().unwrap() }
-}
-
-/// A fixed pseudo-random permutation (xorshift), so both policies see the same order.
-fn shuffled(n: usize, seed: u64) -> Vec<usize> {
-    let mut v: Vec<usize> = (0..n).collect();
-    let mut x = seed;
-    for i in (1..n).rev() {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        v.swap(i, (x % (i as u64 + 1)) as usize);
+impl std::ops::Deref for Outcome {
+    type Target = Answer;
+    fn deref(&self) -> &Answer {
+        &self.answer
     }
-    v
 }
 
 /// Sends `ROUNDS` requests for each of `PREFIXES` documents, round-robin over the nodes' HTTP
@@ -74,8 +43,7 @@ async fn prefix_workload(cluster: &TestCluster, tag: &str) -> (f64, usize, usize
             let node = &cluster.nodes[k % cluster.nodes.len()];
             k += 1;
             let text = format!("{}\n\nQuestion {round}: what is this document about?", document(p, tag));
-            let mut o = ask(&http, &node.url("/v1/messages"), &text, 2).await;
-            o.prefix = p;
+            let o = Outcome { prefix: p, answer: ask(&http, &node.url("/v1/messages"), &text, 2).await };
             if let Some(h) = home.get(&p) {
                 warm += 1;
                 if h.contains(&o.served_by) {

@@ -16,30 +16,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use zerolayer_common::PlacementPolicy;
-use zerolayer_tests::{TestCluster, LOREM};
-
-fn document(p: usize, tag: &str) -> String {
-    let mut s = format!("[{tag} document {p}] ");
-    for k in 0..3 {
-        s.push_str(&format!("Part {k} of document {p}. "));
-        s.push_str(LOREM);
-        s.push(' ');
-    }
-    s.push_str(&LOREM[..LOREM.len() / 2]);
-    s
-}
-
-fn shuffled(n: usize, seed: u64) -> Vec<usize> {
-    let mut v: Vec<usize> = (0..n).collect();
-    let mut x = seed;
-    for i in (1..n).rev() {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        v.swap(i, (x % (i as u64 + 1)) as usize);
-    }
-    v
-}
+use zerolayer_tests::{ask, document, shuffled, Answer, TestCluster};
 
 fn pct(v: &mut [f64], p: f64) -> f64 {
     if v.is_empty() {
@@ -49,36 +26,9 @@ fn pct(v: &mut [f64], p: f64) -> f64 {
     v[((v.len() as f64 - 1.0) * p).round() as usize]
 }
 
-struct Done {
-    served_by: String,
-    input: u64,
-    cached: u64,
-    output: u64,
-    secs: f64,
-}
-
-async fn ask(http: &reqwest::Client, url: &str, text: &str, max_tokens: u32) -> Done {
-    let body = json!({"model": "smollm2-135m-instruct", "max_tokens": max_tokens, "temperature": 0,
-                      "messages": [{"role": "user", "content": text}]});
-    let t = Instant::now();
-    let r = http.post(url).json(&body).send().await.expect("request");
-    let served_by = r.headers().get("zerolayer-worker").map(|v| v.to_str().unwrap().to_string()).unwrap_or_default();
-    let status = r.status();
-    let v: Value = r.json().await.unwrap();
-    assert_eq!(status, 200, "{v}");
-    let u = &v["usage"];
-    Done {
-        served_by,
-        input: u["input_tokens"].as_u64().unwrap(),
-        cached: u["cache_read_input_tokens"].as_u64().unwrap(),
-        output: u["output_tokens"].as_u64().unwrap(),
-        secs: t.elapsed().as_secs_f64(),
-    }
-}
-
-fn hit_ratio(d: &[Done]) -> f64 {
-    let input: u64 = d.iter().map(|d| d.input + d.cached).sum();
-    d.iter().map(|d| d.cached).sum::<u64>() as f64 / input as f64
+fn hit_ratio(d: &[Answer]) -> f64 {
+    let input: u64 = d.iter().map(|d| d.input_tokens + d.cached_tokens).sum();
+    d.iter().map(|d| d.cached_tokens).sum::<u64>() as f64 / input as f64
 }
 
 async fn policy_run(policy: PlacementPolicy, threads: usize) -> Value {
@@ -143,7 +93,7 @@ async fn policy_run(policy: PlacementPolicy, threads: usize) -> Value {
         }
     }
     let tp_secs = t.elapsed().as_secs_f64();
-    let out_tokens: u64 = tp.iter().map(|d| d.output).sum();
+    let out_tokens: u64 = tp.iter().map(|d| d.output_tokens).sum();
     let mut lat: Vec<f64> = tp.iter().map(|d| d.secs).collect();
     let r = json!({
         "policy": policy,
