@@ -90,35 +90,51 @@ impl RopeTable {
     }
 }
 
-/// `e^x` in f32 (Cephes' `expf`: range reduction by ln 2 in two parts, a degree-5 polynomial;
-/// within 2 ulp of the true value over the range, 0 below -88.38, `e^88.38` above 88.38).
+/// `e^x` in f32, computed in f64 and rounded once: `2^n · p(r)` with `n = round(x / ln 2)`,
+/// `r = x − n·ln 2` (two-part ln 2, fused) and `p` the degree-11 Taylor polynomial (relative
+/// error below 1e-13 on |r| ≤ ln 2 / 2), so the f32 result is the correctly rounded `e^x`
+/// except within ~1e-13 of a rounding boundary — the same value as a correctly rounded libm
+/// `expf` (glibc's, which candle uses) practically always.
 ///
-/// Written as a fixed sequence of IEEE operations (fused multiply-adds are `mul_add`, exact
-/// on every target) so that [`avx2::exp8`] computes the same bits 8 at a time; libm's `expf`
-/// differs between platforms and cannot be vectorized bit-for-bit.
+/// Written as a fixed sequence of IEEE operations (fused multiply-adds are `mul_add`, exact on
+/// every target) so that [`avx2::exp8`] computes the same bits 8 at a time; libm cannot be
+/// vectorized bit-for-bit.
 #[inline(always)]
 pub fn exp_fast(x: f32) -> f32 {
     // Not `clamp`: max-then-min maps NaN to EXP_LO exactly as the vector form's maxps/minps do.
     #[allow(clippy::manual_clamp)]
-    let x = x.max(EXP_LO).min(EXP_HI);
-    let n = x.mul_add(LOG2E, 0.5).floor();
+    let x = x.max(EXP_LO).min(EXP_HI) as f64;
+    let n = x.mul_add(std::f64::consts::LOG2_E, 0.5).floor();
     let r = (-n).mul_add(LN2_HI, x);
     let r = (-n).mul_add(LN2_LO, r);
-    let z = r * r;
-    let mut y = EXP_P[0];
-    for p in &EXP_P[1..] {
-        y = y.mul_add(r, *p);
+    let mut y = EXP_C[0];
+    for c in &EXP_C[1..] {
+        y = y.mul_add(r, *c);
     }
-    let y = y.mul_add(z, r) + 1.0;
-    y * f32::from_bits(((n as i32 + 127) << 23) as u32)
+    (y * f64::from_bits(((n as i64 + 1023) << 52) as u64)) as f32
 }
 
-const EXP_HI: f32 = 88.376_26;
-const EXP_LO: f32 = -88.376_26;
-const LOG2E: f32 = std::f32::consts::LOG2_E;
-const LN2_HI: f32 = 0.693_359_4;
-const LN2_LO: f32 = -2.121_944_4e-4;
-const EXP_P: [f32; 6] = [1.987_569_1e-4, 1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 0.166_666_65, 0.5];
+/// Inputs are clamped to where f32 `e^x` is 0 below and infinite above.
+const EXP_HI: f32 = 89.0;
+const EXP_LO: f32 = -104.0;
+/// ln 2 in two parts: `LN2_HI` has trailing zero bits, so `n · LN2_HI` is exact for |n| < 2¹¹.
+const LN2_HI: f64 = 6.931_471_803_691_238_164_9e-1;
+const LN2_LO: f64 = 1.908_214_929_270_587_700_0e-10;
+/// 1/11!, 1/10!, …, 1/1!, 1/0! (Horner order).
+const EXP_C: [f64; 12] = [
+    1.0 / 39_916_800.0,
+    1.0 / 3_628_800.0,
+    1.0 / 362_880.0,
+    1.0 / 40_320.0,
+    1.0 / 5_040.0,
+    1.0 / 720.0,
+    1.0 / 120.0,
+    1.0 / 24.0,
+    1.0 / 6.0,
+    0.5,
+    1.0,
+    1.0,
+];
 
 /// `gate = silu(gate) * up`, elementwise: `g / (1 + e^-g) * u`.
 pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
@@ -145,21 +161,28 @@ pub(crate) mod avx2 {
     use super::*;
     use std::arch::x86_64::*;
 
-    /// [`exp_fast`] on 8 lanes.
+    /// [`exp_fast`] on 8 lanes (two halves of 4 in f64).
     #[inline(always)]
     pub(crate) unsafe fn exp8(x: __m256) -> __m256 {
         let x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(EXP_LO)), _mm256_set1_ps(EXP_HI));
-        let n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(LOG2E), _mm256_set1_ps(0.5)));
-        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_HI), x);
-        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_LO), r);
-        let z = _mm256_mul_ps(r, r);
-        let mut y = _mm256_set1_ps(EXP_P[0]);
-        for p in &EXP_P[1..] {
-            y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(*p));
+        let lo = exp4(_mm256_cvtps_pd(_mm256_castps256_ps128(x)));
+        let hi = exp4(_mm256_cvtps_pd(_mm256_extractf128_ps::<1>(x)));
+        _mm256_set_m128(hi, lo)
+    }
+
+    /// The f64 core of [`exp_fast`] on 4 lanes, rounded to f32. (A function, not a closure:
+    /// closures do not inherit the caller's target features and would not inline here.)
+    #[inline(always)]
+    unsafe fn exp4(x: __m256d) -> __m128 {
+        let n = _mm256_floor_pd(_mm256_fmadd_pd(x, _mm256_set1_pd(std::f64::consts::LOG2_E), _mm256_set1_pd(0.5)));
+        let r = _mm256_fnmadd_pd(n, _mm256_set1_pd(LN2_HI), x);
+        let r = _mm256_fnmadd_pd(n, _mm256_set1_pd(LN2_LO), r);
+        let mut y = _mm256_set1_pd(EXP_C[0]);
+        for c in &EXP_C[1..] {
+            y = _mm256_fmadd_pd(y, r, _mm256_set1_pd(*c));
         }
-        let y = _mm256_add_ps(_mm256_fmadd_ps(y, z, r), _mm256_set1_ps(1.0));
-        let pow2 = _mm256_slli_epi32::<23>(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)));
-        _mm256_mul_ps(y, _mm256_castsi256_ps(pow2))
+        let e = _mm256_slli_epi64::<52>(_mm256_add_epi64(_mm256_cvtepi32_epi64(_mm256_cvtpd_epi32(n)), _mm256_set1_epi64x(1023)));
+        _mm256_cvtpd_ps(_mm256_mul_pd(y, _mm256_castsi256_pd(e)))
     }
 
     #[target_feature(enable = "avx2,fma")]
@@ -195,11 +218,13 @@ mod tests {
         for &x in &xs {
             let (got, want) = (exp_fast(x) as f64, (x as f64).exp());
             if (-87.0..=88.0).contains(&x) {
-                assert!(((got - want) / want).abs() < 4.0 * f32::EPSILON as f64, "exp({x}) = {got}, want {want}");
+                // Correctly rounded: within half an f32 ulp of the true value.
+                assert!(((got - want) / want).abs() <= 0.5 * f32::EPSILON as f64 * 1.0000001, "exp({x}) = {got}, want {want}");
+                assert_eq!(exp_fast(x), want as f32, "exp({x}) is the correctly rounded value");
             }
         }
-        assert_eq!(exp_fast(-100.0), 0.0);
-        assert!(exp_fast(100.0).is_finite());
+        assert_eq!(exp_fast(-110.0), 0.0);
+        assert_eq!(exp_fast(100.0), f32::INFINITY);
         #[cfg(target_arch = "x86_64")]
         if crate::has_avx2() {
             let gate: Vec<f32> = xs.iter().map(|x| x * 0.25).collect();
