@@ -9,9 +9,9 @@ use std::time::Instant;
 use zerolayer_common::{KvEvent, SamplingParams, SeqEvent, StopReason, Usage, WorkerSignals};
 
 use crate::error::{NodeError, Result};
-use crate::model::{ForwardItem, KvCache, Model};
+use crate::model::{recycle, ForwardItem, KvCache, Model};
 use crate::sampler::Sampler;
-use crate::scheduler::{Scheduler, SchedulerConfig, SeqId};
+use crate::scheduler::{Plan, Scheduler, SchedulerConfig, SeqId};
 use crate::stop::StopChecker;
 use crate::tokenizer::{IncrementalDecoder, Tokenizer};
 
@@ -61,6 +61,15 @@ pub struct Engine {
     hit_window: std::collections::VecDeque<(u64, u64)>,
     /// Logits rows of the last step, reused (no per-step allocation).
     logits: Vec<f32>,
+    /// The step's plan and per-item buffers, reused (empty between steps).
+    bufs: StepBufs,
+}
+
+#[derive(Default)]
+struct StepBufs {
+    plan: Plan,
+    want: Vec<bool>,
+    items: Vec<ForwardItem<'static>>,
 }
 
 impl Engine {
@@ -86,6 +95,7 @@ impl Engine {
             rate_window: Default::default(),
             hit_window: Default::default(),
             logits: Vec::new(),
+            bufs: StepBufs::default(),
         })
     }
 
@@ -123,7 +133,15 @@ impl Engine {
 
     /// Runs one step: schedule, forward, sample, detokenize, check stops.
     pub fn step(&mut self) -> Result<StepOutput> {
-        let plan = self.sched.schedule();
+        let mut bufs = std::mem::take(&mut self.bufs);
+        let r = self.step_with(&mut bufs);
+        self.bufs = bufs;
+        r
+    }
+
+    fn step_with(&mut self, bufs: &mut StepBufs) -> Result<StepOutput> {
+        self.sched.schedule_into(&mut bufs.plan);
+        let plan = &bufs.plan;
         let mut out = StepOutput::default();
         for &id in &plan.started {
             let s = self.sched.get(id).unwrap();
@@ -137,25 +155,22 @@ impl Engine {
             return Ok(out);
         }
         // Sequences with max_tokens == 0 only prefill; they need no logits.
-        let want: Vec<bool> = plan
-            .items
-            .iter()
-            .map(|it| {
-                let s = self.sched.get(it.seq).unwrap();
-                it.completes && s.generated() < s.max_tokens
-            })
-            .collect();
+        let want = &mut bufs.want;
+        want.clear();
+        want.extend(plan.items.iter().map(|it| {
+            let s = self.sched.get(it.seq).unwrap();
+            it.completes && s.generated() < s.max_tokens
+        }));
+        let want = &*want;
         let rows = {
-            let items: Vec<ForwardItem<'_>> = plan
-                .items
-                .iter()
-                .zip(&want)
-                .map(|(it, &w)| {
-                    let s = self.sched.get(it.seq).unwrap();
-                    ForwardItem { tokens: &s.tokens[it.start..it.start + it.len], start_pos: it.start, block_table: &s.blocks, want_logits: w }
-                })
-                .collect();
-            self.model.forward_into(&mut self.cache, &items, &mut self.logits)?
+            let mut items: Vec<ForwardItem<'_>> = recycle(std::mem::take(&mut bufs.items));
+            items.extend(plan.items.iter().zip(want).map(|(it, &w)| {
+                let s = self.sched.get(it.seq).unwrap();
+                ForwardItem { tokens: &s.tokens[it.start..it.start + it.len], start_pos: it.start, block_table: &s.blocks, want_logits: w }
+            }));
+            let rows = self.model.forward_into(&mut self.cache, &items, &mut self.logits);
+            bufs.items = recycle(items);
+            rows?
         };
         // Taken out for the sampling loop (which needs `&mut self`) and put back below.
         let logits_buf = std::mem::take(&mut self.logits);
@@ -169,7 +184,7 @@ impl Engine {
         self.kv_events.extend(ev);
 
         let mut logits = logits_buf[..rows * vocab].chunks_exact(vocab);
-        for (it, &w) in plan.items.iter().zip(&want) {
+        for (it, &w) in plan.items.iter().zip(want) {
             let id = it.seq;
             if !it.completes {
                 continue;

@@ -128,6 +128,9 @@ struct Scratch {
     proj: Vec<f32>,
     gu: Vec<f32>,
     mm: MatmulScratch,
+    /// Buffers for the per-row bookkeeping, reused across calls (empty between them).
+    rows: Vec<AttnRow<'static>>,
+    last_rows: Vec<usize>,
 }
 
 /// A loaded model, ready to run forward steps.
@@ -141,6 +144,15 @@ pub struct Model {
     pool: ThreadPool,
     scratch: Scratch,
     weight_bytes: usize,
+}
+
+/// An emptied vector's allocation reused for another element type of the same size and
+/// alignment (here: `AttnRow` with another lifetime). The standard library collects
+/// `into_iter().map(..)` in place when layouts match, so no allocation happens.
+pub(crate) fn recycle<T, U>(mut v: Vec<T>) -> Vec<U> {
+    const { assert!(std::mem::size_of::<T>() == std::mem::size_of::<U>() && std::mem::align_of::<T>() == std::mem::align_of::<U>()) };
+    v.clear();
+    v.into_iter().map(|_| unreachable!("the vector is empty")).collect()
 }
 
 fn resize(v: &mut Vec<f32>, n: usize) {
@@ -325,8 +337,8 @@ impl Model {
         if t_total == 0 {
             return Ok(0);
         }
-        // Row bookkeeping: each row's position and block table.
-        let mut rows: Vec<AttnRow<'_>> = Vec::with_capacity(t_total);
+        // Row bookkeeping: each row's position and block table (in a buffer kept across calls).
+        let mut rows: Vec<AttnRow<'_>> = recycle(std::mem::take(&mut self.scratch.rows));
         for it in items {
             let end = it.start_pos + it.tokens.len();
             if end > self.rope.max_pos() {
@@ -385,7 +397,8 @@ impl Model {
             add_assign(&mut s.x, &s.proj);
         }
         // Final norm and logits, only for the rows that are sampled.
-        let mut last_rows = Vec::new();
+        let mut last_rows = std::mem::take(&mut s.last_rows);
+        last_rows.clear();
         let mut r = 0;
         for it in items {
             r += it.tokens.len();
@@ -393,17 +406,19 @@ impl Model {
                 last_rows.push(r - 1);
             }
         }
-        if last_rows.is_empty() {
-            return Ok(0);
+        let n_last = last_rows.len();
+        if n_last > 0 {
+            let v = cfg.vocab_size;
+            resize(logits, last_rows.len() * v);
+            let x = &s.x;
+            matmul_rows(&self.pool, &self.output, last_rows.len(), logits, &mut s.mm, |i, out| {
+                let row = last_rows[i];
+                rms_norm_row(&x[row * d..(row + 1) * d], &self.norm, eps, out)
+            });
         }
-        let v = cfg.vocab_size;
-        resize(logits, last_rows.len() * v);
-        let x = &s.x;
-        matmul_rows(&self.pool, &self.output, last_rows.len(), logits, &mut s.mm, |i, out| {
-            let row = last_rows[i];
-            rms_norm_row(&x[row * d..(row + 1) * d], &self.norm, eps, out)
-        });
-        Ok(last_rows.len())
+        s.last_rows = last_rows;
+        self.scratch.rows = recycle(rows);
+        Ok(n_last)
     }
 }
 
@@ -464,6 +479,16 @@ fn dense_vec(t: &Tensor) -> Result<Vec<f32>> {
 mod tests {
     use super::*;
     use candle_core::Module;
+
+    #[test]
+    fn recycle_keeps_the_allocation() {
+        let table = [1u32, 2, 3];
+        let mut v: Vec<AttnRow<'_>> = Vec::with_capacity(64);
+        v.push(AttnRow { table: &table, pos: 0 });
+        let (ptr, cap) = (v.as_ptr() as usize, v.capacity());
+        let back: Vec<AttnRow<'static>> = recycle(v);
+        assert_eq!((back.as_ptr() as usize, back.capacity(), back.len()), (ptr, cap, 0));
+    }
 
     /// Our view of candle's block formats agrees with candle's own dequantization and matmul.
     #[test]

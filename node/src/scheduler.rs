@@ -187,6 +187,16 @@ impl Scheduler {
     /// Plans the next step.
     pub fn schedule(&mut self) -> Plan {
         let mut plan = Plan::default();
+        self.schedule_into(&mut plan);
+        plan
+    }
+
+    /// [`Scheduler::schedule`] into a reused plan (its vectors are cleared first), so the step
+    /// loop does not allocate.
+    pub fn schedule_into(&mut self, plan: &mut Plan) {
+        plan.items.clear();
+        plan.started.clear();
+        plan.preempted.clear();
         let mut budget = self.cfg.max_batch_tokens;
         let bs = self.cfg.block_size;
 
@@ -211,7 +221,7 @@ impl Scheduler {
                     break;
                 }
                 let victim = *self.running.last().expect("running is non-empty");
-                self.preempt(victim, &mut plan);
+                self.preempt(victim, plan);
                 if victim == id {
                     break;
                 }
@@ -286,7 +296,6 @@ impl Scheduler {
             let pos = self.running.partition_point(|r| self.seqs[r].arrival < arrival);
             self.running.insert(pos, id);
         }
-        plan
     }
 
     fn preempt(&mut self, id: SeqId, plan: &mut Plan) {
