@@ -293,12 +293,14 @@ async fn streams_past_the_grace_period_end_with_an_error_event() {
     let s = TestServer::start(|c| {
         c.server.shutdown_grace_secs = 1;
         c.server.ping_interval_ms = 200;
-        c.nodes[0].workers[0].max_batch_tokens = 8;
+        // A prefill of ~1,350 tokens at 2 per step: hundreds of steps, well past the 1 s grace
+        // period however fast the kernels get.
+        c.nodes[0].workers[0].max_batch_tokens = 2;
     })
     .await;
     let c = client();
     let body = json!({"model": MODEL, "max_tokens": 16, "stream": true, "temperature": 0,
-                      "messages": [{"role": "user", "content": format!("{}\nSummarize.", LOREM.repeat(3))}]});
+                      "messages": [{"role": "user", "content": format!("{}\nSummarize.", LOREM.repeat(8))}]});
     let r = c.post(s.url("/v1/messages")).json(&body).send().await.unwrap();
     assert_eq!(r.status(), 200);
     let mut st = r.bytes_stream();
