@@ -504,7 +504,18 @@ unsafe fn quantize_row_avx2(x: &[f32], out: &mut [ActBlock]) {
         let p23 = _mm256_packs_epi32(q[2], q[3]);
         let bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p01, p23), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
         _mm256_storeu_si256(ob.qs.as_mut_ptr() as *mut __m256i, bytes);
-        set_scales(ob, d, sum, sum_lo);
+        // `set_scales` with F16C conversions (round to nearest even, as `half`'s): d and sum
+        // to f16, s = f16(f32(sum16) * f32(d16)).
+        #[inline(always)]
+        unsafe fn to16(v: __m128) -> __m128 {
+            _mm_cvtph_ps(_mm_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v))
+        }
+        let d16 = to16(_mm_set_ss(d));
+        let s16 = to16(_mm_mul_ss(to16(_mm_set_ss(sum as f32)), d16));
+        ob.d = _mm_cvtss_f32(d16);
+        ob.s = _mm_cvtss_f32(s16);
+        ob.sum = sum;
+        ob.sum_lo = sum_lo;
     }
 }
 
