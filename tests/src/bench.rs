@@ -46,6 +46,12 @@ pub struct LevelResult {
     pub itl_ms_p99: f64,
     /// Per-stream decode rate: 1000 ÷ mean inter-token latency.
     pub decode_tokens_per_s_per_stream: f64,
+    /// Aggregate decode tokens/s while the first `concurrency` requests all decode together:
+    /// tokens streamed between the last of them getting its first token and the first of them
+    /// finishing, ÷ that window. No prefill runs in it (the next requests start only when one
+    /// finishes), so it is the like-for-like figure for a batched-decode benchmark. None when
+    /// the window is empty.
+    pub steady_decode_tokens_per_s: Option<f64>,
     pub e2e_s_p50: f64,
     pub e2e_s_p99: f64,
     /// Mean and max `kv_fragmentation_ratio` over samples taken while `concurrency` sequences
@@ -76,6 +82,10 @@ pub fn prompt(kind: &str, i: usize) -> String {
 }
 
 struct One {
+    /// The request's number in the level (0-based).
+    index: usize,
+    /// When each text-carrying event arrived.
+    token_times: Vec<Instant>,
     ok: bool,
     prompt_tokens: u64,
     output_tokens: u64,
@@ -95,7 +105,7 @@ async fn one(http: &reqwest::Client, base: &str, level: &Level, i: usize) -> One
         "stream_options": {"include_usage": true},
     });
     let t0 = Instant::now();
-    let mut out = One { ok: false, prompt_tokens: 0, output_tokens: 0, ttft_ms: f64::NAN, itl_ms: vec![], e2e_s: 0.0 };
+    let mut out = One { index: i, token_times: vec![], ok: false, prompt_tokens: 0, output_tokens: 0, ttft_ms: f64::NAN, itl_ms: vec![], e2e_s: 0.0 };
     let Ok(mut resp) = http.post(format!("{base}/v1/chat/completions")).json(&body).send().await else { return out };
     if !resp.status().is_success() {
         return out;
@@ -126,6 +136,7 @@ async fn one(http: &reqwest::Client, base: &str, level: &Level, i: usize) -> One
                 }
                 let has_text = v["choices"][0]["delta"]["content"].as_str().is_some_and(|s| !s.is_empty());
                 if has_text {
+                    out.token_times.push(now);
                     match last {
                         None => out.ttft_ms = now.duration_since(t0).as_secs_f64() * 1e3,
                         Some(l) => out.itl_ms.push(now.duration_since(l).as_secs_f64() * 1e3),
@@ -195,6 +206,7 @@ pub async fn run_level(base: &str, level: &Level) -> LevelResult {
     let e2e: Vec<f64> = ok.iter().map(|o| o.e2e_s).collect();
     let output_tokens: u64 = ok.iter().map(|o| o.output_tokens).sum();
     let itl_mean = if itl.is_empty() { f64::NAN } else { itl.iter().sum::<f64>() / itl.len() as f64 };
+    let steady = steady_decode(&all, level.concurrency);
     LevelResult {
         prompt: level.prompt.clone(),
         concurrency: level.concurrency,
@@ -210,6 +222,7 @@ pub async fn run_level(base: &str, level: &Level) -> LevelResult {
         itl_ms_p50: percentile(&itl, 0.5),
         itl_ms_p99: percentile(&itl, 0.99),
         decode_tokens_per_s_per_stream: 1e3 / itl_mean,
+        steady_decode_tokens_per_s: steady,
         e2e_s_p50: percentile(&e2e, 0.5),
         e2e_s_p99: percentile(&e2e, 0.99),
         kv_fragmentation_mean: (!frag.is_empty()).then(|| frag.iter().sum::<f64>() / frag.len() as f64),
@@ -217,10 +230,27 @@ pub async fn run_level(base: &str, level: &Level) -> LevelResult {
     }
 }
 
+/// Tokens/s over the window where the first `n` requests (the first wave) all decode: from the
+/// last first token among them to the first last token among them.
+fn steady_decode(all: &[One], n: usize) -> Option<f64> {
+    let wave: Vec<&One> = all.iter().filter(|o| o.index < n && o.ok && !o.token_times.is_empty()).collect();
+    if wave.len() < n {
+        return None;
+    }
+    let start = wave.iter().map(|o| o.token_times[0]).max()?;
+    let end = wave.iter().map(|o| *o.token_times.last().unwrap()).min()?;
+    let secs = end.checked_duration_since(start)?.as_secs_f64();
+    if secs <= 0.0 {
+        return None;
+    }
+    let tokens = wave.iter().flat_map(|o| &o.token_times).filter(|&&t| t > start && t <= end).count();
+    Some(tokens as f64 / secs)
+}
+
 /// The results as a markdown table.
 pub fn markdown(results: &[LevelResult]) -> String {
     let mut s = String::from(
-        "| prompt | concurrency | ok / failed | prompt tokens | output tok/s | req/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | decode tok/s per stream | KV fragmentation mean / max |\n|---|---|---|---|---|---|---|---|---|---|\n",
+        "| prompt | concurrency | ok / failed | prompt tokens | output tok/s | req/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | decode tok/s per stream | steady decode tok/s, all streams | KV fragmentation mean / max |\n|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     for r in results {
         let frag = match (r.kv_fragmentation_mean, r.kv_fragmentation_max) {
@@ -228,7 +258,7 @@ pub fn markdown(results: &[LevelResult]) -> String {
             _ => "not sampled".into(),
         };
         s.push_str(&format!(
-            "| {} | {} | {} / {} | {:.0} | {:.1} | {:.2} | {:.1} / {:.1} | {:.1} / {:.1} | {:.1} | {} |\n",
+            "| {} | {} | {} / {} | {:.0} | {:.1} | {:.2} | {:.1} / {:.1} | {:.1} / {:.1} | {:.1} | {} | {} |\n",
             r.prompt,
             r.concurrency,
             r.requests_ok,
@@ -241,6 +271,7 @@ pub fn markdown(results: &[LevelResult]) -> String {
             r.itl_ms_p50,
             r.itl_ms_p99,
             r.decode_tokens_per_s_per_stream,
+            r.steady_decode_tokens_per_s.map_or("n/a".into(), |v| format!("{v:.1}")),
             frag
         ));
     }

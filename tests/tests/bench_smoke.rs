@@ -31,6 +31,10 @@ async fn http_bench_smoke_run() {
         assert_eq!(r["output_tokens"], 8, "ignore_eos makes every request generate exactly 4: {r}");
         assert!(r["ttft_ms_p50"].as_f64().unwrap() > 0.0 && r["itl_ms_p50"].as_f64().unwrap() > 0.0, "{r}");
     }
+    // One stream: the steady window runs from its first token to its last (3 more tokens).
+    for r in [&results[0], &results[2]] {
+        assert!(r["steady_decode_tokens_per_s"].as_f64().is_some_and(|v| v > 0.0), "{r}");
+    }
     let short = results[0]["prompt_tokens_mean"].as_f64().unwrap();
     let long = results[2]["prompt_tokens_mean"].as_f64().unwrap();
     assert!((80.0..160.0).contains(&short) && (1300.0..1800.0).contains(&long), "prompt sizes: {short} {long}");
