@@ -1,8 +1,9 @@
 //! zerolayer's compute kernels. The only crate in the workspace with `unsafe`.
 //!
-//! - [`quant`]: weight formats (F32, Q4_0, Q4_1, Q8_0) and the batched matrix kernel.
+//! - [`quant`]: weight formats (F32; Q4_0, Q4_1, Q8_0, and Q4_K/Q6_K repacked) in 8-row panels,
+//!   and the matrix kernel (batch 1 and batches alike).
 //! - [`attention`]: paged attention reading K/V through block tables.
-//! - [`ops`]: RMSNorm, RoPE, SiLU·mul.
+//! - [`ops`]: RMSNorm, RoPE, SiLU·mul, and a correctly rounded vectorizable `exp`.
 //! - [`pool`]: a spin-then-park thread pool with no per-call spawn cost.
 //!
 //! Invariant: every kernel computes each output element with a fixed reduction order that does
