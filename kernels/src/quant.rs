@@ -790,9 +790,16 @@ mod avx2 {
         const OFFSET_VNNI: i32;
         const OFFSET_AVX2: i32;
         /// The 8 group vectors of one panel block (lane `r`: elements `4g..4g+4` of row `r`).
-        unsafe fn decode<const V: bool>(q: *const u8) -> [__m256i; 8];
-        /// `acc + Σ₄ w·a` per lane.
-        unsafe fn dot<const V: bool>(acc: __m256i, w: __m256i, a: __m256i) -> __m256i;
+        /// Default: two groups per byte (4-bit codes).
+        #[inline(always)]
+        unsafe fn decode<const V: bool>(q: *const u8) -> [__m256i; 8] {
+            nibbles(q)
+        }
+        /// `acc + Σ₄ w·a` per lane. Default: unsigned codes.
+        #[inline(always)]
+        unsafe fn dot<const V: bool>(acc: __m256i, w: __m256i, a: __m256i) -> __m256i {
+            udot::<V>(acc, w, a)
+        }
     }
 
     pub struct Q41;
@@ -830,14 +837,6 @@ mod avx2 {
         const QOFF: usize = 32;
         const OFFSET_VNNI: i32 = 0;
         const OFFSET_AVX2: i32 = 0;
-        #[inline(always)]
-        unsafe fn decode<const V: bool>(q: *const u8) -> [__m256i; 8] {
-            nibbles(q)
-        }
-        #[inline(always)]
-        unsafe fn dot<const V: bool>(acc: __m256i, w: __m256i, a: __m256i) -> __m256i {
-            udot::<V>(acc, w, a)
-        }
     }
     impl Fmt for Q4K {
         const PB: usize = 8 * 24;
@@ -846,14 +845,6 @@ mod avx2 {
         const QOFF: usize = 64;
         const OFFSET_VNNI: i32 = 0;
         const OFFSET_AVX2: i32 = 0;
-        #[inline(always)]
-        unsafe fn decode<const V: bool>(q: *const u8) -> [__m256i; 8] {
-            nibbles(q)
-        }
-        #[inline(always)]
-        unsafe fn dot<const V: bool>(acc: __m256i, w: __m256i, a: __m256i) -> __m256i {
-            udot::<V>(acc, w, a)
-        }
     }
     impl Fmt for Q6K {
         const PB: usize = 8 * 40;
@@ -869,10 +860,6 @@ mod avx2 {
         unsafe fn decode<const V: bool>(q: *const u8) -> [__m256i; 8] {
             std::array::from_fn(|g| _mm256_loadu_si256(q.add(32 * g) as *const __m256i))
         }
-        #[inline(always)]
-        unsafe fn dot<const V: bool>(acc: __m256i, w: __m256i, a: __m256i) -> __m256i {
-            udot::<V>(acc, w, a)
-        }
     }
     impl Fmt for Q40 {
         const PB: usize = 8 * 18;
@@ -880,14 +867,6 @@ mod avx2 {
         const QOFF: usize = 16;
         const OFFSET_VNNI: i32 = 8;
         const OFFSET_AVX2: i32 = 8;
-        #[inline(always)]
-        unsafe fn decode<const V: bool>(q: *const u8) -> [__m256i; 8] {
-            nibbles(q)
-        }
-        #[inline(always)]
-        unsafe fn dot<const V: bool>(acc: __m256i, w: __m256i, a: __m256i) -> __m256i {
-            udot::<V>(acc, w, a)
-        }
     }
     impl Fmt for Q80 {
         const PB: usize = 8 * 34;
