@@ -176,20 +176,25 @@ pub fn cost(w: &WorkerView, req: &RequestSummary, cached: usize, cfg: &Placement
 pub fn place(view: &ClusterView, req: &RequestSummary, cfg: &PlacementConfig, rr: usize) -> Decision {
     let mut skipped = Vec::new();
     let mut cands: Vec<(usize, usize)> = Vec::new(); // (index, cached blocks)
+    let mut kv_short: Vec<(usize, usize)> = Vec::new(); // skipped only for KV space
     for (i, w) in view.workers.iter().enumerate() {
         let cached = cached_prefix_blocks(w, &req.block_hashes);
         match filter(w, req, cached, cfg) {
-            Some(s) => skipped.push((i, s)),
+            Some(s) => {
+                if s == Skip::KvSpace {
+                    kv_short.push((i, cached));
+                }
+                skipped.push((i, s));
+            }
             None => cands.push((i, cached)),
         }
     }
-    let mut kv_wait = false;
-    if cands.is_empty() {
-        if !skipped.iter().any(|&(_, s)| s == Skip::KvSpace) {
+    let kv_wait = cands.is_empty();
+    if kv_wait {
+        if kv_short.is_empty() {
             return Decision::NoWorker { skipped };
         }
-        cands = skipped.iter().filter(|&&(_, s)| s == Skip::KvSpace).map(|&(i, _)| (i, cached_prefix_blocks(&view.workers[i], &req.block_hashes))).collect();
-        kv_wait = true;
+        cands = kv_short;
     }
     let decision = place_among(view, req, cfg, rr, cands);
     match decision {

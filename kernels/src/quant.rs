@@ -1190,6 +1190,40 @@ mod tests {
         }
     }
 
+    /// `x`'s rows (of `cols`) quantized, as `matmul` does.
+    fn quantize_rows(x: &[f32], cols: usize) -> Vec<ActBlock> {
+        let nb = cols / QK;
+        let mut act = vec![ActBlock::default(); x.len() / cols * nb];
+        for (xr, ar) in x.chunks_exact(cols).zip(act.chunks_exact_mut(nb)) {
+            quantize_row(xr, ar);
+        }
+        act
+    }
+
+    /// Every kernel this CPU can run (portable, AVX2, VNNI) gives exactly `want` (output bits)
+    /// for `b` rows, the work split into two tiles (the first whole panels), as `matmul` does.
+    fn assert_every_kernel_gives(w: &Weight, x: &[f32], act: &[ActBlock], b: usize, want: &[u32], what: &str) {
+        let mut kernels = vec![Kernel::Portable];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if crate::has_avx2() {
+                kernels.push(Kernel::Avx2);
+            }
+            if crate::has_vnni() {
+                kernels.push(Kernel::Vnni);
+            }
+        }
+        let rows = w.rows;
+        let split = rows.min(PANEL);
+        for kernel in kernels {
+            let mut y = vec![f32::NAN; b * rows];
+            tile_run(kernel, w, x, act, &mut y, 0, split, b);
+            tile_run(kernel, w, x, act, &mut y, split, rows, b);
+            let got: Vec<u32> = y.iter().map(|v| v.to_bits()).collect();
+            assert_eq!(got, want, "{kernel:?} {what}");
+        }
+    }
+
     const QFORMATS: [WeightFormat; 3] = [WeightFormat::Q8_0, WeightFormat::Q4_0, WeightFormat::Q4_1];
 
     #[test]
@@ -1227,16 +1261,6 @@ mod tests {
     /// bytes bit for bit: ragged batches, partial last panels, every chunk size.
     #[test]
     fn kernels_equal_scalar_bit_for_bit() {
-        let mut kernels = vec![Kernel::Portable];
-        #[cfg(target_arch = "x86_64")]
-        {
-            if crate::has_avx2() {
-                kernels.push(Kernel::Avx2);
-            }
-            if crate::has_vnni() {
-                kernels.push(Kernel::Vnni);
-            }
-        }
         let mut rng = rand::rngs::StdRng::seed_from_u64(11);
         for format in QFORMATS {
             for &(rows, cols) in &[(8usize, 32usize), (11, 96), (16, 160), (27, 576), (8, 1536)] {
@@ -1246,22 +1270,11 @@ mod tests {
                 let rb = nb * format.block_bytes();
                 for b in [1usize, 2, 3, 4, 5, 8, 9, 13, 17] {
                     let x = rand_vec(&mut rng, b * cols);
-                    let mut act = vec![ActBlock::default(); b * nb];
-                    for (xr, ar) in x.chunks_exact(cols).zip(act.chunks_exact_mut(nb)) {
-                        quantize_row(xr, ar);
-                    }
+                    let act = quantize_rows(&x, cols);
                     let want: Vec<u32> = (0..b * rows)
                         .map(|o| gguf_dot(format, &gguf[(o % rows) * rb..(o % rows + 1) * rb], &act[(o / rows) * nb..(o / rows + 1) * nb]).to_bits())
                         .collect();
-                    for &kernel in &kernels {
-                        let mut y = vec![f32::NAN; b * rows];
-                        // Two tiles (the first whole panels), as `matmul` splits work.
-                        let split = if rows > 8 { 8 } else { rows };
-                        tile_run(kernel, &w, &x, &act, &mut y, 0, split, b);
-                        tile_run(kernel, &w, &x, &act, &mut y, split, rows, b);
-                        let got: Vec<u32> = y.iter().map(|v| v.to_bits()).collect();
-                        assert_eq!(got, want, "{kernel:?} {format:?} {rows}x{cols} b {b}");
-                    }
+                    assert_every_kernel_gives(&w, &x, &act, b, &want, &format!("{format:?} {rows}x{cols} b {b}"));
                 }
             }
         }
@@ -1290,16 +1303,6 @@ mod tests {
     #[test]
     fn k_quant_kernels_agree() {
         let pool = ThreadPool::new(2);
-        let mut kernels = vec![Kernel::Portable];
-        #[cfg(target_arch = "x86_64")]
-        {
-            if crate::has_avx2() {
-                kernels.push(Kernel::Avx2);
-            }
-            if crate::has_vnni() {
-                kernels.push(Kernel::Vnni);
-            }
-        }
         let mut rng = rand::rngs::StdRng::seed_from_u64(13);
         for format in [WeightFormat::Q4K, WeightFormat::Q6K] {
             for &(rows, cols) in &[(8usize, 256usize), (13, 512), (27, 256)] {
@@ -1307,31 +1310,21 @@ mod tests {
                 let nb = cols / QK;
                 for b in [1usize, 2, 3, 5, 8, 9, 17] {
                     let x = rand_vec(&mut rng, b * cols);
-                    let mut act = vec![ActBlock::default(); b * nb];
-                    for (xr, ar) in x.chunks_exact(cols).zip(act.chunks_exact_mut(nb)) {
-                        quantize_row(xr, ar);
-                    }
+                    let act = quantize_rows(&x, cols);
                     let want: Vec<u32> = (0..b * rows).map(|o| dot_block_row(&w, o % rows, &act[(o / rows) * nb..(o / rows + 1) * nb]).to_bits()).collect();
-                    for &kernel in &kernels {
-                        let mut y = vec![f32::NAN; b * rows];
-                        let split = if rows > 8 { 8 } else { rows };
-                        tile_run(kernel, &w, &x, &act, &mut y, 0, split, b);
-                        tile_run(kernel, &w, &x, &act, &mut y, split, rows, b);
-                        let got: Vec<u32> = y.iter().map(|v| v.to_bits()).collect();
-                        assert_eq!(got, want, "{kernel:?} {format:?} {rows}x{cols} b {b}");
-                    }
+                    assert_every_kernel_gives(&w, &x, &act, b, &want, &format!("{format:?} {rows}x{cols} b {b}"));
                     let mut y = vec![0f32; b * rows];
                     matmul(&pool, &w, &x, &mut y, &mut MatmulScratch::default());
                     let reference = reference(&w, &x, b);
                     let scale = reference.iter().fold(0f32, |m, v| m.max(v.abs()));
                     for (i, (a, r)) in y.iter().zip(&reference).enumerate() {
                         assert!((a - r).abs() <= 0.02 * scale, "{format:?} b {b} out {i}: {a} vs {r}");
+                    }
+                    // Each row alone gives the same bits.
+                    for row in 0..b {
                         let mut y1 = vec![0f32; rows];
-                        if i % rows == 0 {
-                            let row = i / rows;
-                            matmul(&pool, &w, &x[row * cols..(row + 1) * cols], &mut y1, &mut MatmulScratch::default());
-                            assert_eq!(&y1[..], &y[row * rows..(row + 1) * rows]);
-                        }
+                        matmul(&pool, &w, &x[row * cols..(row + 1) * cols], &mut y1, &mut MatmulScratch::default());
+                        assert_eq!(&y1[..], &y[row * rows..(row + 1) * rows]);
                     }
                 }
             }
