@@ -219,7 +219,7 @@ impl Guard {
                 };
                 put("limit", b.per_minute.to_string());
                 put("remaining", remaining.to_string());
-                put("reset", crate::http::rfc3339_system(b.reset_at(remaining)));
+                put("reset", crate::clock::rfc3339_system(b.reset_at(remaining)));
             }
         }
     }

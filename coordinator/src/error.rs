@@ -3,7 +3,7 @@
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde_json::json;
-use zerolayer_node::NodeError;
+use zerolayer_worker::WorkerError;
 
 /// An error an API client sees.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -106,16 +106,16 @@ impl ApiError {
     }
 }
 
-impl From<NodeError> for ApiError {
-    fn from(e: NodeError) -> Self {
+impl From<WorkerError> for ApiError {
+    fn from(e: WorkerError) -> Self {
         match e {
-            NodeError::TooLong { needed, limit } => {
+            WorkerError::TooLong { needed, limit } => {
                 ApiError::invalid(format!("prompt tokens + max_tokens = {needed}, which exceeds the model's limit of {limit} tokens"))
             }
-            NodeError::QueueFull(_) => ApiError::Overloaded("Overloaded: the worker's queue is full; retry later".into()),
-            NodeError::ShuttingDown => ApiError::Overloaded("Overloaded: the server is shutting down".into()),
-            NodeError::Invalid(m) => ApiError::invalid(m),
-            NodeError::Template(m) => ApiError::invalid(format!("chat template: {m}")),
+            WorkerError::QueueFull(_) => ApiError::Overloaded("Overloaded: the worker's queue is full; retry later".into()),
+            WorkerError::ShuttingDown => ApiError::Overloaded("Overloaded: the server is shutting down".into()),
+            WorkerError::Invalid(m) => ApiError::invalid(m),
+            WorkerError::Template(m) => ApiError::invalid(format!("chat template: {m}")),
             other => ApiError::Internal(other.to_string()),
         }
     }

@@ -2,11 +2,10 @@
 //! suite's deterministic pass over the fuzz corpus: bytes → JSON → validation → chat template
 //! → tokenization. It must return (an error or a prompt) for every input, never panic.
 
-use zerolayer_node::chat::ChatTemplate;
-use zerolayer_node::tokenizer::Tokenizer;
+use zerolayer_worker::chat::ChatTemplate;
+use zerolayer_worker::tokenizer::Tokenizer;
 
-use crate::anthropic::{self, Endpoint};
-use crate::coordinator::render_prompt;
+use crate::api::anthropic::{self, Endpoint};
 use crate::error::ApiError;
 
 /// Runs one input through the whole front end. Returns the prompt's token count.
@@ -20,7 +19,7 @@ pub fn exercise(data: &[u8], tokenizer: &Tokenizer, template: &ChatTemplate) -> 
             return Err(e);
         }
     };
-    let prompt = render_prompt(template, req.system.as_deref(), &req.turns)?;
+    let prompt = req.generation.render(template)?;
     let ids = tokenizer.encode(&prompt).map_err(|e| ApiError::Internal(e.to_string()))?;
     // The rendered prompt round-trips through the tokenizer whenever the vocabulary has a token
     // for each of its bytes (bytes without one are dropped, as llama.cpp does).

@@ -1,25 +1,30 @@
 //! The zerolayer coordinator: the HTTP API (Anthropic Messages and OpenAI Chat Completions),
-//! placement onto workers, metrics, and the `zerolayer` binary.
+//! placement onto workers anywhere in the cluster, the cluster link, metrics, and the
+//! `zerolayer` binary. "Node" always means one zerolayer process (a `[[nodes]]` entry of the
+//! config); "worker" means one device's engine inside it.
 //!
-//! - [`anthropic`], [`openai`]: request parsing and validation.
-//! - [`coordinator`]: prompt rendering, admission; places and hands sequences to workers.
-//! - [`placement`]: the sans-IO placement function over a cluster view.
-//! - [`cluster`]: QUIC with mutual TLS, chitchat membership and gossip, forwarding.
-//! - [`http`]: the axum router and the response/SSE shapes.
-//! - [`error`]: the one place errors become HTTP responses.
+//! Modules, lowest layer first (a module uses only those before it; `module_graph` tests it):
+//! - [`error`], [`clock`], [`view`] (the cluster as placement reads it), [`request`] (the
+//!   neutral generation request), [`metrics`], [`status`] (the CLI's table);
+//! - [`placement`] (a pure function over a view), [`tracker`] (staleness correction), [`auth`];
+//! - [`cluster`]: QUIC with mutual TLS, chitchat membership and gossip, forwarding;
+//! - [`coordinator`]: prompt, admission, placement and submission;
+//! - [`api`]: the axum router, one folder per API; [`fuzzing`]: the front end as one function;
 //! - [`node`]: starting a node and serving it with graceful shutdown.
 //!
 //! This crate never touches tensors.
 
-pub mod anthropic;
+pub mod api;
 pub mod auth;
+pub mod clock;
 pub mod cluster;
 pub mod coordinator;
 pub mod error;
 pub mod fuzzing;
-pub mod http;
 pub mod metrics;
 pub mod node;
-pub mod openai;
 pub mod placement;
+pub mod request;
 pub mod status;
+pub mod tracker;
+pub mod view;

@@ -1,4 +1,4 @@
-//! Starting a node: load the model onto each worker, build the coordinator, serve HTTP on an
+//! Starting a node (this process): load the model onto each worker, build the coordinator, serve HTTP on an
 //! already-bound listener until a shutdown future resolves, then drain within the grace period.
 
 use std::future::Future;
@@ -8,11 +8,13 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use zerolayer_common::ClusterConfig;
-use zerolayer_node::engine::{Engine, EngineConfig};
-use zerolayer_node::loader;
-use zerolayer_node::WorkerHandle;
+use zerolayer_worker::engine::{Engine, EngineConfig};
+use zerolayer_worker::loader;
+use zerolayer_worker::WorkerHandle;
 
-use crate::coordinator::{Coordinator, LocalWorker, ModelInfo};
+use crate::cluster::{Cluster, LocalWorker};
+use crate::coordinator::{Admission, Coordinator, ModelInfo};
+use crate::view::NodeState;
 
 /// A started node: its coordinator and the switch that ends open streams.
 pub struct Node {
@@ -64,7 +66,7 @@ impl Node {
             }
             let engine = Engine::new(loaded.model, loaded.tokenizer, &ecfg)?;
             let handle = WorkerHandle::spawn(engine, &format!("{node_id}-{}", wc.id)).await?;
-            workers.push(LocalWorker { id: wc.id.clone(), handle, max_waiting: wc.max_waiting });
+            workers.push(LocalWorker { id: wc.id.clone(), handle, max_waiting: wc.max_waiting, device: wc.device.clone() });
         }
         let (tokenizer, template) = front.ok_or_else(|| anyhow::anyhow!("node {node_id:?} has no workers"))?;
         let created_unix = std::fs::metadata(&config.model.path)
@@ -84,10 +86,11 @@ impl Node {
         if !guard.enabled() {
             tracing::warn!("auth disabled: no API keys configured, so the API is open (development mode)");
         }
-        let cluster = crate::cluster::Cluster::start(&config, node_id, &workers, quic_socket).await?;
-        let (hard_stop_tx, hard_stop_rx) = watch::channel(false);
-        let coordinator =
-            Arc::new(Coordinator::new(node_id.to_string(), config, model, tokenizer, template, workers, guard, cluster, hard_stop_rx));
+        let cluster = Cluster::start(&config, node_id, &workers, quic_socket).await?;
+        let (hard_stop_tx, hard_stop) = watch::channel(false);
+        let admission = Admission::new(node_id, config.server.max_inflight);
+        let node_id = node_id.to_string();
+        let coordinator = Arc::new(Coordinator { node_id, config, model, tokenizer, template, workers, guard, cluster, hard_stop, admission });
         Ok(Node { coordinator, hard_stop_tx })
     }
 
@@ -96,11 +99,11 @@ impl Node {
     /// still open after it end with an SSE `error` event; then the listener closes, the
     /// workers stop, and this returns.
     pub async fn serve(self, listener: TcpListener, shutdown: impl Future<Output = ()> + Send + 'static) -> anyhow::Result<()> {
-        let app = crate::http::router(self.coordinator.clone());
+        let app = crate::api::router(self.coordinator.clone());
         if let Ok(a) = listener.local_addr() {
             self.coordinator.cluster.set_http_addr(a.to_string());
         }
-        self.coordinator.cluster.set_state(crate::placement::NodeState::Ready);
+        self.coordinator.cluster.set_state(NodeState::Ready);
         let grace = Duration::from_secs(self.coordinator.config.server.shutdown_grace_secs);
         let coord = self.coordinator.clone();
         let hard = self.hard_stop_tx.clone();
@@ -120,8 +123,7 @@ impl Node {
         axum::serve(listener, app).with_graceful_shutdown(signal).await?;
         self.coordinator.cluster.stop().await;
         for w in &self.coordinator.workers {
-            let h = w.handle.clone();
-            tokio::task::spawn_blocking(move || h.shutdown()).await.ok();
+            w.handle.shutdown().await;
         }
         Ok(())
     }

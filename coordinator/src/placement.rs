@@ -1,5 +1,5 @@
 //! Placement: which worker in the cluster runs a request. A pure function (sans-IO, no clock)
-//! over a [`ClusterView`] and a [`RequestSummary`]; the coordinator builds the view from local
+//! over a [`ClusterView`] (see [`crate::view`]) and a [`RequestSummary`]; the coordinator builds the view from local
 //! worker signals and gossip, calls [`place`], and logs the decision.
 //!
 //! Algorithm (the form SGLang's cache-aware router and Dynamo's KV router converged on):
@@ -24,62 +24,10 @@
 //! The prefix overlap is exact: a worker's cached set holds the chained block hashes it caches
 //! (see `zerolayer_common::hash`), and a prompt's overlap is its longest prefix of blocks in it.
 
-use std::collections::HashSet;
-use std::sync::Arc;
-
 use serde::Serialize;
-use zerolayer_common::{PlacementConfig, PlacementPolicy, WorkerSignals};
+use zerolayer_common::{PlacementConfig, PlacementPolicy};
 
-/// A node's membership state.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum NodeState {
-    Joining,
-    Ready,
-    Draining,
-    Dead,
-}
-
-impl NodeState {
-    pub fn as_str(&self) -> &'static str {
-        match self {
-            NodeState::Joining => "joining",
-            NodeState::Ready => "ready",
-            NodeState::Draining => "draining",
-            NodeState::Dead => "dead",
-        }
-    }
-
-    pub fn parse(s: &str) -> NodeState {
-        match s {
-            "ready" => NodeState::Ready,
-            "draining" => NodeState::Draining,
-            "dead" => NodeState::Dead,
-            _ => NodeState::Joining,
-        }
-    }
-}
-
-/// One worker as this coordinator sees it.
-#[derive(Clone, Debug)]
-pub struct WorkerView {
-    pub node: String,
-    pub worker: String,
-    /// On this coordinator's node (no QUIC hop).
-    pub local: bool,
-    pub state: NodeState,
-    pub device: String,
-    pub max_waiting: u32,
-    pub signals: WorkerSignals,
-    /// Block hashes the worker caches (exact, from its KV events).
-    pub cached: Arc<HashSet<u64>>,
-}
-
-/// Every worker of the cluster, local and remote.
-#[derive(Clone, Debug, Default)]
-pub struct ClusterView {
-    pub workers: Vec<WorkerView>,
-}
+use crate::view::{ClusterView, NodeState, WorkerView};
 
 /// What placement needs to know about a request.
 #[derive(Clone, Debug)]
@@ -124,7 +72,7 @@ pub fn cached_prefix_blocks(w: &WorkerView, hashes: &[u64]) -> usize {
 }
 
 fn load(w: &WorkerView) -> u32 {
-    w.signals.running + w.signals.waiting
+    w.signals.running.saturating_add(w.signals.waiting)
 }
 
 fn memory_ratio(w: &WorkerView) -> f64 {
@@ -259,25 +207,12 @@ fn least_loaded(view: &ClusterView, cands: &[(usize, usize)], rr: usize) -> (usi
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::Arc;
+    use zerolayer_common::WorkerSignals;
 
     fn w(node: &str, local: bool) -> WorkerView {
-        WorkerView {
-            node: node.into(),
-            worker: "cpu0".into(),
-            local,
-            state: NodeState::Ready,
-            device: "cpu".into(),
-            max_waiting: 8,
-            signals: WorkerSignals {
-                kv_blocks_total: 1000,
-                kv_blocks_free: 1000,
-                block_size: 16,
-                memory_limit_bytes: 1000,
-                memory_used_bytes: 100,
-                ..Default::default()
-            },
-            cached: Arc::new(HashSet::new()),
-        }
+        let signals = WorkerSignals { kv_blocks_total: 1000, kv_blocks_free: 1000, block_size: 16, memory_limit_bytes: 1000, memory_used_bytes: 100, ..Default::default() };
+        crate::view::test_worker(node, local, signals)
     }
 
     fn req(blocks: usize) -> RequestSummary {

@@ -61,53 +61,48 @@ pub fn write_kv(layout: &KvLayout, k_cache: &mut [KvElem], v_cache: &mut [KvElem
     }
 }
 
-/// Attention for one query row and one query head.
-///
-/// `q` is the head's query (`head_dim`), `out` receives the head's output. `scores` is scratch
-/// of at least `pos + 1` elements.
-#[allow(clippy::too_many_arguments)]
-pub fn attend_one(
-    layout: &KvLayout,
-    k_cache: &[KvElem],
-    v_cache: &[KvElem],
-    table: &[u32],
-    pos: usize,
-    kv_head: usize,
-    q: &[f32],
-    scale: f32,
-    scores: &mut Vec<f32>,
-    out: &mut [f32],
-) {
+/// One layer's K and V caches and their geometry.
+#[derive(Clone, Copy, Debug)]
+pub struct KvView<'a> {
+    pub layout: &'a KvLayout,
+    pub k: &'a [KvElem],
+    pub v: &'a [KvElem],
+}
+
+/// One query head of one row: the head's query (`head_dim`), the sequence's block table, the
+/// row's position, the KV head it reads, and the softmax scale.
+#[derive(Clone, Copy, Debug)]
+pub struct Query<'a> {
+    pub table: &'a [u32],
+    pub pos: usize,
+    pub kv_head: usize,
+    pub q: &'a [f32],
+    pub scale: f32,
+}
+
+/// Attention for one query row and one query head: `out` receives the head's output. `scores`
+/// is scratch (grown to `pos + 1` elements).
+pub fn attend_one(kv: &KvView<'_>, query: &Query<'_>, scores: &mut Vec<f32>, out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if crate::has_avx2() {
         // SAFETY: AVX2 and FMA were detected at run time.
-        unsafe { attend_one_avx2(layout, k_cache, v_cache, table, pos, kv_head, q, scale, scores, out) };
+        unsafe { attend_one_avx2(kv, query, scores, out) };
         return;
     }
-    attend_one_impl(layout, k_cache, v_cache, table, pos, kv_head, q, scale, scores, out)
+    attend_one_impl(kv, query, scores, out)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn attend_one_avx2(
-    layout: &KvLayout,
-    k_cache: &[KvElem],
-    v_cache: &[KvElem],
-    table: &[u32],
-    pos: usize,
-    kv_head: usize,
-    q: &[f32],
-    scale: f32,
-    scores: &mut Vec<f32>,
-    out: &mut [f32],
-) {
+unsafe fn attend_one_avx2(kv: &KvView<'_>, query: &Query<'_>, scores: &mut Vec<f32>, out: &mut [f32]) {
+    let (layout, k_cache, v_cache) = (kv.layout, kv.k, kv.v);
+    let (table, pos, kv_head, q, scale) = (query.table, query.pos, query.kv_head, query.q, query.scale);
     use std::arch::x86_64::*;
     let hd = layout.head_dim;
     if hd % 8 != 0 || hd > 256 {
         // `mul_add` is a fused multiply-add on both paths (hardware here, libm's exact `fmaf` in
         // the portable path), so results are bit-identical whichever runs.
-        return attend_one_impl(layout, k_cache, v_cache, table, pos, kv_head, q, scale, scores, out);
+        return attend_one_impl(kv, query, scores, out);
     }
     let bs = layout.block_size;
     let n = pos + 1;
@@ -248,19 +243,9 @@ unsafe fn transpose8(v: &[std::arch::x86_64::__m256; 8]) -> [std::arch::x86_64::
 }
 
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn attend_one_impl(
-    layout: &KvLayout,
-    k_cache: &[KvElem],
-    v_cache: &[KvElem],
-    table: &[u32],
-    pos: usize,
-    kv_head: usize,
-    q: &[f32],
-    scale: f32,
-    scores: &mut Vec<f32>,
-    out: &mut [f32],
-) {
+fn attend_one_impl(kv: &KvView<'_>, query: &Query<'_>, scores: &mut Vec<f32>, out: &mut [f32]) {
+    let (layout, k_cache, v_cache) = (kv.layout, kv.k, kv.v);
+    let (table, pos, kv_head, q, scale) = (query.table, query.pos, query.kv_head, query.q, query.scale);
     let hd = layout.head_dim;
     let bs = layout.block_size;
     let n = pos + 1;
@@ -323,9 +308,11 @@ mod tests {
                 for head in 0..3 {
                     let (mut s1, mut s2) = (vec![], vec![]);
                     let (mut o1, mut o2) = (vec![0f32; hd], vec![0f32; hd]);
-                    attend_one_impl(&layout, &kc, &vc, &table, pos, head, &q, 0.125, &mut s1, &mut o1);
+                    let kv = KvView { layout: &layout, k: &kc, v: &vc };
+                    let query = Query { table: &table, pos, kv_head: head, q: &q, scale: 0.125 };
+                    attend_one_impl(&kv, &query, &mut s1, &mut o1);
                     // SAFETY: AVX2 and FMA detected above.
-                    unsafe { attend_one_avx2(&layout, &kc, &vc, &table, pos, head, &q, 0.125, &mut s2, &mut o2) };
+                    unsafe { attend_one_avx2(&kv, &query, &mut s2, &mut o2) };
                     let b1: Vec<u32> = o1.iter().map(|x| x.to_bits()).collect();
                     let b2: Vec<u32> = o2.iter().map(|x| x.to_bits()).collect();
                     assert_eq!(b1, b2, "bs {bs} hd {hd} pos {pos} head {head}");
@@ -358,7 +345,7 @@ mod tests {
             let pos = len - 1;
             let mut out = vec![0f32; 8];
             let mut scratch = vec![];
-            attend_one(&layout, &kc, &vc, &table, pos, head, &q, 0.35, &mut scratch, &mut out);
+            attend_one(&KvView { layout: &layout, k: &kc, v: &vc }, &Query { table: &table, pos, kv_head: head, q: &q, scale: 0.35 }, &mut scratch, &mut out);
             // Reference over contiguous copies (rounded to the cache element type), in f64.
             let r = |x: f32| from_kv(to_kv(x)) as f64;
             let sc: Vec<f64> = (0..=pos).map(|p| (0..8).map(|i| q[i] as f64 * r(ks[p][head * 8 + i])).sum::<f64>() * 0.35).collect();
@@ -415,18 +402,8 @@ thread_local! {
 /// `out` receives `n_heads * head_dim` values per row. Query head `h` reads KV head
 /// `h / (n_heads / n_kv_heads)` (grouped-query attention).
 #[allow(clippy::too_many_arguments)]
-pub fn paged_attention(
-    pool: &crate::pool::ThreadPool,
-    layout: &KvLayout,
-    k_cache: &[KvElem],
-    v_cache: &[KvElem],
-    rows: &[AttnRow<'_>],
-    q: &[f32],
-    q_stride: usize,
-    n_heads: usize,
-    scale: f32,
-    out: &mut [f32],
-) {
+pub fn paged_attention(pool: &crate::pool::ThreadPool, kv: &KvView<'_>, rows: &[AttnRow<'_>], q: &[f32], q_stride: usize, n_heads: usize, scale: f32, out: &mut [f32]) {
+    let layout = kv.layout;
     let hd = layout.head_dim;
     let group = n_heads / layout.n_kv_heads;
     assert!(group >= 1 && n_heads % layout.n_kv_heads == 0);
@@ -449,7 +426,7 @@ pub fn paged_attention(
             for h in kvh * group..(kvh + 1) * group {
                 let qh = &q[t * q_stride + h * hd..t * q_stride + (h + 1) * hd];
                 let o = &mut out_all[t * od + h * hd..t * od + (h + 1) * hd];
-                attend_one(layout, k_cache, v_cache, row.table, row.pos, kvh, qh, scale, &mut s, o);
+                attend_one(kv, &Query { table: row.table, pos: row.pos, kv_head: kvh, q: qh, scale }, &mut s, o);
             }
         });
     });

@@ -5,7 +5,7 @@
 use minijinja::{context, Environment, Error, ErrorKind};
 use serde::Serialize;
 
-use crate::error::{NodeError, Result};
+use crate::error::{WorkerError, Result};
 
 /// The template used when a model ships none.
 pub const CHATML_TEMPLATE: &str = "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
@@ -43,24 +43,24 @@ impl ChatTemplate {
             .trim_blocks(true)
             .lstrip_blocks(true)
             .build()
-            .map_err(|e| NodeError::Template(e.to_string()))?;
+            .map_err(|e| WorkerError::Template(e.to_string()))?;
         env.set_syntax(syntax);
         let src = source.unwrap_or(CHATML_TEMPLATE).to_string();
-        env.add_template_owned("chat", src).map_err(|e| NodeError::Template(e.to_string()))?;
+        env.add_template_owned("chat", src).map_err(|e| WorkerError::Template(e.to_string()))?;
         Ok(ChatTemplate { env, bos_token: bos_token.into(), eos_token: eos_token.into() })
     }
 
     /// Renders `messages`. With `add_generation_prompt`, the text ends where the assistant's
     /// reply begins.
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
-        let t = self.env.get_template("chat").map_err(|e| NodeError::Template(e.to_string()))?;
+        let t = self.env.get_template("chat").map_err(|e| WorkerError::Template(e.to_string()))?;
         t.render(context! {
             messages => minijinja::Value::from(minijinja::value::Serde(messages)),
             add_generation_prompt => add_generation_prompt,
             bos_token => &self.bos_token,
             eos_token => &self.eos_token,
         })
-        .map_err(|e| NodeError::Template(e.to_string()))
+        .map_err(|e| WorkerError::Template(e.to_string()))
     }
 
     /// Renders a conversation for generation. When the last message is from the assistant it

@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use zerolayer_common::{KvEvent, SamplingParams, SeqEvent, StopReason, Usage, WorkerSignals};
 
-use crate::error::{NodeError, Result};
+use crate::error::{WorkerError, Result};
 use crate::model::{recycle, ForwardItem, KvCache, Model};
 use crate::sampler::Sampler;
 use crate::scheduler::{Plan, Scheduler, SchedulerConfig, SeqId};
@@ -110,7 +110,7 @@ impl Engine {
     /// Queues a request. Errors: too long for the model or the cache, or the queue is full.
     pub fn add(&mut self, id: SeqId, prompt: Vec<u32>, params: SamplingParams) -> Result<()> {
         if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= self.model.cfg.vocab_size) {
-            return Err(NodeError::Invalid(format!("token id {bad} is outside the vocabulary")));
+            return Err(WorkerError::Invalid(format!("token id {bad} is outside the vocabulary")));
         }
         self.sched.add(id, prompt, params.max_tokens as usize)?;
         self.states.insert(
@@ -176,80 +176,70 @@ impl Engine {
         let logits_buf = std::mem::take(&mut self.logits);
         let vocab = self.model.cfg.vocab_size;
         out.tokens_computed = plan.items.iter().map(|it| it.len).sum();
-        self.sched.on_computed(&plan);
-        let (ev, overflowed) = self.sched.pool.drain_events();
+        self.sched.on_computed(plan);
+        let (ev, overflowed) = self.sched.drain_kv_events();
         if overflowed {
             self.kv_events.clear();
         }
         self.kv_events.extend(ev);
 
         let mut logits = logits_buf[..rows * vocab].chunks_exact(vocab);
+        let mut result = Ok(());
         for (it, &w) in plan.items.iter().zip(want) {
-            let id = it.seq;
             if !it.completes {
                 continue;
             }
             if !w {
                 // max_tokens == 0: the prompt is now cached; nothing to generate.
-                self.finish(id, StopReason::MaxTokens, String::new(), &mut out);
+                self.finish(it.seq, StopReason::MaxTokens, &mut out);
                 continue;
             }
             let row = logits.next().expect("one logits row per wanted item");
-            let st = self.states.get_mut(&id).expect("state for scheduled sequence");
-            let tok = st.sampler.sample(row);
-            self.sched.append_token(id, tok);
-            self.generated_total += 1;
-            if self.tokenizer.is_end_token(tok) && !st.params.ignore_eos {
-                let st = self.states.get_mut(&id).unwrap();
-                let s = self.sched.get(id).unwrap();
-                let gen = &s.tokens[s.prompt_len..s.tokens.len() - 1];
-                let mut tail = st.decoder.flush(&self.tokenizer, gen)?;
-                let step = st.stop.push(&tail);
-                tail = step.emit;
-                if let Some(m) = step.matched {
-                    self.finish(id, StopReason::StopSequence(m), tail, &mut out);
-                } else {
-                    tail.push_str(&st.stop.flush());
-                    out.events.push((id, SeqEvent::Delta { tokens: vec![tok], text: tail }));
-                    self.finish(id, StopReason::EndTurn, String::new(), &mut out);
-                }
-                continue;
+            if let Err(e) = self.on_token(it.seq, row, &mut out) {
+                result = Err(e);
+                break;
             }
-            let s = self.sched.get(id).unwrap();
-            let gen = &s.tokens[s.prompt_len..];
-            let piece = st.decoder.step(&self.tokenizer, gen)?;
-            let step = st.stop.push(&piece);
-            if let Some(m) = step.matched {
-                out.events.push((id, SeqEvent::Delta { tokens: vec![tok], text: step.emit }));
-                self.finish(id, StopReason::StopSequence(m), String::new(), &mut out);
-                continue;
-            }
-            if s.generated() >= st.params.max_tokens as usize {
-                let gen = &s.tokens[s.prompt_len..];
-                let rest = st.decoder.flush(&self.tokenizer, gen)?;
-                let step2 = st.stop.push(&rest);
-                let mut text = step.emit;
-                text.push_str(&step2.emit);
-                if let Some(m) = step2.matched {
-                    out.events.push((id, SeqEvent::Delta { tokens: vec![tok], text }));
-                    self.finish(id, StopReason::StopSequence(m), String::new(), &mut out);
-                } else {
-                    text.push_str(&st.stop.flush());
-                    out.events.push((id, SeqEvent::Delta { tokens: vec![tok], text }));
-                    self.finish(id, StopReason::MaxTokens, String::new(), &mut out);
-                }
-                continue;
-            }
-            out.events.push((id, SeqEvent::Delta { tokens: vec![tok], text: step.emit }));
         }
         self.logits = logits_buf;
-        Ok(out)
+        result.map(|()| out)
     }
 
-    fn finish(&mut self, id: SeqId, reason: StopReason, text: String, out: &mut StepOutput) {
-        if !text.is_empty() {
-            out.events.push((id, SeqEvent::Delta { tokens: vec![], text }));
+    /// The per-token path, written once: sample, detokenize, check stop sequences, the end
+    /// token and `max_tokens`, emit the token's text, and finish the sequence if it is over.
+    fn on_token(&mut self, id: SeqId, logits: &[f32], out: &mut StepOutput) -> Result<()> {
+        let st = self.states.get_mut(&id).expect("state for scheduled sequence");
+        let tok = st.sampler.sample(logits);
+        self.sched.append_token(id, tok);
+        self.generated_total += 1;
+        let s = self.sched.get(id).expect("scheduled sequence");
+        let end = self.tokenizer.is_end_token(tok) && !st.params.ignore_eos;
+        let at_limit = !end && s.generated() >= st.params.max_tokens as usize;
+        // An end token adds no text of its own: only what the decoder still holds back.
+        let gen = &s.tokens[s.prompt_len..s.tokens.len() - usize::from(end)];
+        let mut text = if end { String::new() } else { st.decoder.step(&self.tokenizer, gen)? };
+        if end || at_limit {
+            text.push_str(&st.decoder.flush(&self.tokenizer, gen)?);
         }
+        let step = st.stop.push(&text);
+        let mut emit = step.emit;
+        let reason = match step.matched {
+            Some(m) => Some(StopReason::StopSequence(m)),
+            None if end => Some(StopReason::EndTurn),
+            None if at_limit => Some(StopReason::MaxTokens),
+            None => None,
+        };
+        if matches!(reason, Some(StopReason::EndTurn | StopReason::MaxTokens)) {
+            // Text held back as a possible stop-sequence start is final now.
+            emit.push_str(&st.stop.flush());
+        }
+        out.events.push((id, SeqEvent::Delta { tokens: vec![tok], text: emit }));
+        if let Some(r) = reason {
+            self.finish(id, r, out);
+        }
+        Ok(())
+    }
+
+    fn finish(&mut self, id: SeqId, reason: StopReason, out: &mut StepOutput) {
         self.states.remove(&id);
         if let Some(s) = self.sched.remove(id) {
             out.events.push((id, SeqEvent::Finished { reason, usage: usage_of(&s) }));
@@ -272,18 +262,17 @@ impl Engine {
         let dt = now.duration_since(t0).as_secs_f32();
         let tps = if dt > 0.05 { (self.generated_total - g0) as f32 / dt } else { 0.0 };
         let (hits, queries) = self.hit_window.iter().fold((0u64, 0u64), |a, b| (a.0 + b.0, a.1 + b.1));
-        let pool = &self.sched.pool;
+        let kv = self.sched.kv_blocks();
         let st = &self.sched.stats;
         WorkerSignals {
-            kv_blocks_total: pool.num_blocks() as u32,
-            kv_blocks_free: pool.num_free() as u32,
-            kv_blocks_cached: pool.num_cached_evictable() as u32,
+            kv_blocks_total: kv.total as u32,
+            kv_blocks_free: kv.free as u32,
+            kv_blocks_cached: kv.cached_evictable as u32,
             kv_fragmentation_ratio: self.sched.fragmentation(),
-            block_size: pool.block_size() as u32,
+            block_size: kv.block_size as u32,
             // The device picture: weights plus the KV blocks sequences hold, against weights
             // plus the whole (preallocated) KV pool.
-            memory_used_bytes: (self.model.weight_bytes()
-                + self.cache.bytes() / pool.num_blocks().max(1) * (pool.num_blocks() - pool.num_free())) as u64,
+            memory_used_bytes: (self.model.weight_bytes() + self.cache.bytes() / kv.total.max(1) * (kv.total - kv.free)) as u64,
             memory_limit_bytes: (self.model.weight_bytes() + self.cache.bytes()) as u64,
             running: self.sched.num_running() as u32,
             waiting: self.sched.num_waiting() as u32,
@@ -301,7 +290,7 @@ impl Engine {
 
     /// Every prefix hash currently cached (for a full resync of a cluster index).
     pub fn cached_hashes(&self) -> Vec<u64> {
-        self.sched.pool.cached_hashes()
+        self.sched.cached_hashes()
     }
 }
 

@@ -1,9 +1,9 @@
-//! The node crate's error type.
+//! The worker crate's error type.
 
 use thiserror::Error;
 
 #[derive(Debug, Error)]
-pub enum NodeError {
+pub enum WorkerError {
     #[error("model: {0}")]
     Model(String),
     #[error("tokenizer: {0}")]
@@ -22,24 +22,24 @@ pub enum NodeError {
     Io(#[from] std::io::Error),
 }
 
-impl NodeError {
+impl WorkerError {
     pub fn candle(e: candle_core::Error) -> Self {
-        NodeError::Model(e.to_string())
+        WorkerError::Model(e.to_string())
     }
 
     /// A stable name, usable as a metric label.
     pub fn kind(&self) -> &'static str {
         match self {
-            NodeError::Model(_) => "model",
-            NodeError::Tokenizer(_) => "tokenizer",
-            NodeError::Template(_) => "template",
-            NodeError::TooLong { .. } => "too_long",
-            NodeError::QueueFull(_) => "queue_full",
-            NodeError::Invalid(_) => "invalid",
-            NodeError::ShuttingDown => "shutting_down",
-            NodeError::Io(_) => "io",
+            WorkerError::Model(_) => "model",
+            WorkerError::Tokenizer(_) => "tokenizer",
+            WorkerError::Template(_) => "template",
+            WorkerError::TooLong { .. } => "too_long",
+            WorkerError::QueueFull(_) => "queue_full",
+            WorkerError::Invalid(_) => "invalid",
+            WorkerError::ShuttingDown => "shutting_down",
+            WorkerError::Io(_) => "io",
         }
     }
 }
 
-pub type Result<T> = std::result::Result<T, NodeError>;
+pub type Result<T> = std::result::Result<T, WorkerError>;

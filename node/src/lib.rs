@@ -1,4 +1,6 @@
-//! The zerolayer worker: everything that runs on one device.
+//! The zerolayer worker: everything that runs on one device of a node. (The crate lives in
+//! `node/`, the directory name the design card fixes; "node" itself always means one zerolayer
+//! process, and a node runs one worker per device.)
 //!
 //! - [`model`]: our Llama-family forward pass over a paged KV cache (GGUF and safetensors).
 //! - [`tokenizer`], [`chat`]: text in and out (GGUF-embedded BPE, minijinja chat templates).
@@ -6,10 +8,11 @@
 //! - [`scheduler`]: continuous batching with chunked prefill and preemption (sans-IO).
 //! - [`sampler`], [`stop`]: sampling and stop sequences.
 //! - [`engine`]: one `step()` at a time over all of the above.
-//! - [`worker`]: the ractor actor and the engine thread; [`WorkerHandle`] is the API.
+//! - [`actor`]: the worker actor and its engine thread; [`WorkerHandle`] is the API.
 //!
 //! This crate speaks neither HTTP nor QUIC.
 
+pub mod actor;
 pub mod block_pool;
 pub mod chat;
 pub mod engine;
@@ -20,8 +23,7 @@ pub mod sampler;
 pub mod scheduler;
 pub mod stop;
 pub mod tokenizer;
-pub mod worker;
 
 pub use engine::{Engine, EngineConfig};
-pub use error::{NodeError, Result};
-pub use worker::{SeqStream, SubmitRequest, WorkerHandle};
+pub use error::{WorkerError, Result};
+pub use actor::{SeqStream, SubmitRequest, WorkerHandle};

@@ -5,7 +5,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use crate::chat::ChatTemplate;
-use crate::error::{NodeError, Result};
+use crate::error::{WorkerError, Result};
 use crate::model::Model;
 use crate::tokenizer::Tokenizer;
 
@@ -21,7 +21,7 @@ pub struct Loaded {
 /// `tokenizer` overrides where the tokenizer comes from. `progress(done, total)` reports layers.
 pub fn load(path: &Path, tokenizer: Option<&Path>, threads: usize, progress: impl FnMut(usize, usize)) -> Result<Loaded> {
     if !path.exists() {
-        return Err(NodeError::Model(format!(
+        return Err(WorkerError::Model(format!(
             "model not found at {} (run scripts/fetch-model for the default model)",
             path.display()
         )));
@@ -62,8 +62,8 @@ pub fn load(path: &Path, tokenizer: Option<&Path>, threads: usize, progress: imp
 /// Just the text front end of a GGUF model (tokenizer and chat template), from its metadata,
 /// without loading any weights. Used by fuzzing and tools.
 pub fn load_frontend(path: &Path) -> Result<(Arc<Tokenizer>, Arc<ChatTemplate>)> {
-    let mut f = std::fs::File::open(path).map_err(|e| NodeError::Model(format!("opening {}: {e}", path.display())))?;
-    let content = candle_core::quantized::gguf_file::Content::read(&mut f).map_err(NodeError::candle)?;
+    let mut f = std::fs::File::open(path).map_err(|e| WorkerError::Model(format!("opening {}: {e}", path.display())))?;
+    let content = candle_core::quantized::gguf_file::Content::read(&mut f).map_err(WorkerError::candle)?;
     let md = &content.metadata;
     let tok = Tokenizer::from_gguf(md)?;
     let tmpl_src = md.get("tokenizer.chat_template").and_then(|v| v.to_string().ok()).cloned();

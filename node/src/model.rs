@@ -21,12 +21,12 @@ use std::sync::Arc;
 
 use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
-use zerolayer_kernels::attention::{paged_attention, write_kv, AttnRow, KvElem, KvLayout, KV_ZERO};
+use zerolayer_kernels::attention::{paged_attention, write_kv, AttnRow, KvElem, KvLayout, KvView, KV_ZERO};
 use zerolayer_kernels::ops::{add_assign, rms_norm_row, silu_mul, RopeStyle, RopeTable};
 use zerolayer_kernels::pool::ThreadPool;
 use zerolayer_kernels::quant::{matmul, matmul_rows, MatmulScratch, Weight, WeightFormat};
 
-use crate::error::{NodeError, Result};
+use crate::error::{WorkerError, Result};
 
 /// Architecture hyper-parameters.
 #[derive(Clone, Debug, PartialEq)]
@@ -83,7 +83,7 @@ impl KvCache {
         let per_block = cfg.kv_bytes_per_token() * block_size;
         let num_blocks = budget_bytes / per_block;
         if num_blocks == 0 {
-            return Err(NodeError::Invalid(format!("KV budget {budget_bytes} B is below one block ({per_block} B)")));
+            return Err(WorkerError::Invalid(format!("KV budget {budget_bytes} B is below one block ({per_block} B)")));
         }
         Ok(Self::new(cfg, block_size, num_blocks))
     }
@@ -168,7 +168,7 @@ impl Model {
             None => embed.clone(), // tied embeddings
         };
         if embed.cols != cfg.dim || output.cols != cfg.dim || output.rows != cfg.vocab_size {
-            return Err(NodeError::Model(format!(
+            return Err(WorkerError::Model(format!(
                 "embedding/output shapes {}x{} / {}x{} do not match dim {} vocab {}",
                 embed.rows, embed.cols, output.rows, output.cols, cfg.dim, cfg.vocab_size
             )));
@@ -188,27 +188,27 @@ impl Model {
 
     /// Loads a GGUF file (llama-family architectures).
     pub fn from_gguf(path: &Path, threads: usize, mut progress: impl FnMut(usize, usize)) -> Result<(Self, HashMap<String, gguf_file::Value>)> {
-        let mut file = std::fs::File::open(path).map_err(|e| NodeError::Model(format!("opening {}: {e}", path.display())))?;
-        let content = gguf_file::Content::read(&mut file).map_err(|e| NodeError::Model(format!("reading GGUF {}: {e}", path.display())))?;
+        let mut file = std::fs::File::open(path).map_err(|e| WorkerError::Model(format!("opening {}: {e}", path.display())))?;
+        let content = gguf_file::Content::read(&mut file).map_err(|e| WorkerError::Model(format!("reading GGUF {}: {e}", path.display())))?;
         let md = &content.metadata;
         let arch = md.get("general.architecture").and_then(|v| v.to_string().ok()).cloned().unwrap_or_else(|| "llama".into());
         if !matches!(arch.as_str(), "llama" | "mistral" | "granite" | "smollm") {
-            return Err(NodeError::Model(format!("GGUF architecture {arch:?} is not a Llama-family model this engine runs")));
+            return Err(WorkerError::Model(format!("GGUF architecture {arch:?} is not a Llama-family model this engine runs")));
         }
         let u = |k: &str| -> Result<usize> {
             md.get(&format!("{arch}.{k}"))
-                .ok_or_else(|| NodeError::Model(format!("GGUF metadata lacks {arch}.{k}")))?
+                .ok_or_else(|| WorkerError::Model(format!("GGUF metadata lacks {arch}.{k}")))?
                 .to_u64()
                 .map(|v| v as usize)
                 .or_else(|_| md[&format!("{arch}.{k}")].to_u32().map(|v| v as usize))
-                .map_err(NodeError::candle)
+                .map_err(WorkerError::candle)
         };
         let f = |k: &str, default: f32| -> f32 { md.get(&format!("{arch}.{k}")).and_then(|v| v.to_f32().ok()).unwrap_or(default) };
         let n_heads = u("attention.head_count")?;
         let dim = u("embedding_length")?;
         let n_layers = u("block_count")?;
         let mut get = |name: &str| -> Result<QTensor> {
-            content.tensor(&mut file, name, &Device::Cpu).map_err(|e| NodeError::Model(format!("tensor {name}: {e}")))
+            content.tensor(&mut file, name, &Device::Cpu).map_err(|e| WorkerError::Model(format!("tensor {name}: {e}")))
         };
         let embed = to_weight(get("token_embd.weight")?)?;
         let cfg = ModelConfig {
@@ -226,7 +226,7 @@ impl Model {
             rope_style: RopeStyle::Interleaved,
         };
         if cfg.head_dim * cfg.n_heads != dim {
-            return Err(NodeError::Model(format!("head_dim {} × heads {} != dim {dim}", cfg.head_dim, cfg.n_heads)));
+            return Err(WorkerError::Model(format!("head_dim {} × heads {} != dim {dim}", cfg.head_dim, cfg.n_heads)));
         }
         let output = if content.tensor_infos.contains_key("output.weight") { Some(to_weight(get("output.weight")?)?) } else { None };
         let norm = to_vec(get("output_norm.weight")?)?;
@@ -256,9 +256,9 @@ impl Model {
     /// (F32, F16 or BF16).
     pub fn from_safetensors(dir: &Path, threads: usize, mut progress: impl FnMut(usize, usize)) -> Result<(Self, serde_json::Value)> {
         let cfg_json: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.join("config.json"))?)
-            .map_err(|e| NodeError::Model(format!("config.json: {e}")))?;
+            .map_err(|e| WorkerError::Model(format!("config.json: {e}")))?;
         let gu = |k: &str| cfg_json.get(k).and_then(|v| v.as_u64()).map(|v| v as usize);
-        let need = |k: &str| gu(k).ok_or_else(|| NodeError::Model(format!("config.json lacks {k}")));
+        let need = |k: &str| gu(k).ok_or_else(|| WorkerError::Model(format!("config.json lacks {k}")));
         let dim = need("hidden_size")?;
         let n_heads = need("num_attention_heads")?;
         let vocab_size = need("vocab_size")?;
@@ -282,13 +282,13 @@ impl Model {
             .collect();
         files.sort();
         if files.is_empty() {
-            return Err(NodeError::Model(format!("no *.safetensors in {}", dir.display())));
+            return Err(WorkerError::Model(format!("no *.safetensors in {}", dir.display())));
         }
         let mut tensors: HashMap<String, Tensor> = HashMap::new();
         for f in &files {
-            tensors.extend(candle_core::safetensors::load(f, &Device::Cpu).map_err(NodeError::candle)?);
+            tensors.extend(candle_core::safetensors::load(f, &Device::Cpu).map_err(WorkerError::candle)?);
         }
-        let mut take = |name: &str| tensors.remove(name).ok_or_else(|| NodeError::Model(format!("safetensors lack {name}")));
+        let mut take = |name: &str| tensors.remove(name).ok_or_else(|| WorkerError::Model(format!("safetensors lack {name}")));
         let embed = dense_weight(&take("model.embed_tokens.weight")?)?;
         let output = match take("lm_head.weight") {
             Ok(t) => Some(dense_weight(&t)?),
@@ -342,10 +342,10 @@ impl Model {
         for it in items {
             let end = it.start_pos + it.tokens.len();
             if end > self.rope.max_pos() {
-                return Err(NodeError::TooLong { needed: end, limit: self.rope.max_pos() });
+                return Err(WorkerError::TooLong { needed: end, limit: self.rope.max_pos() });
             }
             if it.block_table.len() * cache.layout.block_size < end {
-                return Err(NodeError::Invalid(format!("block table covers {} tokens, need {end}", it.block_table.len() * cache.layout.block_size)));
+                return Err(WorkerError::Invalid(format!("block table covers {} tokens, need {end}", it.block_table.len() * cache.layout.block_size)));
             }
             for (j, _) in it.tokens.iter().enumerate() {
                 rows.push(AttnRow { table: it.block_table, pos: it.start_pos + j });
@@ -357,7 +357,7 @@ impl Model {
         for it in items {
             for &tok in it.tokens {
                 if tok as usize >= self.embed.rows {
-                    return Err(NodeError::Invalid(format!("token id {tok} out of vocabulary")));
+                    return Err(WorkerError::Invalid(format!("token id {tok} out of vocabulary")));
                 }
                 self.embed.dequantize_row(tok as usize, &mut s.x[r * d..(r + 1) * d]);
                 r += 1;
@@ -382,7 +382,7 @@ impl Model {
                 self.rope.apply(k, row.pos);
                 write_kv(&cache.layout, kc, vc, row.table, row.pos, k, v);
             }
-            paged_attention(&self.pool, &cache.layout, kc, vc, &rows, &s.qkv, qkv_w, cfg.n_heads, scale, &mut s.att);
+            paged_attention(&self.pool, &KvView { layout: &cache.layout, k: kc, v: vc }, &rows, &s.qkv, qkv_w, cfg.n_heads, scale, &mut s.att);
             matmul(&self.pool, &layer.wo, &s.att, &mut s.proj, &mut s.mm);
             add_assign(&mut s.x, &s.proj);
             let x = &s.x;
@@ -439,13 +439,13 @@ fn stack(parts: &[&Weight]) -> Weight {
 }
 
 fn to_vec(qt: QTensor) -> Result<Vec<f32>> {
-    qt.dequantize(&Device::Cpu).and_then(|t| t.flatten_all()).and_then(|t| t.to_vec1::<f32>()).map_err(NodeError::candle)
+    qt.dequantize(&Device::Cpu).and_then(|t| t.flatten_all()).and_then(|t| t.to_vec1::<f32>()).map_err(WorkerError::candle)
 }
 
 /// Converts a GGUF tensor to a kernel weight: Q4_0/Q4_1/Q8_0 keep their blocks, Q4_K/Q6_K are
 /// repacked (exactly), everything else is dequantized through candle to F32.
 fn to_weight(qt: QTensor) -> Result<Weight> {
-    let (rows, cols) = qt.shape().dims2().map_err(NodeError::candle)?;
+    let (rows, cols) = qt.shape().dims2().map_err(WorkerError::candle)?;
     let fmt = match qt.dtype() {
         GgmlDType::Q4_0 => Some(WeightFormat::Q4_0),
         GgmlDType::Q4_1 => Some(WeightFormat::Q4_1),
@@ -455,24 +455,24 @@ fn to_weight(qt: QTensor) -> Result<Weight> {
     };
     match (qt.dtype(), fmt) {
         // K-quants are repacked into our 32-element panels (exact scales, no precision lost).
-        (GgmlDType::Q4K, _) if cols % 256 == 0 => Ok(Weight::from_q4_k(rows, cols, &qt.data().map_err(NodeError::candle)?)),
-        (GgmlDType::Q6K, _) if cols % 256 == 0 => Ok(Weight::from_q6_k(rows, cols, &qt.data().map_err(NodeError::candle)?)),
-        (_, Some(f)) => Ok(Weight::new(f, rows, cols, qt.data().map_err(NodeError::candle)?.into_owned())),
+        (GgmlDType::Q4K, _) if cols % 256 == 0 => Ok(Weight::from_q4_k(rows, cols, &qt.data().map_err(WorkerError::candle)?)),
+        (GgmlDType::Q6K, _) if cols % 256 == 0 => Ok(Weight::from_q6_k(rows, cols, &qt.data().map_err(WorkerError::candle)?)),
+        (_, Some(f)) => Ok(Weight::new(f, rows, cols, qt.data().map_err(WorkerError::candle)?.into_owned())),
         (_, None) => {
-            let t = qt.dequantize(&Device::Cpu).map_err(NodeError::candle)?;
+            let t = qt.dequantize(&Device::Cpu).map_err(WorkerError::candle)?;
             dense_weight(&t)
         }
     }
 }
 
 fn dense_weight(t: &Tensor) -> Result<Weight> {
-    let (rows, cols) = t.dims2().map_err(NodeError::candle)?;
+    let (rows, cols) = t.dims2().map_err(WorkerError::candle)?;
     let v = dense_vec(t)?;
     Ok(Weight::from_f32(rows, cols, &v))
 }
 
 fn dense_vec(t: &Tensor) -> Result<Vec<f32>> {
-    t.to_dtype(DType::F32).and_then(|t| t.flatten_all()).and_then(|t| t.to_vec1::<f32>()).map_err(NodeError::candle)
+    t.to_dtype(DType::F32).and_then(|t| t.flatten_all()).and_then(|t| t.to_vec1::<f32>()).map_err(WorkerError::candle)
 }
 
 #[cfg(test)]

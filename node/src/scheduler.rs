@@ -22,7 +22,7 @@ use std::collections::{HashMap, VecDeque};
 use zerolayer_common::chain_hash;
 
 use crate::block_pool::{BlockId, BlockPool};
-use crate::error::{NodeError, Result};
+use crate::error::{WorkerError, Result};
 
 pub type SeqId = u64;
 
@@ -99,9 +99,20 @@ pub struct SchedulerStats {
     pub prefix_cache_hits_total: u64,
 }
 
+/// The block pool as the engine sees it: counts only, never the pool itself.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KvBlocks {
+    pub total: usize,
+    /// Not referenced by any sequence (includes cached, evictable blocks).
+    pub free: usize,
+    /// Free blocks that still hold a cached prefix.
+    pub cached_evictable: usize,
+    pub block_size: usize,
+}
+
 pub struct Scheduler {
     cfg: SchedulerConfig,
-    pub pool: BlockPool,
+    pool: BlockPool,
     seqs: HashMap<SeqId, Sequence>,
     waiting: VecDeque<SeqId>,
     /// In arrival order (oldest first).
@@ -121,6 +132,32 @@ impl Scheduler {
         &self.cfg
     }
 
+    /// The pool's block counts.
+    pub fn kv_blocks(&self) -> KvBlocks {
+        KvBlocks {
+            total: self.pool.num_blocks(),
+            free: self.pool.num_free(),
+            cached_evictable: self.pool.num_cached_evictable(),
+            block_size: self.pool.block_size(),
+        }
+    }
+
+    /// Prefix-cache events (blocks stored / evicted) since the last call; `true` if some were
+    /// dropped because nobody took them in time (the reader must then resync).
+    pub fn drain_kv_events(&mut self) -> (Vec<zerolayer_common::KvEvent>, bool) {
+        self.pool.drain_events()
+    }
+
+    /// Every prefix hash the pool caches now.
+    pub fn cached_hashes(&self) -> Vec<u64> {
+        self.pool.cached_hashes()
+    }
+
+    /// Checks the pool's invariants (tests).
+    pub fn check_invariants(&self) {
+        self.pool.check_invariants();
+    }
+
     fn blocks_for(&self, tokens: usize) -> usize {
         tokens.div_ceil(self.cfg.block_size)
     }
@@ -128,21 +165,21 @@ impl Scheduler {
     /// Queues a sequence. Refuses one that could never fit alone, or a full queue.
     pub fn add(&mut self, id: SeqId, prompt: Vec<u32>, max_tokens: usize) -> Result<()> {
         if prompt.is_empty() {
-            return Err(NodeError::Invalid("empty prompt".into()));
+            return Err(WorkerError::Invalid("empty prompt".into()));
         }
         if self.seqs.contains_key(&id) {
-            return Err(NodeError::Invalid(format!("duplicate sequence id {id}")));
+            return Err(WorkerError::Invalid(format!("duplicate sequence id {id}")));
         }
         let total = prompt.len() + max_tokens;
         if total > self.cfg.max_model_len {
-            return Err(NodeError::TooLong { needed: total, limit: self.cfg.max_model_len });
+            return Err(WorkerError::TooLong { needed: total, limit: self.cfg.max_model_len });
         }
         let cap = self.cfg.num_blocks * self.cfg.block_size;
         if self.blocks_for(total) > self.cfg.num_blocks {
-            return Err(NodeError::TooLong { needed: total, limit: cap });
+            return Err(WorkerError::TooLong { needed: total, limit: cap });
         }
         if self.waiting.len() >= self.cfg.max_waiting {
-            return Err(NodeError::QueueFull(self.waiting.len()));
+            return Err(WorkerError::QueueFull(self.waiting.len()));
         }
         let prompt_len = prompt.len();
         self.seqs.insert(
@@ -401,7 +438,7 @@ mod tests {
                 s.append_token(it.seq, 7);
             }
         }
-        s.pool.check_invariants();
+        s.check_invariants();
         p
     }
 
@@ -449,8 +486,16 @@ mod tests {
             s.add(id, (0..8).map(|t| t + 100 * id as u32).collect(), 4).unwrap();
         }
         let mut done = vec![];
+        let mut preempted = 0;
         for _ in 0..200 {
-            step(&mut s);
+            let before = s.running_ids().to_vec();
+            let p = step(&mut s);
+            // Each victim is the youngest running sequence at that moment (the one admitted
+            // last), never an older one.
+            for (k, victim) in p.preempted.iter().enumerate() {
+                assert_eq!(Some(victim), before.iter().rev().nth(k), "preempted {victim} while running (oldest first) {before:?}");
+                preempted += 1;
+            }
             for id in 0..4u64 {
                 if let Some(q) = s.get(id) {
                     if q.generated() >= q.max_tokens {
@@ -464,19 +509,20 @@ mod tests {
             }
         }
         assert_eq!(done.len(), 4, "all finish");
-        assert!(s.stats.preemptions_total > 0, "the pool was too small, so something was preempted");
-        assert_eq!(s.pool.num_free(), 6);
-        s.pool.check_invariants();
+        assert!(preempted > 0, "the pool was too small, so something was preempted");
+        assert_eq!(s.stats.preemptions_total, preempted);
+        assert_eq!(s.kv_blocks().free, 6);
+        s.check_invariants();
     }
 
     #[test]
     fn refuses_only_what_cannot_fit_alone_and_bounds_the_queue() {
         let mut s = Scheduler::new(cfg(4, 64));
-        assert!(matches!(s.add(1, vec![1; 10], 7), Err(NodeError::TooLong { .. })));
+        assert!(matches!(s.add(1, vec![1; 10], 7), Err(WorkerError::TooLong { .. })));
         s.add(1, vec![1; 10], 6).unwrap();
         for id in 2..5 {
             s.add(id, vec![1], 1).unwrap();
         }
-        assert!(matches!(s.add(9, vec![1], 1), Err(NodeError::QueueFull(4))));
+        assert!(matches!(s.add(9, vec![1], 1), Err(WorkerError::QueueFull(4))));
     }
 }

@@ -18,7 +18,7 @@ use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::pre_tokenizers::PreTokenizerWrapper;
 use tokenizers::{AddedToken, SplitDelimiterBehavior};
 
-use crate::error::{NodeError, Result};
+use crate::error::{WorkerError, Result};
 
 /// A tokenizer plus the ids that end a turn.
 pub struct Tokenizer {
@@ -59,31 +59,31 @@ const LLAMA3_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p
 impl Tokenizer {
     /// Builds the tokenizer from GGUF metadata.
     pub fn from_gguf(md: &HashMap<String, gguf_file::Value>) -> Result<Self> {
-        let get = |k: &str| md.get(k).ok_or_else(|| NodeError::Model(format!("GGUF metadata lacks {k}")));
-        let model = get("tokenizer.ggml.model")?.to_string().map_err(NodeError::candle)?.clone();
+        let get = |k: &str| md.get(k).ok_or_else(|| WorkerError::Model(format!("GGUF metadata lacks {k}")));
+        let model = get("tokenizer.ggml.model")?.to_string().map_err(WorkerError::candle)?.clone();
         if model != "gpt2" {
-            return Err(NodeError::Model(format!(
+            return Err(WorkerError::Model(format!(
                 "GGUF tokenizer model {model:?} is not supported (byte-level BPE `gpt2` is); pass a tokenizer.json instead"
             )));
         }
         let tokens: Vec<String> = get("tokenizer.ggml.tokens")?
             .to_vec()
-            .map_err(NodeError::candle)?
+            .map_err(WorkerError::candle)?
             .iter()
             .map(|v| v.to_string().cloned())
             .collect::<std::result::Result<_, _>>()
-            .map_err(NodeError::candle)?;
+            .map_err(WorkerError::candle)?;
         let merges: Vec<(String, String)> = get("tokenizer.ggml.merges")?
             .to_vec()
-            .map_err(NodeError::candle)?
+            .map_err(WorkerError::candle)?
             .iter()
             .map(|v| {
-                let s = v.to_string().map_err(NodeError::candle)?;
-                s.split_once(' ').map(|(a, b)| (a.to_string(), b.to_string())).ok_or_else(|| NodeError::Model(format!("bad merge {s:?}")))
+                let s = v.to_string().map_err(WorkerError::candle)?;
+                s.split_once(' ').map(|(a, b)| (a.to_string(), b.to_string())).ok_or_else(|| WorkerError::Model(format!("bad merge {s:?}")))
             })
             .collect::<Result<_>>()?;
         let types: Vec<i32> = match md.get("tokenizer.ggml.token_type") {
-            Some(v) => v.to_vec().map_err(NodeError::candle)?.iter().map(|t| t.to_i32().unwrap_or(1)).collect(),
+            Some(v) => v.to_vec().map_err(WorkerError::candle)?.iter().map(|t| t.to_i32().unwrap_or(1)).collect(),
             None => vec![1; tokens.len()],
         };
         let pre = md.get("tokenizer.ggml.pre").and_then(|v| v.to_string().ok()).cloned().unwrap_or_else(|| "default".into());
@@ -92,14 +92,14 @@ impl Tokenizer {
         let bpe = BPE::builder()
             .vocab_and_merges(vocab, merges)
             .build()
-            .map_err(|e| NodeError::Model(format!("building BPE: {e}")))?;
+            .map_err(|e| WorkerError::Model(format!("building BPE: {e}")))?;
         let mut inner = tokenizers::Tokenizer::new(bpe);
         let byte_level = ByteLevel::new(false, true, true);
         let pre_tok: PreTokenizerWrapper = match pre.as_str() {
             "smollm" => Sequence::new(vec![Digits::new(true).into(), byte_level.into()]).into(),
             "llama-bpe" | "llama3" | "dbrx" | "smaug-bpe" => {
                 let split = Split::new(SplitPattern::Regex(LLAMA3_PATTERN.into()), SplitDelimiterBehavior::Isolated, false)
-                    .map_err(|e| NodeError::Model(format!("pre-tokenizer regex: {e}")))?;
+                    .map_err(|e| WorkerError::Model(format!("pre-tokenizer regex: {e}")))?;
                 Sequence::new(vec![split.into(), ByteLevel::new(false, true, false).into()]).into()
             }
             "gpt2" | "default" | "gpt-2" | "starcoder" => byte_level.into(),
@@ -117,7 +117,7 @@ impl Tokenizer {
             .filter(|(_, &t)| t == 3 || t == 4)
             .map(|(s, &t)| AddedToken::from(s.clone(), t == 3).normalized(false))
             .collect();
-        inner.add_special_tokens(specials).map_err(|e| NodeError::Model(format!("registering special tokens: {e}")))?;
+        inner.add_special_tokens(specials).map_err(|e| WorkerError::Model(format!("registering special tokens: {e}")))?;
 
         let mut end_tokens = Vec::new();
         if let Some(eos) = md.get("tokenizer.ggml.eos_token_id").and_then(|v| v.to_u32().ok()) {
@@ -142,7 +142,7 @@ impl Tokenizer {
     /// plus `extra_end_tokens` (e.g. from `config.json`'s `eos_token_id`).
     pub fn from_file(path: &Path, extra_end_tokens: &[u32]) -> Result<Self> {
         let inner = tokenizers::Tokenizer::from_file(path)
-            .map_err(|e| NodeError::Model(format!("loading {}: {e}", path.display())))?;
+            .map_err(|e| WorkerError::Model(format!("loading {}: {e}", path.display())))?;
         let mut end_tokens: Vec<u32> = END_TOKEN_NAMES.iter().filter_map(|n| inner.token_to_id(n)).collect();
         end_tokens.extend_from_slice(extra_end_tokens);
         end_tokens.sort_unstable();
@@ -154,23 +154,23 @@ impl Tokenizer {
 
     /// Encodes text; special tokens written in the text (e.g. `<|im_start|>`) become their ids.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        let enc = self.inner.encode_fast(text, false).map_err(|e| NodeError::Tokenizer(e.to_string()))?;
+        let enc = self.inner.encode_fast(text, false).map_err(|e| WorkerError::Tokenizer(e.to_string()))?;
         Ok(enc.get_ids().to_vec())
     }
 
     /// Decodes ids to text, dropping special tokens.
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
-        self.inner.decode(ids, true).map_err(|e| NodeError::Tokenizer(e.to_string()))
+        self.inner.decode(ids, true).map_err(|e| WorkerError::Tokenizer(e.to_string()))
     }
 
     /// Decodes ids to text, keeping special tokens.
     pub fn decode_with_special(&self, ids: &[u32]) -> Result<String> {
-        self.inner.decode(ids, false).map_err(|e| NodeError::Tokenizer(e.to_string()))
+        self.inner.decode(ids, false).map_err(|e| WorkerError::Tokenizer(e.to_string()))
     }
 
     /// Writes the tokenizer as a Hugging Face `tokenizer.json`.
     pub fn save_json(&self, path: &Path) -> Result<()> {
-        self.inner.save(path, false).map_err(|e| NodeError::Tokenizer(e.to_string()))
+        self.inner.save(path, false).map_err(|e| WorkerError::Tokenizer(e.to_string()))
     }
 
     pub fn token_to_id(&self, token: &str) -> Option<u32> {

@@ -6,8 +6,8 @@ pub mod bench;
 use std::path::PathBuf;
 use std::sync::{Mutex, MutexGuard};
 
-use zerolayer_node::engine::{Engine, EngineConfig};
-use zerolayer_node::loader::{load, Loaded};
+use zerolayer_worker::engine::{Engine, EngineConfig};
+use zerolayer_worker::loader::{load, Loaded};
 
 /// The default model, fetched by `scripts/fetch-model`. Tests never skip without it: they fail
 /// and say how to fetch it.
@@ -229,7 +229,7 @@ impl TestCluster {
                 let view = c.view();
                 live.iter().all(|&j| {
                     let id = &self.nodes[j].id;
-                    c.nodes().iter().any(|n| &n.id == id && n.state == zerolayer_coordinator::placement::NodeState::Ready)
+                    c.nodes().iter().any(|n| &n.id == id && n.state == zerolayer_coordinator::view::NodeState::Ready)
                         && view.workers.iter().any(|w| &w.node == id && w.signals.kv_blocks_total > 0)
                 })
             });

@@ -18,7 +18,7 @@ async fn official_sdks_work_unmodified() {
     let script = root.join("tests/clients/sdk_test.py");
     let out = tokio::time::timeout(
         Duration::from_secs(600),
-        tokio::process::Command::new(format!("{venv}/bin/python")).arg(script).env("ZEROLAYER_BASE_URL", &base).output(),
+        tokio::process::Command::new(format!("{venv}/bin/python")).arg(&script).env("ZEROLAYER_BASE_URL", &base).output(),
     )
     .await
     .expect("SDK tests finish within 10 minutes")
@@ -26,6 +26,13 @@ async fn official_sdks_work_unmodified() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     eprintln!("{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "SDK tests failed:\n{stdout}");
-    assert!(stdout.contains(" passed, 0 failed"));
+    // Every test the script defines ran and passed: "0 passed, 0 failed" is a failure.
+    let source = std::fs::read_to_string(&script).unwrap();
+    let defined: Vec<&str> = source.lines().filter_map(|l| l.strip_prefix("def test_")).map(|l| l.split('(').next().unwrap()).collect();
+    assert!(defined.len() >= 10, "the SDK script defines its tests ({})", defined.len());
+    assert!(stdout.contains(&format!("\n{} passed, 0 failed", defined.len())), "expected {} passed:\n{stdout}", defined.len());
+    for t in defined {
+        assert!(stdout.contains(&format!("ok   test_{t}\n")), "test_{t} did not pass:\n{stdout}");
+    }
     s.stop().await.unwrap();
 }

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 use tokio::time::timeout;
 use zerolayer_common::PlacementPolicy;
-use zerolayer_coordinator::placement::NodeState;
+use zerolayer_coordinator::view::NodeState;
 use zerolayer_tests::{ask, document, heavy, parse_sse, shuffled, Answer, TestCluster, LOREM};
 
 const PREFIXES: usize = 8;

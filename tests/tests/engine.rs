@@ -5,10 +5,10 @@ use std::collections::HashMap;
 use candle_core::{Device, Tensor};
 use candle_transformers::models::quantized_llama::ModelWeights;
 use zerolayer_common::{SamplingParams, SeqEvent, StopReason};
-use zerolayer_node::chat::ChatMessage;
-use zerolayer_node::engine::{Engine, EngineConfig};
-use zerolayer_node::model::{ForwardItem, KvCache};
-use zerolayer_node::sampler::argmax;
+use zerolayer_worker::chat::ChatMessage;
+use zerolayer_worker::engine::{Engine, EngineConfig};
+use zerolayer_worker::model::{ForwardItem, KvCache};
+use zerolayer_worker::sampler::argmax;
 use zerolayer_tests::*;
 
 /// Runs the engine until every listed sequence finishes; returns generated tokens and final events.
@@ -56,8 +56,7 @@ fn reference_equivalence_with_candle_quantized_llama() {
         "Once upon a time, in a small village by the sea,",
         "def quicksort(arr):\n    if len(arr) <= 1:\n        return arr\n",
     ];
-    let mut near_ties = vec![];
-    let mut first_step = vec![];
+    let mut worst = 0f64;
     for (pi, p) in prompts.iter().enumerate() {
         let ids = tok.encode(p).unwrap();
         let mut cache = KvCache::new(&model.cfg, 16, 64);
@@ -106,25 +105,20 @@ fn reference_equivalence_with_candle_quantized_llama() {
                     ix[..3].iter().map(|&i| (tok.decode(&[i as u32]).unwrap(), l[i])).collect::<Vec<_>>()
                 };
                 eprintln!("prompt {pi}: first-step relative L2 = {rel:.2e}, max |Δlogit| = {max_err:.3e}; ours {:?} reference {:?}", top(&ours), top(&theirs));
-                first_step.push(rel);
             }
+            worst = worst.max(rel);
+            // Every step, prefill and each decode (so the KV cache and the decode path are
+            // checked, not only the first forward): the logits agree to ~1e-7 (ARCHITECTURE.md),
+            // and the greedy token is the reference's, with no excuse for near-ties.
+            assert!(rel <= 1e-5, "prompt {pi} step {step}: relative L2 {rel:.3e} > 1e-5 (max |Δlogit| {max_err:.3e})");
             let (a, b) = (argmax(&ours), argmax(&theirs));
-            if a != b {
-                let mut sorted = theirs.clone();
-                sorted.sort_by(|x, y| y.total_cmp(x));
-                let gap = sorted[0] - sorted[1];
-                assert!(gap < max_err, "prompt {pi} step {step}: ours {a} vs reference {b}, reference top-2 gap {gap} ≥ logit error {max_err}");
-                near_ties.push(format!("prompt {pi} step {step}: gap {gap:.3e} < error {max_err:.3e}"));
-            }
-            // Both continue with the reference's token so every step is compared on equal context.
+            assert_eq!(a, b, "prompt {pi} step {step}: our greedy token differs from the reference's");
+            // Both continue with the same token so every step is compared on equal context.
             ctx.push(b);
         }
         eprintln!("prompt {pi}: {:?}", tok.decode(&ctx[ids.len()..]).unwrap());
     }
-    eprintln!("near-ties (allowed): {near_ties:?}");
-    for (pi, rel) in first_step.iter().enumerate() {
-        assert!(*rel <= 1e-2, "prompt {pi}: relative L2 {rel} > 1e-2");
-    }
+    eprintln!("worst relative L2 over 3 prompts x 32 steps: {worst:.2e}");
 }
 
 #[test]
@@ -181,6 +175,86 @@ fn batch_invariance() {
     }
 }
 
+/// The logits themselves, bit for bit: a sequence prefilled alone in one chunk, and the same
+/// sequence in other physical blocks, its prompt cut into odd chunks, inside batches whose
+/// other members prefill and decode around it; then 8 decode steps in each setting.
+#[test]
+fn logits_are_bit_identical_alone_in_a_batch_and_across_chunkings() {
+    let _g = heavy();
+    let l = load_default();
+    let tok = l.tokenizer.clone();
+    let mut model = l.model;
+    let enc = |t: &str| tok.encode(t).unwrap();
+    let target = enc(&format!("<|im_start|>user\n{}\nSummarize the text.<|im_end|>\n<|im_start|>assistant\n", &LOREM[..400]));
+    let others = [enc(&LOREM[..150]), enc("Once upon a time, in a small village by the sea,"), enc(&LOREM[200..700])];
+    let bits = |l: &[f32]| l.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+    const STEPS: usize = 8;
+
+    // Alone: blocks 0.., the whole prompt in one chunk, then greedy decode.
+    let mut cache = KvCache::new(&model.cfg, 4, 512);
+    let table: Vec<u32> = (0..128).collect();
+    let mut seq = target.clone();
+    let mut alone = vec![];
+    let mut pos = 0;
+    for _ in 0..=STEPS {
+        let out = model.forward(&mut cache, &[ForwardItem { tokens: &seq[pos..], start_pos: pos, block_table: &table, want_logits: true }]).unwrap();
+        pos = seq.len();
+        seq.push(argmax(&out[0]));
+        alone.push(bits(&out[0]));
+    }
+
+    // In a batch: the target's blocks come from the end of the pool, in reverse; its prompt runs
+    // in chunks of 7, 30 and the rest; three other sequences prefill in their own chunks and then
+    // decode beside it, and one of them starts late.
+    let mut cache = KvCache::new(&model.cfg, 4, 512);
+    let t_table: Vec<u32> = (384..512).rev().collect();
+    let o_tables: Vec<Vec<u32>> = (0..3).map(|k| (k as u32 * 128..(k as u32 + 1) * 128).collect()).collect();
+    let mut o_seqs: Vec<Vec<u32>> = others.to_vec();
+    let mut o_pos = [0usize; 3];
+    let mut seq = target.clone();
+    let mut t_pos = 0;
+    let cuts = [7, 37, target.len()];
+    let mut batched = vec![];
+    let mut round = 0;
+    while batched.len() <= STEPS {
+        let t_end = if t_pos < target.len() { cuts.iter().copied().find(|&c| c > t_pos).unwrap() } else { seq.len() };
+        let mut items = vec![ForwardItem { tokens: &seq[t_pos..t_end], start_pos: t_pos, block_table: &t_table, want_logits: t_end == seq.len() }];
+        let mut o_ends = [0usize; 3];
+        for k in 0..3 {
+            if k == 2 && round < 2 {
+                o_ends[k] = o_pos[k];
+                continue; // joins late
+            }
+            let end = if o_pos[k] < others[k].len() { (o_pos[k] + 11 + 5 * k).min(others[k].len()) } else { o_seqs[k].len() };
+            o_ends[k] = end;
+            items.push(ForwardItem { tokens: &o_seqs[k][o_pos[k]..end], start_pos: o_pos[k], block_table: &o_tables[k], want_logits: end == o_seqs[k].len() });
+        }
+        let out = model.forward(&mut cache, &items).unwrap();
+        let t_wanted = items[0].want_logits;
+        drop(items);
+        let mut rows = out.into_iter();
+        if t_wanted {
+            let l = rows.next().unwrap();
+            seq.push(argmax(&l));
+            batched.push(bits(&l));
+        }
+        t_pos = t_end;
+        for k in 0..3 {
+            if o_ends[k] > o_pos[k] {
+                o_pos[k] = o_ends[k];
+                if o_ends[k] == o_seqs[k].len() {
+                    o_seqs[k].push(argmax(&rows.next().unwrap()));
+                }
+            }
+        }
+        round += 1;
+    }
+    for (step, (a, b)) in alone.iter().zip(&batched).enumerate() {
+        assert!(a == b, "step {step}: logits differ between alone and batched/chunked");
+    }
+    eprintln!("{} logits rows bit-identical (prefill + {STEPS} decode steps)", alone.len());
+}
+
 #[test]
 fn prefix_cache_hit_reports_cached_tokens_and_same_output() {
     let _g = heavy();
@@ -206,6 +280,8 @@ fn prefix_cache_hit_reports_cached_tokens_and_same_output() {
     assert_eq!(usage.prompt_tokens_cached, 0);
 }
 
+/// Preemption by recompute gives the same tokens, at block size 16 and at the production
+/// default of 4.
 #[test]
 fn preemption_under_a_small_kv_budget() {
     let _g = heavy();
@@ -217,21 +293,24 @@ fn preemption_under_a_small_kv_budget() {
         solo_engine.add(i as u64, p.clone(), params.clone()).unwrap();
         solo.push(run_all(&mut solo_engine)[&(i as u64)].0.clone());
     }
-    // Each sequence needs ~11-15 blocks; 8 together need ~100. Give 40 blocks.
-    let bytes_per_block = solo_engine.model.cfg.kv_bytes_per_token() * 16;
-    let mut small = engine(EngineConfig { kv_cache_bytes: 40 * bytes_per_block, ..Default::default() });
-    assert_eq!(small.num_blocks(), 40);
-    for (i, p) in prompts.iter().enumerate() {
-        small.add(i as u64, p.clone(), params.clone()).unwrap();
+    for block_size in [16usize, 4] {
+        // Each sequence needs 160-230 tokens of KV; 8 together need ~1,600. Give 640.
+        let blocks = 640 / block_size;
+        let bytes_per_block = solo_engine.model.cfg.kv_bytes_per_token() * block_size;
+        let mut small = engine(EngineConfig { block_size, kv_cache_bytes: blocks * bytes_per_block, ..Default::default() });
+        assert_eq!(small.num_blocks(), blocks);
+        for (i, p) in prompts.iter().enumerate() {
+            small.add(i as u64, p.clone(), params.clone()).unwrap();
+        }
+        let out = run_all(&mut small);
+        for i in 0..8 {
+            assert_eq!(out[&(i as u64)].0, solo[i], "block size {block_size}: sequence {i} differs after preemption");
+        }
+        let sig = small.signals();
+        eprintln!("block size {block_size}: {} preemptions", sig.preemptions_total);
+        assert!(sig.preemptions_total > 0, "block size {block_size}: expected preemptions");
+        assert_eq!(sig.kv_blocks_free as usize, blocks, "all blocks free afterwards");
     }
-    let out = run_all(&mut small);
-    for i in 0..8 {
-        assert_eq!(out[&(i as u64)].0, solo[i], "sequence {i} differs after preemption");
-    }
-    let sig = small.signals();
-    eprintln!("preemptions: {}", sig.preemptions_total);
-    assert!(sig.preemptions_total > 0, "expected preemptions");
-    assert_eq!(sig.kv_blocks_free, 40, "all blocks free afterwards");
 }
 
 #[test]
@@ -254,11 +333,19 @@ fn stop_sequences_and_max_tokens() {
     let out = run_all(&mut e);
     assert_eq!(out[&3].0.len(), 3);
     assert!(matches!(&out[&3].2, SeqEvent::Finished { reason: StopReason::MaxTokens, usage } if usage.output_tokens == 3));
-    // max_tokens = 0 pre-warms the cache and generates nothing.
-    e.add(4, ids, SamplingParams::greedy(0)).unwrap();
+    // max_tokens = 0 pre-warms the cache and generates nothing: a prompt never seen before is
+    // computed, and the next request with it reads all its full blocks from the cache.
+    let fresh = e.tokenizer.encode(&format!("{} Pre-warm this paragraph.", &LOREM[300..700])).unwrap();
+    e.add(4, fresh.clone(), SamplingParams::greedy(0)).unwrap();
     let out = run_all(&mut e);
     assert!(out[&4].0.is_empty());
-    assert!(matches!(&out[&4].2, SeqEvent::Finished { reason: StopReason::MaxTokens, usage } if usage.output_tokens == 0));
+    let SeqEvent::Finished { reason: StopReason::MaxTokens, usage } = &out[&4].2 else { panic!("{:?}", out[&4].2) };
+    assert_eq!((usage.output_tokens, usage.prompt_tokens_cached), (0, 0), "a fresh prompt, computed");
+    e.add(5, fresh.clone(), SamplingParams::greedy(2)).unwrap();
+    let out = run_all(&mut e);
+    let SeqEvent::Finished { usage, .. } = &out[&5].2 else { panic!() };
+    let bs = EngineConfig::default().block_size;
+    assert_eq!(usage.prompt_tokens_cached as usize, (fresh.len() - 1) / bs * bs, "every full block of the pre-warmed prompt is read from cache");
 }
 
 #[test]

@@ -7,8 +7,8 @@ use std::path::{Path, PathBuf};
 
 use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
-use zerolayer_node::loader::load;
-use zerolayer_node::model::{ForwardItem, KvCache, Model};
+use zerolayer_worker::loader::load;
+use zerolayer_worker::model::{ForwardItem, KvCache, Model};
 use zerolayer_tests::*;
 
 const PROMPT: &str = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n";
@@ -26,7 +26,7 @@ fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
 }
 
 fn argmax(v: &[f32]) -> usize {
-    zerolayer_node::sampler::argmax(v) as usize
+    zerolayer_worker::sampler::argmax(v) as usize
 }
 
 struct Original {
@@ -67,7 +67,7 @@ fn unpermute(t: &Tensor, n_heads: usize) -> Tensor {
     t.reshape((n_heads, hd / 2, 2, cols)).unwrap().transpose(1, 2).unwrap().contiguous().unwrap().reshape((rows, cols)).unwrap()
 }
 
-fn write_safetensors(orig: &Original, dir: &Path, dtype: DType, tokenizer: &zerolayer_node::tokenizer::Tokenizer) {
+fn write_safetensors(orig: &Original, dir: &Path, dtype: DType, tokenizer: &zerolayer_worker::tokenizer::Tokenizer) {
     std::fs::create_dir_all(dir).unwrap();
     let (n_heads, n_kv) = (9, 3);
     let mut out: HashMap<String, Tensor> = HashMap::new();

@@ -13,10 +13,10 @@ use std::time::Duration;
 
 use zerolayer_common::wire::{self, Reply, Submit};
 use zerolayer_common::{SeqEvent, StopReason};
-use zerolayer_node::{NodeError, SubmitRequest};
+use zerolayer_worker::{WorkerError, SubmitRequest};
 
-use super::Cluster;
-use crate::placement::NodeState;
+use super::link::Cluster;
+use crate::view::NodeState;
 
 /// How long the owner may take to accept or refuse a submission.
 pub const ACCEPT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -130,7 +130,7 @@ pub async fn serve(cluster: Arc<Cluster>, mut send: quinn::SendStream, mut recv:
         let mut stream = match w.handle.submit(SubmitRequest { prompt: sub.prompt, params: sub.params }).await {
             Ok(s) => s,
             Err(e) => {
-                let overloaded = matches!(e, NodeError::QueueFull(_) | NodeError::ShuttingDown);
+                let overloaded = matches!(e, WorkerError::QueueFull(_) | WorkerError::ShuttingDown);
                 return write_reply(&mut send, &refuse(overloaded, e.to_string())).await;
             }
         };

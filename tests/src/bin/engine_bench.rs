@@ -9,8 +9,8 @@
 use std::time::Instant;
 
 use zerolayer_common::{SamplingParams, SeqEvent};
-use zerolayer_node::engine::{Engine, EngineConfig};
-use zerolayer_node::loader::load;
+use zerolayer_worker::engine::{Engine, EngineConfig};
+use zerolayer_worker::loader::load;
 use zerolayer_tests::{model_path, LOREM};
 
 fn prompt(engine: &Engine, n: usize, salt: usize) -> Vec<u32> {

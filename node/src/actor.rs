@@ -1,7 +1,8 @@
 //! The worker actor: one per device. It owns the model, the KV cache and the scheduler (through
 //! [`Engine`]), and runs the engine loop on a dedicated OS thread, off the async runtime.
 //!
-//! Shape: [`WorkerHandle`] (cheap `Clone`) → ractor actor (a thin shell that forwards) → a
+//! Shape: [`WorkerHandle`] (cheap `Clone`) → the ractor actor, which receives every command
+//! ([`WorkerMsg`]: submit, cancel, cached hashes, shutdown) and owns the engine thread → a
 //! bounded command channel → the engine thread, which steps the engine and streams
 //! [`SeqEvent`]s back on each request's bounded reply channel.
 //!
@@ -14,9 +15,9 @@
 //! - Signals ([`WorkerSignals`]) are published on a watch channel at least every 100 ms, and
 //!   KV events on a bounded broadcast channel (a lagging reader resyncs from a snapshot).
 //!
-//! The actor mailbox (ractor's) is unbounded by construction; it only carries submit/cancel
-//! messages whose number is bounded by the node's in-flight limit, and forwards each with
-//! `try_send` into the bounded engine channel.
+//! The actor mailbox (ractor's) is unbounded by construction; it carries submit and cancel
+//! messages, whose number the node's in-flight limit bounds, and rare control messages, and it
+//! forwards each with `try_send` into the bounded engine channel (a full one refuses at once).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -29,7 +30,7 @@ use tokio::sync::{broadcast, mpsc, oneshot, watch};
 use zerolayer_common::{KvEvent, SamplingParams, SeqEvent, StopReason, WorkerSignals};
 
 use crate::engine::Engine;
-use crate::error::{NodeError, Result};
+use crate::error::{WorkerError, Result};
 use crate::scheduler::SeqId;
 
 /// Capacity of each request's reply channel.
@@ -55,51 +56,99 @@ enum EngineCmd {
     Shutdown,
 }
 
-/// Messages the worker actor handles.
+/// Every command to the worker: the actor receives them all and is the only sender into the
+/// engine thread. Migration export and import will be two more variants.
 pub enum WorkerMsg {
     Submit { id: SeqId, req: SubmitRequest, reply: mpsc::Sender<SeqEvent>, ack: oneshot::Sender<Result<()>> },
     Cancel { id: SeqId },
+    /// A snapshot of every cached block hash (for a KV-event reader that lagged).
+    CachedHashes { reply: oneshot::Sender<Result<Vec<u64>>> },
+    /// Stop the engine after its current step, wait for its thread, then stop the actor.
+    Shutdown { done: oneshot::Sender<()> },
 }
 
 struct WorkerActor;
 
 struct ActorState {
     engine_tx: SyncSender<EngineCmd>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl ActorState {
+    /// Hands a command to the engine thread without blocking; gives it back if it cannot.
+    fn forward(&self, cmd: EngineCmd) -> std::result::Result<(), Box<(EngineCmd, WorkerError)>> {
+        match self.engine_tx.try_send(cmd) {
+            Ok(()) => Ok(()),
+            Err(TrySendError::Full(cmd)) => Err(Box::new((cmd, WorkerError::QueueFull(COMMAND_CAPACITY)))),
+            Err(TrySendError::Disconnected(cmd)) => Err(Box::new((cmd, WorkerError::ShuttingDown))),
+        }
+    }
 }
 
 impl Actor for WorkerActor {
     type Msg = WorkerMsg;
     type State = ActorState;
-    type Arguments = SyncSender<EngineCmd>;
+    type Arguments = (SyncSender<EngineCmd>, std::thread::JoinHandle<()>);
 
-    async fn pre_start(&self, _myself: ActorRef<Self::Msg>, engine_tx: Self::Arguments) -> std::result::Result<Self::State, ActorProcessingErr> {
-        Ok(ActorState { engine_tx })
+    async fn pre_start(&self, _myself: ActorRef<Self::Msg>, (engine_tx, thread): Self::Arguments) -> std::result::Result<Self::State, ActorProcessingErr> {
+        Ok(ActorState { engine_tx, thread: Some(thread) })
     }
 
-    async fn handle(&self, _myself: ActorRef<Self::Msg>, msg: Self::Msg, state: &mut Self::State) -> std::result::Result<(), ActorProcessingErr> {
+    async fn handle(&self, myself: ActorRef<Self::Msg>, msg: Self::Msg, state: &mut Self::State) -> std::result::Result<(), ActorProcessingErr> {
         match msg {
-            WorkerMsg::Submit { id, req, reply, ack } => match state.engine_tx.try_send(EngineCmd::Submit { id, req, reply, ack }) {
-                Ok(()) => {}
-                Err(TrySendError::Full(EngineCmd::Submit { ack, .. })) => {
-                    let _ = ack.send(Err(NodeError::QueueFull(COMMAND_CAPACITY)));
+            WorkerMsg::Submit { id, req, reply, ack } => {
+                if let Err(refused) = state.forward(EngineCmd::Submit { id, req, reply, ack }) {
+                    if let (EngineCmd::Submit { ack, .. }, e) = *refused {
+                        let _ = ack.send(Err(e));
+                    }
                 }
-                Err(TrySendError::Disconnected(EngineCmd::Submit { ack, .. })) => {
-                    let _ = ack.send(Err(NodeError::ShuttingDown));
-                }
-                Err(_) => unreachable!(),
-            },
+            }
             WorkerMsg::Cancel { id } => {
                 // Best effort: if the channel is full the engine will find the reply closed.
-                let _ = state.engine_tx.try_send(EngineCmd::Cancel { id });
+                let _ = state.forward(EngineCmd::Cancel { id });
+            }
+            WorkerMsg::CachedHashes { reply } => {
+                let (tx, rx) = oneshot::channel();
+                match state.forward(EngineCmd::CachedHashes { reply: tx }) {
+                    // Answered off the actor, so a busy engine never holds up its mailbox.
+                    Ok(()) => {
+                        tokio::spawn(async move {
+                            let _ = reply.send(rx.await.map_err(|_| WorkerError::ShuttingDown));
+                        });
+                    }
+                    Err(refused) => {
+                        let _ = reply.send(Err(refused.1));
+                    }
+                }
+            }
+            WorkerMsg::Shutdown { done } => {
+                stop_engine(state).await;
+                let _ = done.send(());
+                myself.stop(None);
             }
         }
         Ok(())
     }
 
     async fn post_stop(&self, _myself: ActorRef<Self::Msg>, state: &mut Self::State) -> std::result::Result<(), ActorProcessingErr> {
+        // Every handle is gone (or the actor was stopped): the engine thread stops too.
         let _ = state.engine_tx.try_send(EngineCmd::Shutdown);
         Ok(())
     }
+}
+
+/// Tells the engine thread to stop after its current step and waits for it, off the runtime.
+async fn stop_engine(state: &mut ActorState) {
+    let tx = state.engine_tx.clone();
+    let thread = state.thread.take();
+    let _ = tokio::task::spawn_blocking(move || {
+        // Blocking send: a full command channel drains within a step.
+        let _ = tx.send(EngineCmd::Shutdown);
+        if let Some(t) = thread {
+            let _ = t.join();
+        }
+    })
+    .await;
 }
 
 /// A cheap handle to a running worker.
@@ -109,19 +158,15 @@ pub struct WorkerHandle {
     signals: watch::Receiver<WorkerSignals>,
     kv_events: broadcast::Sender<KvEvent>,
     next_id: Arc<AtomicU64>,
-    inner: Arc<WorkerInner>,
+    /// Stops the actor (and with it the engine thread) when the last handle is dropped.
+    _owner: Arc<Owner>,
 }
 
-struct WorkerInner {
-    engine_tx: SyncSender<EngineCmd>,
-    thread: std::sync::Mutex<Option<std::thread::JoinHandle<()>>>,
-    actor: ActorRef<WorkerMsg>,
-}
+struct Owner(ActorRef<WorkerMsg>);
 
-impl Drop for WorkerInner {
+impl Drop for Owner {
     fn drop(&mut self) {
-        let _ = self.engine_tx.try_send(EngineCmd::Shutdown);
-        self.actor.stop(None);
+        self.0.stop(None);
     }
 }
 
@@ -168,7 +213,7 @@ impl Drop for SeqStream {
 }
 
 impl WorkerHandle {
-    /// Starts a worker around an engine: spawns the engine thread and the actor.
+    /// Starts a worker around an engine: spawns the engine thread and the actor that owns it.
     pub async fn spawn(engine: Engine, name: &str) -> Result<Self> {
         let (tx, rx) = sync_channel(COMMAND_CAPACITY);
         let mut engine = engine;
@@ -179,15 +224,15 @@ impl WorkerHandle {
         let thread = std::thread::Builder::new()
             .name(format!("zl-engine-{name}"))
             .spawn(move || engine_loop(engine, rx, sig_tx, kv_tx2))
-            .map_err(NodeError::Io)?;
+            .map_err(WorkerError::Io)?;
         let (actor, _join) =
-            Actor::spawn(None, WorkerActor, tx.clone()).await.map_err(|e| NodeError::Model(format!("spawning worker actor: {e}")))?;
+            Actor::spawn(None, WorkerActor, (tx, thread)).await.map_err(|e| WorkerError::Model(format!("spawning worker actor: {e}")))?;
         Ok(WorkerHandle {
             actor: actor.clone(),
             signals: sig_rx,
             kv_events: kv_tx,
             next_id: Arc::new(AtomicU64::new(1)),
-            inner: Arc::new(WorkerInner { engine_tx: tx, thread: std::sync::Mutex::new(Some(thread)), actor }),
+            _owner: Arc::new(Owner(actor)),
         })
     }
 
@@ -196,8 +241,8 @@ impl WorkerHandle {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (reply, rx) = mpsc::channel(REPLY_CAPACITY);
         let (ack, ack_rx) = oneshot::channel();
-        self.actor.send_message(WorkerMsg::Submit { id, req, reply, ack }).map_err(|_| NodeError::ShuttingDown)?;
-        ack_rx.await.map_err(|_| NodeError::ShuttingDown)??;
+        self.actor.send_message(WorkerMsg::Submit { id, req, reply, ack }).map_err(|_| WorkerError::ShuttingDown)?;
+        ack_rx.await.map_err(|_| WorkerError::ShuttingDown)??;
         Ok(SeqStream { id, rx, actor: self.actor.clone(), finished: false })
     }
 
@@ -215,8 +260,8 @@ impl WorkerHandle {
     /// that lagged resynchronizes from this.
     pub async fn cached_hashes(&self) -> Result<Vec<u64>> {
         let (reply, rx) = oneshot::channel();
-        self.inner.engine_tx.try_send(EngineCmd::CachedHashes { reply }).map_err(|_| NodeError::QueueFull(COMMAND_CAPACITY))?;
-        rx.await.map_err(|_| NodeError::ShuttingDown)
+        self.actor.send_message(WorkerMsg::CachedHashes { reply }).map_err(|_| WorkerError::ShuttingDown)?;
+        rx.await.map_err(|_| WorkerError::ShuttingDown)?
     }
 
     /// Subscribes to KV events (block stored / evicted).
@@ -224,13 +269,13 @@ impl WorkerHandle {
         self.kv_events.subscribe()
     }
 
-    /// Stops the engine thread after the current step and waits for it.
-    pub fn shutdown(&self) {
-        let _ = self.inner.engine_tx.try_send(EngineCmd::Shutdown);
-        if let Some(t) = self.inner.thread.lock().unwrap().take() {
-            let _ = t.join();
+    /// Stops the engine after its current step and waits for its thread; open sequences end
+    /// with an error event. Returns at once if the worker already stopped.
+    pub async fn shutdown(&self) {
+        let (done, rx) = oneshot::channel();
+        if self.actor.send_message(WorkerMsg::Shutdown { done }).is_ok() {
+            let _ = rx.await;
         }
-        self.inner.actor.stop(None);
     }
 }
 

@@ -1,53 +1,20 @@
-//! The Anthropic Messages API request: parsing and validation.
+//! The Anthropic Messages API request: parsing and validation into a [`GenerationRequest`].
 //!
 //! Parsing works on a `serde_json::Value` so that every error names the field and the rule,
 //! as the official API does. Fields the current SDKs send that do not apply to our models are
 //! accepted and ignored; unknown fields are refused.
 
 use serde_json::Value;
+use zerolayer_common::SamplingParams;
 
 use crate::error::ApiError;
+use crate::request::{GenerationRequest, Role, Turn, MAX_STOP_SEQUENCES, MAX_STOP_SEQUENCE_BYTES};
 
-/// Most stop sequences per request, and the longest one (bytes).
-pub const MAX_STOP_SEQUENCES: usize = 16;
-pub const MAX_STOP_SEQUENCE_BYTES: usize = 256;
-
-/// A role in the conversation.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Role {
-    User,
-    Assistant,
-}
-
-impl Role {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Role::User => "user",
-            Role::Assistant => "assistant",
-        }
-    }
-}
-
-/// One turn after combining consecutive same-role messages.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Turn {
-    pub role: Role,
-    pub text: String,
-}
-
-/// A validated Messages API request.
+/// A validated Messages API request: the neutral generation request, and what only this API
+/// has.
 #[derive(Clone, Debug, PartialEq)]
 pub struct MessagesRequest {
-    pub model: String,
-    /// None for count_tokens.
-    pub max_tokens: Option<u32>,
-    pub system: Option<String>,
-    pub turns: Vec<Turn>,
-    pub stop_sequences: Vec<String>,
-    pub temperature: f32,
-    pub top_p: Option<f32>,
-    pub top_k: Option<u32>,
-    pub stream: bool,
+    pub generation: GenerationRequest,
     pub wants_diagnostics: bool,
 }
 
@@ -193,20 +160,12 @@ pub fn parse(body: &Value, endpoint: Endpoint) -> Result<MessagesRequest, ApiErr
             _ => return bad("tool_choice: expected {\"type\": \"auto\" | \"any\" | \"tool\" | \"none\"}"),
         }
     }
-    match obj.get("metadata") {
-        None | Some(Value::Null) => {}
-        Some(Value::Object(m)) => {
-            for (k, v) in m {
-                match (k.as_str(), v) {
-                    ("user_id", Value::String(s)) if s.len() <= 256 => {}
-                    ("user_id", Value::Null) => {}
-                    ("user_id", _) => return bad("metadata.user_id: expected a string of at most 256 characters"),
-                    (k, _) => return bad(format!("metadata.{k}: Extra inputs are not permitted")),
-                }
-            }
-        }
-        Some(v) => return bad(format!("metadata: expected an object, got {}", type_name(v))),
-    }
+    each_field(obj, "metadata", |k, v| match (k, v) {
+        ("user_id", Value::String(s)) if s.len() <= 256 => Ok(()),
+        ("user_id", Value::Null) => Ok(()),
+        ("user_id", _) => bad("metadata.user_id: expected a string of at most 256 characters"),
+        (k, _) => bad(format!("metadata.{k}: Extra inputs are not permitted")),
+    })?;
     if let Some(cc) = obj.get("cache_control") {
         cache_control(cc, "cache_control")?;
     }
@@ -218,20 +177,12 @@ pub fn parse(body: &Value, endpoint: Endpoint) -> Result<MessagesRequest, ApiErr
             _ => return bad("thinking: expected {\"type\": \"enabled\" | \"disabled\"}"),
         },
     }
-    match obj.get("output_config") {
-        None | Some(Value::Null) => {}
-        Some(Value::Object(oc)) => {
-            for (k, v) in oc {
-                match k.as_str() {
-                    "effort" => {}
-                    "format" if v.is_null() => {}
-                    "format" => return bad("output_config.format: structured output is not supported by this server yet"),
-                    k => return bad(format!("output_config.{k}: Extra inputs are not permitted")),
-                }
-            }
-        }
-        Some(v) => return bad(format!("output_config: expected an object, got {}", type_name(v))),
-    }
+    each_field(obj, "output_config", |k, v| match k {
+        "effort" => Ok(()),
+        "format" if v.is_null() => Ok(()),
+        "format" => bad("output_config.format: structured output is not supported by this server yet"),
+        k => bad(format!("output_config.{k}: Extra inputs are not permitted")),
+    })?;
     let wants_diagnostics = match obj.get("diagnostics") {
         None | Some(Value::Null) => false,
         Some(Value::Object(d)) => match d.get("previous_message_id") {
@@ -241,7 +192,17 @@ pub fn parse(body: &Value, endpoint: Endpoint) -> Result<MessagesRequest, ApiErr
         Some(v) => return bad(format!("diagnostics: expected an object, got {}", type_name(v))),
     };
 
-    Ok(MessagesRequest { model, max_tokens, system, turns, stop_sequences, temperature, top_p, top_k, stream, wants_diagnostics })
+    let params = SamplingParams { temperature, top_k, top_p, seed: None, max_tokens: 0, stop_sequences, ignore_eos: false };
+    Ok(MessagesRequest { generation: GenerationRequest { model, system, turns, max_tokens, params, stream }, wants_diagnostics })
+}
+
+/// Checks each field of the optional object `obj[key]` with `check`.
+fn each_field(obj: &serde_json::Map<String, Value>, key: &str, mut check: impl FnMut(&str, &Value) -> Result<(), ApiError>) -> Result<(), ApiError> {
+    match obj.get(key) {
+        None | Some(Value::Null) => Ok(()),
+        Some(Value::Object(m)) => m.iter().try_for_each(|(k, v)| check(k, v)),
+        Some(v) => bad(format!("{key}: expected an object, got {}", type_name(v))),
+    }
 }
 
 fn describe(v: &Value) -> String {
@@ -381,9 +342,10 @@ mod tests {
             Endpoint::Messages,
         )
         .unwrap();
-        assert_eq!(r.system.as_deref(), Some("sys"));
-        assert_eq!(r.turns, vec![Turn { role: Role::User, text: "a\n\nb".into() }, Turn { role: Role::Assistant, text: "The answer is".into() }]);
-        assert_eq!(r.temperature, 1.0);
+        let g = r.generation;
+        assert_eq!(g.system.as_deref(), Some("sys"));
+        assert_eq!(g.turns, vec![Turn { role: Role::User, text: "a\n\nb".into() }, Turn { role: Role::Assistant, text: "The answer is".into() }]);
+        assert_eq!(g.params.temperature, 1.0);
     }
 
     #[test]

@@ -1,25 +1,20 @@
-//! The OpenAI Chat Completions request: parsing and validation (lenient about fields that
+//! The OpenAI Chat Completions request: parsing and validation into a [`GenerationRequest`] (lenient about fields that
 //! only tune things we do not do, strict about the ones we would get wrong).
 
 use serde_json::Value;
 
-use crate::anthropic::{Role, Turn, MAX_STOP_SEQUENCES, MAX_STOP_SEQUENCE_BYTES};
-use crate::error::ApiError;
+use zerolayer_common::SamplingParams;
 
+use crate::error::ApiError;
+use crate::request::{GenerationRequest, Role, Turn, MAX_STOP_SEQUENCES, MAX_STOP_SEQUENCE_BYTES};
+
+/// A validated Chat Completions request: the neutral generation request, and what only this
+/// API has.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ChatRequest {
-    pub model: String,
-    pub system: Option<String>,
-    pub turns: Vec<Turn>,
-    pub max_tokens: Option<u32>,
-    pub temperature: f32,
-    pub top_p: Option<f32>,
-    pub seed: Option<u64>,
-    pub stop: Vec<String>,
-    pub stream: bool,
+    pub generation: GenerationRequest,
+    /// `stream_options.include_usage`: a last chunk carries the usage.
     pub include_usage: bool,
-    /// vLLM's extension: keep generating past end tokens (benchmarks).
-    pub ignore_eos: bool,
 }
 
 fn bad<T>(m: impl Into<String>) -> Result<T, ApiError> {
@@ -144,17 +139,8 @@ pub fn parse(body: &Value) -> Result<ChatRequest, ApiError> {
             return bad("response_format: structured output is not supported by this server yet");
         }
     }
-    Ok(ChatRequest {
-        model,
-        system: if system.is_empty() { None } else { Some(system.join("\n\n")) },
-        turns,
-        max_tokens,
-        temperature,
-        top_p,
-        seed,
-        stop,
-        stream,
-        include_usage,
-        ignore_eos,
-    })
+    let system = if system.is_empty() { None } else { Some(system.join("\n\n")) };
+    // `ignore_eos` is vLLM's extension: keep generating past end tokens (benchmarks).
+    let params = SamplingParams { temperature, top_k: None, top_p, seed, max_tokens: 0, stop_sequences: stop, ignore_eos };
+    Ok(ChatRequest { generation: GenerationRequest { model, system, turns, max_tokens, params, stream }, include_usage })
 }

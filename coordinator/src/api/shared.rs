@@ -1,0 +1,201 @@
+//! What every API handler shares: the request id, reading a JSON body, recording the outcome,
+//! token timing, collecting a whole sequence, and turning a producer of SSE events into a
+//! response body without a task or a channel in between.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::http::{HeaderValue, StatusCode};
+use axum::response::sse::{Event, Sse};
+use axum::response::{IntoResponse, Response};
+use serde_json::Value;
+use zerolayer_common::{SeqEvent, StopReason, Usage};
+
+use crate::coordinator::{Accepted, Coordinator};
+use crate::error::ApiError;
+use crate::metrics;
+
+pub type AppState = Arc<Coordinator>;
+
+/// The id of the request being served (set by middleware, echoed in `request-id`).
+#[derive(Clone, Debug)]
+pub struct RequestId(pub String);
+
+/// A fresh id with `prefix` (`req_`, `msg_`, `chatcmpl-`).
+pub fn new_id(prefix: &str) -> String {
+    format!("{prefix}{}", uuid::Uuid::new_v4().simple())
+}
+
+/// Reads the body as JSON, mapping every failure to a precise 400 or 413.
+pub fn json_body(body: Result<Bytes, BytesRejection>, max: usize) -> Result<Value, ApiError> {
+    let bytes = body.map_err(|e| {
+        if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError::RequestTooLarge(format!("request body exceeds the {max}-byte limit"))
+        } else {
+            ApiError::invalid(format!("could not read the request body: {e}"))
+        }
+    })?;
+    if bytes.is_empty() {
+        return Err(ApiError::invalid("request body is empty; expected a JSON object"));
+    }
+    if std::str::from_utf8(&bytes).is_err() {
+        return Err(ApiError::invalid("request body is not valid UTF-8"));
+    }
+    serde_json::from_slice(&bytes).map_err(|e| ApiError::invalid(format!("invalid JSON body: {e}")))
+}
+
+/// Counts the response in the metrics and names the worker that served it.
+pub fn finish(c: &Coordinator, endpoint: &'static str, mut resp: Response, served_by: Option<&str>) -> Response {
+    metrics::request_done(&c.node_id, endpoint, resp.status().as_u16());
+    if let Some(s) = served_by.and_then(|s| HeaderValue::from_str(s).ok()) {
+        resp.headers_mut().insert("zerolayer-worker", s);
+    }
+    resp
+}
+
+/// Records time to first token and inter-token latency as deltas arrive.
+pub struct TokenTimer {
+    node: String,
+    started: Instant,
+    last: Option<Instant>,
+}
+
+impl TokenTimer {
+    pub fn new(node: &str, started: Instant) -> Self {
+        TokenTimer { node: node.to_string(), started, last: None }
+    }
+
+    pub fn on_tokens(&mut self, n: usize) {
+        if n == 0 {
+            return;
+        }
+        let now = Instant::now();
+        match self.last {
+            None => metrics::ttft(&self.node, now.duration_since(self.started).as_secs_f64()),
+            Some(prev) => metrics::inter_token(&self.node, now.duration_since(prev).as_secs_f64() / n as f64),
+        }
+        self.last = Some(now);
+    }
+}
+
+/// The error a client sees when the shutdown grace period ends its request.
+pub fn shut_down() -> ApiError {
+    ApiError::Overloaded("Overloaded: the server shut down before the response finished".into())
+}
+
+/// The error for a sequence the worker failed, or ended without a result.
+pub fn failed(reason: Option<&str>) -> ApiError {
+    match reason {
+        Some(e) => ApiError::Internal(format!("generation failed: {e}")),
+        None => ApiError::Internal("the worker ended the sequence without a result".into()),
+    }
+}
+
+/// What a response waits for next.
+pub enum Next {
+    /// An engine event (its tokens already timed).
+    Event(SeqEvent),
+    /// Nothing for a ping interval (only when a ping interval was given).
+    Idle,
+    /// The shutdown grace period is over.
+    ShutDown,
+    /// The stream ended without a final event.
+    Lost,
+}
+
+/// An accepted sequence as a response follows it: its events, token timing, and the node's
+/// shutdown switch. Shared by the non-streaming collector and both SSE producers.
+pub struct Following {
+    pub c: AppState,
+    acc: Accepted,
+    hard_stop: tokio::sync::watch::Receiver<bool>,
+    timer: TokenTimer,
+}
+
+impl Following {
+    pub fn new(c: AppState, acc: Accepted) -> Self {
+        let timer = TokenTimer::new(&c.node_id, acc.started_at);
+        let hard_stop = c.hard_stop.clone();
+        Following { c, acc, hard_stop, timer }
+    }
+
+    /// The next thing to answer: an event, an idle `ping` interval, or the end.
+    pub async fn next(&mut self, ping: Option<std::time::Duration>) -> Next {
+        let ev = tokio::select! {
+            ev = self.acc.stream.recv() => ev,
+            _ = tokio::time::sleep(ping.unwrap_or_default()), if ping.is_some() => return Next::Idle,
+            _ = stopped(&mut self.hard_stop) => return Next::ShutDown,
+        };
+        match ev {
+            Some(ev) => {
+                match &ev {
+                    SeqEvent::Delta { tokens, .. } => self.timer.on_tokens(tokens.len()),
+                    SeqEvent::Finished { usage, reason } if !matches!(reason, StopReason::Error(_)) => {
+                        metrics::tokens(&self.c.node_id, usage.prompt_tokens_uncached as u64, usage.prompt_tokens_cached as u64, usage.output_tokens as u64)
+                    }
+                    _ => {}
+                }
+                Next::Event(ev)
+            }
+            None => Next::Lost,
+        }
+    }
+}
+
+/// Collects a whole sequence (non-streaming responses).
+pub async fn collect(c: &AppState, acc: Accepted) -> Result<(String, StopReason, Usage), ApiError> {
+    let mut f = Following::new(c.clone(), acc);
+    let mut text = String::new();
+    loop {
+        match f.next(None).await {
+            Next::Event(SeqEvent::Delta { text: t, .. }) => text.push_str(&t),
+            Next::Event(SeqEvent::Started { .. }) | Next::Idle => {}
+            Next::Event(SeqEvent::Finished { reason: StopReason::Error(e), .. }) => return Err(failed(Some(&e))),
+            Next::Event(SeqEvent::Finished { reason, usage }) => return Ok((text, reason, usage)),
+            Next::ShutDown => return Err(shut_down()),
+            Next::Lost => return Err(failed(None)),
+        }
+    }
+}
+
+/// Resolves once the shutdown grace period is over (never holds the watch guard across awaits).
+pub async fn stopped(rx: &mut tokio::sync::watch::Receiver<bool>) {
+    if rx.wait_for(|s| *s).await.is_err() {
+        std::future::pending::<()>().await;
+    }
+}
+
+/// One step of an SSE producer: the events to send now, and the producer for the next step
+/// (`None`: the stream ends after these events).
+pub type SseStep<S> = (Vec<Event>, Option<S>);
+
+/// An SSE response whose events come from `step`, called again each time the previous step's
+/// events are written. It runs on the connection's own task, pulled by the body: there is no
+/// producer task and no channel. When the client goes away the body is dropped, and with it the
+/// producer's state, which cancels the sequence at its worker.
+pub fn sse_response<S, F, Fut>(state: S, mut step: F) -> Response
+where
+    S: Send + 'static,
+    F: FnMut(S) -> Fut + Send + 'static,
+    Fut: Future<Output = SseStep<S>> + Send + 'static,
+{
+    use futures::StreamExt;
+    let events = futures::stream::unfold(Some(state), move |state| {
+        let next = state.map(&mut step);
+        async move {
+            let (events, state) = next?.await;
+            Some((futures::stream::iter(events.into_iter().map(Ok::<Event, Infallible>)), state))
+        }
+    })
+    .flatten();
+    Sse::new(events).into_response()
+}
+
+/// An SSE event with a name and a JSON body (the Anthropic shape).
+pub fn named_event(name: &str, data: Value) -> Event {
+    Event::default().event(name).data(data.to_string())
+}

@@ -1,0 +1,193 @@
+//! The state of a node's cluster link: its local workers and their prefix sets, the latest
+//! remote snapshot the publisher built, membership, and the network half. Read by placement
+//! (through [`Cluster::view`]), forwarding and the admin API; written only by the publisher.
+
+use std::collections::HashSet;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+
+use chitchat::ChitchatHandle;
+use serde::Serialize;
+use tokio::task::JoinHandle;
+use zerolayer_common::ClusterConfig;
+use zerolayer_worker::WorkerHandle;
+
+use super::transport::{Peers, Relays};
+use crate::view::{ClusterView, NodeState, WorkerView};
+
+/// A worker on this node.
+#[derive(Clone)]
+pub struct LocalWorker {
+    pub id: String,
+    pub handle: WorkerHandle,
+    pub max_waiting: usize,
+    /// `cpu`, `cuda:0`, … (from the config).
+    pub device: String,
+}
+
+/// A node as seen through membership (for `/admin/cluster` and forwarding).
+#[derive(Clone, Debug, Serialize)]
+pub struct NodeInfo {
+    pub id: String,
+    pub state: NodeState,
+    pub http: String,
+    pub quic: Option<SocketAddr>,
+    pub generation: u64,
+    pub local: bool,
+}
+
+/// A local worker and the prefix set the publisher keeps for it.
+pub(super) struct LocalState {
+    pub(super) worker: LocalWorker,
+    pub(super) cached: RwLock<Arc<HashSet<u64>>>,
+}
+
+/// The network half: present when the node has a `quic` address.
+pub struct Net {
+    pub endpoint: quinn::Endpoint,
+    pub peers: Arc<Peers>,
+    pub addr: SocketAddr,
+    pub(super) chitchat: ChitchatHandle,
+    pub(super) relays: Arc<Relays>,
+}
+
+pub struct Cluster {
+    pub node_id: String,
+    pub(super) config: ClusterConfig,
+    pub(super) local: Vec<LocalState>,
+    pub(super) remote: RwLock<Arc<Vec<WorkerView>>>,
+    pub(super) nodes: RwLock<Arc<Vec<NodeInfo>>>,
+    state: AtomicU8,
+    pub(super) http: Mutex<String>,
+    pub net: Option<Net>,
+    /// Forwarded sequences this node is running for other coordinators.
+    pub serving_remote: AtomicUsize,
+    pub(super) tasks: Mutex<Vec<JoinHandle<()>>>,
+}
+
+fn state_code(s: NodeState) -> u8 {
+    match s {
+        NodeState::Joining => 0,
+        NodeState::Ready => 1,
+        NodeState::Draining => 2,
+        NodeState::Dead => 3,
+    }
+}
+
+fn code_state(c: u8) -> NodeState {
+    match c {
+        1 => NodeState::Ready,
+        2 => NodeState::Draining,
+        3 => NodeState::Dead,
+        _ => NodeState::Joining,
+    }
+}
+
+impl Cluster {
+    /// The link's state before any task runs (see `start`).
+    pub(super) fn new(node_id: &str, config: &ClusterConfig, workers: &[LocalWorker], http: String, net: Option<Net>) -> Cluster {
+        Cluster {
+            node_id: node_id.to_string(),
+            config: config.clone(),
+            local: workers.iter().map(|w| LocalState { worker: w.clone(), cached: RwLock::new(Arc::new(HashSet::new())) }).collect(),
+            remote: RwLock::new(Arc::new(Vec::new())),
+            nodes: RwLock::new(Arc::new(Vec::new())),
+            state: AtomicU8::new(state_code(NodeState::Joining)),
+            http: Mutex::new(http),
+            net,
+            serving_remote: AtomicUsize::new(0),
+            tasks: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// This node's membership state.
+    pub fn state(&self) -> NodeState {
+        code_state(self.state.load(Ordering::Acquire))
+    }
+
+    pub fn set_state(&self, s: NodeState) {
+        self.state.store(state_code(s), Ordering::Release);
+    }
+
+    /// The HTTP address peers and `zerolayer status` should use for this node.
+    pub fn set_http_addr(&self, addr: String) {
+        *self.http.lock().unwrap() = addr;
+    }
+
+    pub fn local_worker(&self, id: &str) -> Option<&LocalWorker> {
+        self.local.iter().find(|l| l.worker.id == id).map(|l| &l.worker)
+    }
+
+    /// The QUIC address of this node, if it is in a cluster.
+    pub fn quic_addr(&self) -> Option<SocketAddr> {
+        self.net.as_ref().map(|n| n.addr)
+    }
+
+    /// What placement sees now: fresh local signals plus the latest gossip.
+    pub fn view(&self) -> ClusterView {
+        let state = self.state();
+        let mut workers: Vec<WorkerView> = self
+            .local
+            .iter()
+            .map(|l| WorkerView {
+                node: self.node_id.clone(),
+                worker: l.worker.id.clone(),
+                local: true,
+                state,
+                device: l.worker.device.clone(),
+                max_waiting: l.worker.max_waiting as u32,
+                signals: l.worker.handle.signals(),
+                cached: l.cached.read().unwrap().clone(),
+            })
+            .collect();
+        workers.extend(self.remote.read().unwrap().iter().cloned());
+        ClusterView { workers }
+    }
+
+    /// Every node known, this one first.
+    pub fn nodes(&self) -> Vec<NodeInfo> {
+        let mut out = vec![NodeInfo {
+            id: self.node_id.clone(),
+            state: self.state(),
+            http: self.http.lock().unwrap().clone(),
+            quic: self.quic_addr(),
+            generation: 0,
+            local: true,
+        }];
+        out.extend(self.nodes.read().unwrap().iter().cloned());
+        out
+    }
+
+    /// The QUIC address of a live peer.
+    pub fn peer_addr(&self, node: &str) -> Option<SocketAddr> {
+        self.nodes.read().unwrap().iter().find(|n| n.id == node && n.state != NodeState::Dead).and_then(|n| n.quic)
+    }
+
+    /// Leaves the cluster gracefully: gossips `draining`, then closes connections and stops tasks.
+    pub async fn stop(&self) {
+        self.set_state(NodeState::Draining);
+        if let Some(net) = &self.net {
+            net.chitchat.with_chitchat(|c| c.self_node_state().set(super::gossip::KEY_STATE, NodeState::Draining.as_str())).await;
+            // One more gossip round so peers hear it before the connections close.
+            tokio::time::sleep(Duration::from_millis(self.config.cluster.gossip_interval_ms * 2)).await;
+        }
+        self.kill();
+    }
+
+    /// Stops at once, as a crash would look to peers: tasks end and connections close.
+    pub fn kill(&self) {
+        self.set_state(NodeState::Dead);
+        for t in self.tasks.lock().unwrap().drain(..) {
+            t.abort();
+        }
+        if let Some(net) = &self.net {
+            let _ = net.chitchat.initiate_shutdown();
+            net.peers.close_all();
+            net.relays.clear();
+            net.endpoint.close(0u32.into(), b"node stopped");
+        }
+    }
+}
+

@@ -1,0 +1,87 @@
+//! Starting a node's cluster link: binds QUIC (mutual TLS), joins chitchat over it, and spawns
+//! the publisher and the accept loop, which [`Cluster`] then owns.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use chitchat::{ChitchatConfig, ChitchatId, FailureDetectorConfig};
+use zerolayer_common::ClusterConfig;
+
+use super::gossip::{KEY_HTTP, KEY_STATE};
+use super::link::{Cluster, LocalWorker, Net};
+use super::transport::{Peers, QuicTransport};
+use super::{accept, publisher, tls};
+use crate::view::NodeState;
+
+impl Cluster {
+    /// Starts the link for `node_id`. With a `quic` address in the config, binds it (or uses
+    /// `socket`, already bound, as tests do) and joins the other nodes of the config.
+    pub async fn start(
+        config: &ClusterConfig,
+        node_id: &str,
+        workers: &[LocalWorker],
+        socket: Option<std::net::UdpSocket>,
+    ) -> anyhow::Result<Arc<Cluster>> {
+        let me = config.node(node_id).ok_or_else(|| anyhow::anyhow!("node {node_id:?} is not in the config"))?;
+        let net = match (&me.quic, socket) {
+            (None, None) => None,
+            (addr, socket) => Some(join(config, node_id, addr.as_deref(), socket).await?),
+        };
+        let cluster = Arc::new(Cluster::new(node_id, config, workers, me.http.clone(), net));
+        let kv_rx = cluster.local.iter().map(|l| l.worker.handle.kv_events()).collect();
+        let mut tasks = vec![tokio::spawn(publisher::run(Arc::downgrade(&cluster), kv_rx))];
+        if cluster.net.is_some() {
+            tasks.push(tokio::spawn(accept::run(cluster.clone())));
+        }
+        *cluster.tasks.lock().unwrap_or_else(|e| e.into_inner()) = tasks;
+        Ok(cluster)
+    }
+}
+
+/// Binds the endpoint and starts chitchat on it.
+async fn join(config: &ClusterConfig, node_id: &str, addr: Option<&str>, socket: Option<std::net::UdpSocket>) -> anyhow::Result<Net> {
+    let cc = &config.cluster;
+    let me = config.node(node_id).ok_or_else(|| anyhow::anyhow!("node {node_id:?} is not in the config"))?;
+    let socket = match socket {
+        Some(s) => s,
+        None => {
+            let a: SocketAddr = addr.unwrap_or_default().parse().map_err(|e| anyhow::anyhow!("quic address {addr:?}: {e}"))?;
+            std::net::UdpSocket::bind(a).map_err(|e| anyhow::anyhow!("binding QUIC on {a}: {e}"))?
+        }
+    };
+    let dir = cc.tls_dir.clone().ok_or_else(|| anyhow::anyhow!("[cluster] tls_dir is required for QUIC"))?;
+    let mat = tls::TlsMaterial::load(&dir, node_id)?;
+    let idle = Duration::from_millis(cc.idle_timeout_ms);
+    let endpoint = tls::endpoint(socket, &mat, idle)?;
+    let addr = endpoint.local_addr()?;
+    let peers = Arc::new(Peers::new(endpoint.clone(), idle));
+    let (transport, relays) = QuicTransport::new(peers.clone(), addr).await?;
+    let generation = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
+    let gossip = Duration::from_millis(cc.gossip_interval_ms);
+    // Peers whose address is still port 0 (started later, port picked by the OS) are learned
+    // through gossip when they contact a seed.
+    let seeds: Vec<String> =
+        config.nodes.iter().filter(|n| n.id != node_id).filter_map(|n| n.quic.clone()).filter(|a| !a.ends_with(":0")).collect();
+    let cfg = ChitchatConfig {
+        chitchat_id: ChitchatId::new(node_id.to_string(), generation, addr),
+        cluster_id: cc.id.clone(),
+        gossip_interval: gossip,
+        listen_addr: addr,
+        seed_nodes: seeds,
+        failure_detector_config: FailureDetectorConfig {
+            phi_threshold: cc.phi_threshold,
+            sampling_window_size: 1000,
+            max_interval: Duration::from_secs(10),
+            initial_interval: gossip * 2,
+            dead_node_grace_period: Duration::from_secs(3600),
+        },
+        marked_for_deletion_grace_period: Duration::from_secs(3600),
+        catchup_callback: None,
+        extra_liveness_predicate: None,
+        protocol_version: chitchat::ProtocolVersion::V0,
+    };
+    let initial = vec![(KEY_STATE.to_string(), NodeState::Joining.as_str().to_string()), (KEY_HTTP.to_string(), me.http.clone())];
+    let chitchat = chitchat::spawn_chitchat(cfg, initial, &transport).await?;
+    Ok(Net { endpoint, peers, addr, chitchat, relays })
+}

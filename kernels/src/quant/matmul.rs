@@ -1,0 +1,255 @@
+//! The matmul driver: activation quantization and weight-row tiles on the pool, the scalar
+//! reference dot product, and the choice of kernel.
+
+use super::activation::{quantize_row, ActBlock};
+use super::format::{Weight, WeightFormat, PANEL, QK};
+#[cfg(target_arch = "x86_64")]
+use super::simd as avx2;
+use crate::pool::ThreadPool;
+use crate::SyncPtr;
+
+/// The scalar reference: row `r` of `w` against one quantized activation row. Exactly the
+/// arithmetic of candle's and ggml's `vec_dot` for these formats (per block: exact integer sum,
+/// then `sumi * d_w * d_a (+ m_w * s_a)`, accumulated in block order).
+pub(super) fn dot_block_row(w: &Weight, r: usize, a: &[ActBlock]) -> f32 {
+    let mut acc = 0f32;
+    for (j, ab) in a.iter().enumerate() {
+        let b = w.block(r, j);
+        let term = if w.format == WeightFormat::Q6K {
+            // Two 16-element halves with their own scales: `(Σlo·d_lo + Σhi·d_hi) · d_a`.
+            let half = |h: std::ops::Range<usize>| h.map(|k| b.q[k] * ab.qs[k] as i32).sum::<i32>() as f32;
+            (half(0..QK / 2) * b.d + half(QK / 2..QK) * b.m) * ab.d
+        } else {
+            let mut sumi = 0i32;
+            for (q, &x) in b.q.iter().zip(&ab.qs) {
+                sumi += q * x as i32;
+            }
+            let mut term = sumi as f32 * b.d * ab.d;
+            if matches!(w.format, WeightFormat::Q4_1 | WeightFormat::Q4K) {
+                term += b.m * ab.s;
+            }
+            term
+        };
+        acc += term;
+    }
+    acc
+}
+
+/// f32 dot product with eight independent lanes, reduced in a fixed tree order.
+#[inline(always)]
+pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+    debug_assert_eq!(a.len(), b.len());
+    let mut acc = [0f32; 8];
+    let ca = a.chunks_exact(8);
+    let cb = b.chunks_exact(8);
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for l in 0..8 {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    let mut s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (x, y) in ra.iter().zip(rb) {
+        s += x * y;
+    }
+    s
+}
+
+#[inline(always)]
+pub(super) fn f32_row(bytes: &[u8]) -> &[f32] {
+    // Weight data is built from f32 values in `Weight::from_f32` or loaded little-endian; on a
+    // little-endian target reinterpretation is exact. Alignment is checked.
+    crate::cast_f32(bytes)
+}
+
+/// Scratch space reused across calls so the decode loop does not allocate.
+#[derive(Default)]
+pub struct MatmulScratch {
+    act: Vec<ActBlock>,
+    x: Vec<f32>,
+}
+
+/// Rows of weights per task: a function of the weight shape only (never of the batch).
+pub(super) fn tile_rows(w: &Weight) -> usize {
+    let rb = w.row_bytes().max(1);
+    // About 32 KiB of weights per task, between 8 and 128 rows, a multiple of 8 (whole panels):
+    // fewer, larger tasks than 16 KiB measured faster at batch 1 (task claiming costs a shared
+    // atomic per task) and no slower batched.
+    // It depends only on the weight's shape (batch invariance).
+    ((32768 / rb).clamp(8, 128) / PANEL) * PANEL
+}
+
+/// `y[b × rows] = x[b × cols] · Wᵀ` for `b = x.len() / cols` activation rows.
+pub fn matmul(pool: &ThreadPool, w: &Weight, x: &[f32], y: &mut [f32], scratch: &mut MatmulScratch) {
+    let k = w.cols;
+    assert_eq!(x.len() % k, 0);
+    let b = x.len() / k;
+    if w.format == WeightFormat::F32 {
+        return multiply(pool, w, x, b, y, &[]);
+    }
+    let nb = k / QK;
+    scratch.act.resize(b * nb, ActBlock::default());
+    let ap = ActPtr(scratch.act.as_mut_ptr());
+    pool.run(row_tasks(pool, b), |t| {
+        for i in row_range(pool, b, t) {
+            // SAFETY: task t writes only the blocks of its own rows, disjoint across tasks;
+            // `scratch.act` holds b * nb blocks and outlives `pool.run`.
+            let a = unsafe { std::slice::from_raw_parts_mut(ap.get().add(i * nb), nb) };
+            quantize_row(&x[i * k..(i + 1) * k], a);
+        }
+    });
+    multiply(pool, w, x, b, y, &scratch.act);
+}
+
+/// `y = X · Wᵀ` where row `i` of the `b × cols` matrix `X` is written by `row(i, out)`: the rows
+/// are produced (and quantized, for quantized weights) in parallel on the pool, then
+/// multiplied. This fuses per-row work that feeds a projection (RMSNorm, SiLU·mul) into the
+/// projection's activation quantization, in parallel instead of on the calling thread.
+pub fn matmul_rows<R: Fn(usize, &mut [f32]) + Sync>(pool: &ThreadPool, w: &Weight, b: usize, y: &mut [f32], scratch: &mut MatmulScratch, row: R) {
+    let k = w.cols;
+    let nb = k / QK;
+    let quantized = w.format != WeightFormat::F32;
+    scratch.x.resize(b * k, 0.0);
+    if quantized {
+        scratch.act.resize(b * nb, ActBlock::default());
+    }
+    let (xp, ap) = (SyncPtr(scratch.x.as_mut_ptr()), ActPtr(scratch.act.as_mut_ptr()));
+    pool.run(row_tasks(pool, b), |t| {
+        for i in row_range(pool, b, t) {
+            // SAFETY: task t writes only row i's slices of `x` and `act` for its own rows,
+            // disjoint across tasks; both hold b rows and outlive `pool.run`.
+            let xr = unsafe { std::slice::from_raw_parts_mut(xp.get().add(i * k), k) };
+            row(i, xr);
+            if quantized {
+                let a = unsafe { std::slice::from_raw_parts_mut(ap.get().add(i * nb), nb) };
+                quantize_row(xr, a);
+            }
+        }
+    });
+    let act: &[ActBlock] = if quantized { &scratch.act } else { &[] };
+    multiply(pool, w, &scratch.x, b, y, act);
+}
+
+/// Pool tasks for `b` rows of per-row work: a few per thread (rows are cheap, regions are not).
+pub(super) fn row_tasks(pool: &ThreadPool, b: usize) -> usize {
+    b.min(2 * pool.n_threads())
+}
+
+/// The rows of task `t` of [`row_tasks`]: contiguous, sizes differing by at most one.
+pub(super) fn row_range(pool: &ThreadPool, b: usize, t: usize) -> std::ops::Range<usize> {
+    let n = row_tasks(pool, b);
+    (t * b / n)..((t + 1) * b / n)
+}
+
+/// A raw pointer to activation blocks handed to pool tasks that write disjoint rows.
+#[derive(Clone, Copy)]
+pub(super) struct ActPtr(*mut ActBlock);
+// SAFETY: only used to give pool tasks disjoint rows of a buffer that outlives the region.
+unsafe impl Send for ActPtr {}
+unsafe impl Sync for ActPtr {}
+impl ActPtr {
+    pub(super) fn get(self) -> *mut ActBlock {
+        self.0
+    }
+}
+
+/// The weight-tile region: `act` holds `b` quantized rows (quantized weights) and `x` the f32
+/// rows (F32 weights).
+pub(super) fn multiply(pool: &ThreadPool, w: &Weight, x: &[f32], b: usize, y: &mut [f32], act: &[ActBlock]) {
+    let n = w.rows;
+    assert_eq!(y.len(), b * n);
+    if b == 0 {
+        return;
+    }
+    let tile = tile_rows(w);
+    let n_tasks = n.div_ceil(tile);
+    let yp = SyncPtr(y.as_mut_ptr());
+    let kernel = Kernel::detect();
+    pool.run(n_tasks, |t| {
+        let r0 = t * tile;
+        let r1 = (r0 + tile).min(n);
+        // SAFETY: each task writes only columns r0..r1 of every output row, disjoint across
+        // tasks, and `y` outlives `pool.run`.
+        let y = unsafe { std::slice::from_raw_parts_mut(yp.get(), b * n) };
+        tile_run(kernel, w, x, act, y, r0, r1, b);
+    });
+}
+
+/// Which implementation runs (detected once per call; tests pick each explicitly).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Kernel {
+    Portable,
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    #[cfg(target_arch = "x86_64")]
+    Vnni,
+}
+
+impl Kernel {
+    pub(super) fn detect() -> Kernel {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if crate::has_vnni() {
+                return Kernel::Vnni;
+            }
+            if crate::has_avx2() {
+                return Kernel::Avx2;
+            }
+        }
+        Kernel::Portable
+    }
+}
+
+/// Rows `r0..r1` (whole panels, except at the end) of all `b` outputs.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn tile_run(kernel: Kernel, w: &Weight, x: &[f32], act: &[ActBlock], y: &mut [f32], r0: usize, r1: usize, b: usize) {
+    let k = w.cols;
+    let n = w.rows;
+    if w.format == WeightFormat::F32 {
+        let rb = w.row_bytes();
+        for r in r0..r1 {
+            let wf = f32_row(&w.data[r * rb..(r + 1) * rb]);
+            for i in 0..b {
+                y[i * n + r] = dot_f32(wf, &x[i * k..(i + 1) * k]);
+            }
+        }
+        return;
+    }
+    let nb = k / QK;
+    assert!(act.len() >= b * nb && y.len() >= b * n && r0.is_multiple_of(PANEL) && r1 <= n);
+    match kernel {
+        Kernel::Portable => {
+            for r in r0..r1 {
+                for i in 0..b {
+                    y[i * n + r] = dot_block_row(w, r, &act[i * nb..(i + 1) * nb]);
+                }
+            }
+        }
+        #[cfg(target_arch = "x86_64")]
+        Kernel::Avx2 | Kernel::Vnni => {
+            let p0 = r0 / PANEL;
+            let p1 = r1.div_ceil(PANEL);
+            let pb = nb * PANEL * w.format.block_bytes();
+            // SAFETY: panels p0..p1 exist (r1 <= rows); `act` holds b rows of nb blocks and `y`
+            // b rows of n (asserted above); each panel writes lanes r < n only; the CPU
+            // features of the chosen kernel were detected at run time (`Kernel::detect`).
+            unsafe {
+                let panels = avx2::Panels { ptr: w.data.as_ptr().add(p0 * pb), pb, np: p1 - p0, lanes_last: r1 - (p1 - 1) * PANEL };
+                let rows = avx2::Rows { acts: act.as_ptr(), nb, b, out: y.as_mut_ptr().add(p0 * PANEL), stride: n };
+                match (w.format, kernel == Kernel::Vnni) {
+                    (WeightFormat::Q4_1, true) => avx2::tile_vnni::<avx2::Q41>(panels, rows),
+                    (WeightFormat::Q4_0, true) => avx2::tile_vnni::<avx2::Q40>(panels, rows),
+                    (WeightFormat::Q8_0, true) => avx2::tile_vnni::<avx2::Q80>(panels, rows),
+                    (WeightFormat::Q4K, true) => avx2::tile_vnni::<avx2::Q4K>(panels, rows),
+                    (WeightFormat::Q6K, true) => avx2::tile_vnni::<avx2::Q6K>(panels, rows),
+                    (WeightFormat::Q4K, false) => avx2::tile_avx2::<avx2::Q4K>(panels, rows),
+                    (WeightFormat::Q6K, false) => avx2::tile_avx2::<avx2::Q6K>(panels, rows),
+                    (WeightFormat::Q4_1, false) => avx2::tile_avx2::<avx2::Q41>(panels, rows),
+                    (WeightFormat::Q4_0, false) => avx2::tile_avx2::<avx2::Q40>(panels, rows),
+                    (WeightFormat::Q8_0, false) => avx2::tile_avx2::<avx2::Q80>(panels, rows),
+                    (WeightFormat::F32, _) => unreachable!(),
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,301 @@
+//! AVX2 (and AVX-512 VNNI) panel kernels. Each block's integer row sums are exact and the
+//! float arithmetic per block is the scalar code's, in the same order (no fused multiply-add),
+//! with lane `r` holding row `r`, so results are bit-identical to [`dot_block_row`].
+use super::activation::ActBlock;
+use super::format::{PANEL, QK};
+use std::arch::x86_64::*;
+
+/// A quantized block format as the panel kernel sees it.
+pub trait Fmt {
+    /// Bytes per panel block (8 rows).
+    const PB: usize;
+    /// Whether blocks carry a min (8 `m`s after the `d`s), as Q4_1 and Q4K do.
+    const MIN: bool;
+    /// Whether scales are f32 (else f16).
+    const F32_SCALES: bool = false;
+    /// Whether each 16-element half has its own scale (Q6K: 8 `d_lo`, then 8 `d_hi`).
+    const HALVES: bool = false;
+    /// Offset of the quants in a panel block.
+    const QOFF: usize;
+    /// What the integer sums must lose, times the activation block's `Σq` (the stored
+    /// quant offset; 0 where the AVX2 path decodes to signed values instead).
+    const OFFSET_VNNI: i32;
+    const OFFSET_AVX2: i32;
+    /// The 8 group vectors of one panel block (lane `r`: elements `4g..4g+4` of row `r`).
+    /// Default: two groups per byte (4-bit codes).
+    #[inline(always)]
+    unsafe fn decode<const V: bool>(q: *const u8) -> [__m256i; 8] {
+        nibbles(q)
+    }
+    /// `acc + Σ₄ w·a` per lane. Default: unsigned codes.
+    #[inline(always)]
+    unsafe fn dot<const V: bool>(acc: __m256i, w: __m256i, a: __m256i) -> __m256i {
+        udot::<V>(acc, w, a)
+    }
+}
+
+pub struct Q41;
+pub struct Q40;
+pub struct Q80;
+pub struct Q4K;
+pub struct Q6K;
+
+#[inline(always)]
+unsafe fn nibbles(q: *const u8) -> [__m256i; 8] {
+    let m = _mm256_set1_epi8(0x0F);
+    let mut out = [_mm256_setzero_si256(); 8];
+    for h in 0..4 {
+        let v = _mm256_loadu_si256(q.add(32 * h) as *const __m256i);
+        out[2 * h] = _mm256_and_si256(v, m);
+        out[2 * h + 1] = _mm256_and_si256(_mm256_srli_epi16::<4>(v), m);
+    }
+    out
+}
+
+/// Unsigned weights × signed activations, 4 products per lane added to `acc`. Without VNNI
+/// this is `pmaddubsw` + `pmaddwd`, exact for weights ≤ 15 (no i16 saturation).
+#[inline(always)]
+unsafe fn udot<const V: bool>(acc: __m256i, w: __m256i, a: __m256i) -> __m256i {
+    if V {
+        _mm256_dpbusd_epi32(acc, w, a)
+    } else {
+        _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), _mm256_set1_epi16(1)))
+    }
+}
+
+impl Fmt for Q41 {
+    const PB: usize = 8 * 20;
+    const MIN: bool = true;
+    const QOFF: usize = 32;
+    const OFFSET_VNNI: i32 = 0;
+    const OFFSET_AVX2: i32 = 0;
+}
+impl Fmt for Q4K {
+    const PB: usize = 8 * 24;
+    const MIN: bool = true;
+    const F32_SCALES: bool = true;
+    const QOFF: usize = 64;
+    const OFFSET_VNNI: i32 = 0;
+    const OFFSET_AVX2: i32 = 0;
+}
+impl Fmt for Q6K {
+    const PB: usize = 8 * 40;
+    const MIN: bool = false;
+    const F32_SCALES: bool = true;
+    const HALVES: bool = true;
+    const QOFF: usize = 64;
+    // Codes are the quants + 32 (0..63): unsigned for both paths (pmaddubsw cannot
+    // saturate: 63 · 127 · 2 < 2¹⁵).
+    const OFFSET_VNNI: i32 = 32;
+    const OFFSET_AVX2: i32 = 32;
+    #[inline(always)]
+    unsafe fn decode<const V: bool>(q: *const u8) -> [__m256i; 8] {
+        std::array::from_fn(|g| _mm256_loadu_si256(q.add(32 * g) as *const __m256i))
+    }
+}
+impl Fmt for Q40 {
+    const PB: usize = 8 * 18;
+    const MIN: bool = false;
+    const QOFF: usize = 16;
+    const OFFSET_VNNI: i32 = 8;
+    const OFFSET_AVX2: i32 = 8;
+}
+impl Fmt for Q80 {
+    const PB: usize = 8 * 34;
+    const MIN: bool = false;
+    const QOFF: usize = 16;
+    const OFFSET_VNNI: i32 = 128;
+    const OFFSET_AVX2: i32 = 0;
+    #[inline(always)]
+    unsafe fn decode<const V: bool>(q: *const u8) -> [__m256i; 8] {
+        let mut out = [_mm256_setzero_si256(); 8];
+        for (g, o) in out.iter_mut().enumerate() {
+            let v = _mm256_loadu_si256(q.add(32 * g) as *const __m256i);
+            // VNNI: stored codes are the quants + 128, unsigned. AVX2: back to signed i8,
+            // for the sign trick below.
+            *o = if V { v } else { _mm256_xor_si256(v, _mm256_set1_epi8(-128)) };
+        }
+        out
+    }
+    #[inline(always)]
+    unsafe fn dot<const V: bool>(acc: __m256i, w: __m256i, a: __m256i) -> __m256i {
+        if V {
+            _mm256_dpbusd_epi32(acc, w, a)
+        } else {
+            // |w| ≤ 128 and |a| ≤ 127: pmaddubsw(|w|, ±a) cannot saturate.
+            let p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w));
+            _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)))
+        }
+    }
+}
+
+/// A tile's weight panels: `np` panels of `pb` bytes from `ptr`; the last has `lanes_last`
+/// real rows.
+#[derive(Clone, Copy)]
+pub struct Panels {
+    pub ptr: *const u8,
+    pub pb: usize,
+    pub np: usize,
+    pub lanes_last: usize,
+}
+
+/// Activation rows and where their outputs go: `b` rows of `nb` blocks from `acts`; row
+/// `i`'s output for the tile's first weight row is at `out + i * stride`.
+#[derive(Clone, Copy)]
+pub struct Rows {
+    pub acts: *const ActBlock,
+    pub nb: usize,
+    pub b: usize,
+    pub out: *mut f32,
+    pub stride: usize,
+}
+
+impl Rows {
+    unsafe fn skip(self, i: usize) -> Rows {
+        Rows { acts: self.acts.add(i * self.nb), b: self.b - i, out: self.out.add(i * self.stride), ..self }
+    }
+}
+
+/// Runs `$body` with `$i` = 0, 1, … `$n - 1` (`$n` ≤ 8, a constant), unrolled.
+macro_rules! rows {
+    ($n:expr, $i:ident, $body:block) => {
+        rows!(@ $n, $i, $body, 0, 1, 2, 3, 4, 5, 6, 7)
+    };
+    (@ $n:expr, $i:ident, $body:block, $($k:literal),*) => {
+        $(
+            if $k < $n {
+                let $i: usize = $k;
+                $body
+            }
+        )*
+    };
+}
+
+/// The first `N` of `rows` against every panel, writing `out[i * stride + 8p + r]` for lanes
+/// `r < 8` (`< lanes_last` in the last panel).
+#[inline(always)]
+unsafe fn chunk<F: Fmt, const V: bool, const N: usize>(w: Panels, rows: Rows) {
+    let Panels { ptr: panels, pb, np, lanes_last } = w;
+    let Rows { acts, nb, out, stride, .. } = rows;
+    debug_assert!(rows.b >= N);
+    let offset = if V { F::OFFSET_VNNI } else { F::OFFSET_AVX2 };
+    for p in 0..np {
+        let mut acc = [_mm256_setzero_ps(); N];
+        for j in 0..nb {
+            let blk = panels.add(p * pb + j * F::PB);
+            // The first chunk streams the tile from memory: ask for blocks ahead (a few
+            // blocks of the next panel at the end of a row; past the tile it is harmless).
+            let ahead = blk.wrapping_add(PREFETCH_BLOCKS * F::PB);
+            let mut line = 0;
+            while line < F::PB {
+                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line) as *const i8);
+                line += 64;
+            }
+            let scales = |at: usize| {
+                if F::F32_SCALES {
+                    _mm256_loadu_ps(blk.add(at * 32) as *const f32)
+                } else {
+                    _mm256_cvtph_ps(_mm_loadu_si128(blk.add(at * 16) as *const __m128i))
+                }
+            };
+            let dw = scales(0);
+            let mw = if F::MIN || F::HALVES { scales(1) } else { _mm256_setzero_ps() };
+            let w = F::decode::<V>(blk.add(F::QOFF));
+            // Unrolled by hand (`rows!`): LLVM leaves an 8-row loop rolled, with the
+            // accumulators on the stack.
+            rows!(N, i, {
+                let acc = &mut acc[i];
+                let a = &*acts.add(i * nb + j);
+                let q = a.qs.as_ptr();
+                let bc = |g: usize| _mm256_set1_epi32((q.add(4 * g) as *const i32).read_unaligned());
+                // Four chains (elements 0..8, 8..16, 16..24, 24..32); integer adds are exact,
+                // so the split changes nothing.
+                let z = _mm256_setzero_si256();
+                let mut s0 = F::dot::<V>(z, w[0], bc(0));
+                let mut s1 = F::dot::<V>(z, w[1], bc(1));
+                let mut s2 = F::dot::<V>(z, w[4], bc(4));
+                let mut s3 = F::dot::<V>(z, w[5], bc(5));
+                s0 = F::dot::<V>(s0, w[2], bc(2));
+                s1 = F::dot::<V>(s1, w[3], bc(3));
+                s2 = F::dot::<V>(s2, w[6], bc(6));
+                s3 = F::dot::<V>(s3, w[7], bc(7));
+                let (lo, hi) = (_mm256_add_epi32(s0, s1), _mm256_add_epi32(s2, s3));
+                let t = if F::HALVES {
+                    // Q6K: `(Σlo · d_lo + Σhi · d_hi) · d_a`, as the scalar code.
+                    let lo = _mm256_sub_epi32(lo, _mm256_set1_epi32(offset * a.sum_lo));
+                    let hi = _mm256_sub_epi32(hi, _mm256_set1_epi32(offset * (a.sum - a.sum_lo)));
+                    let t = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(lo), dw), _mm256_mul_ps(_mm256_cvtepi32_ps(hi), mw));
+                    _mm256_mul_ps(t, _mm256_set1_ps(a.d))
+                } else {
+                    let mut si = _mm256_add_epi32(lo, hi);
+                    if offset != 0 {
+                        si = _mm256_sub_epi32(si, _mm256_set1_epi32(offset * a.sum));
+                    }
+                    // The scalar code's `sumi * d_w * d_a (+ m_w * s_a)`.
+                    let mut t = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(si), dw), _mm256_set1_ps(a.d));
+                    if F::MIN {
+                        t = _mm256_add_ps(t, _mm256_mul_ps(mw, _mm256_set1_ps(a.s)));
+                    }
+                    t
+                };
+                *acc = _mm256_add_ps(*acc, t);
+            });
+        }
+        let lanes = if p + 1 == np { lanes_last } else { PANEL };
+        for (i, acc) in acc.iter().enumerate() {
+            let o = out.add(i * stride + p * PANEL);
+            if lanes == PANEL {
+                _mm256_storeu_ps(o, *acc);
+            } else {
+                let mut tmp = [0f32; PANEL];
+                _mm256_storeu_ps(tmp.as_mut_ptr(), *acc);
+                std::ptr::copy_nonoverlapping(tmp.as_ptr(), o, lanes);
+            }
+        }
+    }
+}
+
+/// All rows in chunks of `MAX` (then 4, 2, 1), each chunk against every panel of the tile
+/// while the tile's weights stay in L1.
+#[inline(always)]
+unsafe fn tile_body<F: Fmt, const V: bool, const MAX: usize>(w: Panels, rows: Rows) {
+    let mut i = 0;
+    while i < rows.b {
+        let r = rows.skip(i);
+        i += if r.b >= MAX {
+            chunk::<F, V, MAX>(w, r);
+            MAX
+        } else if r.b >= 4 {
+            chunk::<F, V, 4>(w, r);
+            4
+        } else if r.b >= 2 {
+            chunk::<F, V, 2>(w, r);
+            2
+        } else {
+            chunk::<F, V, 1>(w, r);
+            1
+        };
+    }
+}
+
+/// The AVX2 panel kernel (16 vector registers: chunks of 4 activation rows).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn tile_avx2<F: Fmt>(w: Panels, rows: Rows) {
+    tile_body::<F, false, 4>(w, rows)
+}
+
+/// How far ahead (in panel blocks) the kernel prefetches weights.
+const PREFETCH_BLOCKS: usize = 4;
+
+/// Activation rows per chunk in the VNNI kernel.
+const VNNI_ROWS: usize = 8;
+
+/// The AVX-512 VNNI panel kernel on 256-bit vectors (32 registers: chunks of 8 rows).
+#[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
+pub unsafe fn tile_vnni<F: Fmt>(w: Panels, rows: Rows) {
+    tile_body::<F, true, VNNI_ROWS>(w, rows)
+}
+
+const _: () = assert!(QK == 32 && PANEL == 8);
+// `rows!` unrolls at most 8.
+const _: () = assert!(VNNI_ROWS <= 8);

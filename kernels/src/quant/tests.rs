@@ -1,0 +1,332 @@
+//! Kernel tests: every path against the scalar reference, bit for bit, and formats against GGUF.
+use super::activation::*;
+use super::format::*;
+use super::matmul::*;
+use crate::pool::ThreadPool;
+use half::f16;
+use rand::{Rng, SeedableRng};
+
+fn rand_vec(rng: &mut impl Rng, n: usize) -> Vec<f32> {
+    (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
+}
+
+/// GGUF-layout bytes of `v` quantized to `format` (as llama.cpp's reference quantizers do).
+fn quantize_gguf(format: WeightFormat, v: &[f32]) -> Vec<u8> {
+    let mut data = Vec::new();
+    for blk in v.chunks_exact(QK) {
+        let amax = blk.iter().fold(0f32, |m, x| m.max(x.abs()));
+        match format {
+            WeightFormat::Q8_0 => {
+                let d = amax / 127.0;
+                data.extend_from_slice(&f16::from_f32(d).to_bits().to_le_bytes());
+                for x in blk {
+                    data.push(((x / d).round() as i8) as u8);
+                }
+            }
+            WeightFormat::Q4_0 => {
+                let d = amax / 8.0;
+                data.extend_from_slice(&f16::from_f32(d).to_bits().to_le_bytes());
+                for i in 0..16 {
+                    let q = |x: f32| (((x / d) + 8.5) as i32).clamp(0, 15) as u8;
+                    data.push(q(blk[i]) | (q(blk[i + 16]) << 4));
+                }
+            }
+            WeightFormat::Q4_1 => {
+                let mn = blk.iter().cloned().fold(f32::MAX, f32::min);
+                let mx = blk.iter().cloned().fold(f32::MIN, f32::max);
+                let d = (mx - mn) / 15.0;
+                data.extend_from_slice(&f16::from_f32(d).to_bits().to_le_bytes());
+                data.extend_from_slice(&f16::from_f32(mn).to_bits().to_le_bytes());
+                for i in 0..16 {
+                    let q = |x: f32| (((x - mn) / d + 0.5) as i32).clamp(0, 15) as u8;
+                    data.push(q(blk[i]) | (q(blk[i + 16]) << 4));
+                }
+            }
+            f => unreachable!("{f:?}"),
+        }
+    }
+    data
+}
+
+fn quantize_weight(format: WeightFormat, rows: usize, cols: usize, v: &[f32]) -> Weight {
+    Weight::new(format, rows, cols, quantize_gguf(format, v))
+}
+
+/// ggml's scalar `vec_dot` on one GGUF-layout row: independent of the panel layout.
+fn gguf_dot(format: WeightFormat, row: &[u8], a: &[ActBlock]) -> f32 {
+    let mut acc = 0f32;
+    for (b, ab) in row.chunks_exact(format.block_bytes()).zip(a) {
+        let mut sumi = 0i32;
+        let term = match format {
+            WeightFormat::Q8_0 => {
+                for i in 0..QK {
+                    sumi += (b[2 + i] as i8) as i32 * ab.qs[i] as i32;
+                }
+                sumi as f32 * f16_at(b, 0) * ab.d
+            }
+            WeightFormat::Q4_0 => {
+                for i in 0..16 {
+                    let q = b[2 + i];
+                    sumi += ((q & 0xF) as i32 - 8) * ab.qs[i] as i32 + ((q >> 4) as i32 - 8) * ab.qs[i + 16] as i32;
+                }
+                sumi as f32 * f16_at(b, 0) * ab.d
+            }
+            _ => {
+                for i in 0..16 {
+                    let q = b[4 + i];
+                    sumi += (q & 0xF) as i32 * ab.qs[i] as i32 + (q >> 4) as i32 * ab.qs[i + 16] as i32;
+                }
+                sumi as f32 * f16_at(b, 0) * ab.d + f16_at(b, 2) * ab.s
+            }
+        };
+        acc += term;
+    }
+    acc
+}
+
+/// Reference: dequantize the weights, use the f32 activations, accumulate in f64.
+fn reference(w: &Weight, x: &[f32], b: usize) -> Vec<f32> {
+    let mut row = vec![0f32; w.cols];
+    let mut y = vec![0f32; b * w.rows];
+    for r in 0..w.rows {
+        w.dequantize_row(r, &mut row);
+        for i in 0..b {
+            let xr = &x[i * w.cols..(i + 1) * w.cols];
+            y[i * w.rows + r] = row.iter().zip(xr).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() as f32;
+        }
+    }
+    y
+}
+
+#[test]
+fn quantize_row_paths_agree_bit_for_bit() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+    for n in [32usize, 64, 576, 1536] {
+        let mut x = rand_vec(&mut rng, n);
+        // Exact halves after scaling (ties round away from zero), zeros and a zero block.
+        x[0] = 1.0;
+        x[1] = 0.5 / 127.0 * 3.0;
+        x[2] = -2.5 / 127.0;
+        x[3] = 0.0;
+        if n >= 64 {
+            x[32..64].fill(0.0);
+        }
+        let mut a = vec![ActBlock::default(); n / QK];
+        let mut b = a.clone();
+        quantize_row_portable(&x, &mut a);
+        quantize_row(&x, &mut b);
+        for (a, b) in a.iter().zip(&b) {
+            assert_eq!((a.d.to_bits(), a.s.to_bits(), a.sum, a.qs), (b.d.to_bits(), b.s.to_bits(), b.sum, b.qs));
+            assert_eq!(a.sum, a.qs.iter().map(|&q| q as i32).sum::<i32>());
+        }
+    }
+}
+
+/// `x`'s rows (of `cols`) quantized, as `matmul` does.
+fn quantize_rows(x: &[f32], cols: usize) -> Vec<ActBlock> {
+    let nb = cols / QK;
+    let mut act = vec![ActBlock::default(); x.len() / cols * nb];
+    for (xr, ar) in x.chunks_exact(cols).zip(act.chunks_exact_mut(nb)) {
+        quantize_row(xr, ar);
+    }
+    act
+}
+
+/// Every kernel this CPU can run (portable, AVX2, VNNI) gives exactly `want` (output bits)
+/// for `b` rows, the work split into two tiles (the first whole panels), as `matmul` does.
+fn assert_every_kernel_gives(w: &Weight, x: &[f32], act: &[ActBlock], b: usize, want: &[u32], what: &str) {
+    let mut kernels = vec![Kernel::Portable];
+    #[cfg(target_arch = "x86_64")]
+    {
+        if crate::has_avx2() {
+            kernels.push(Kernel::Avx2);
+        }
+        if crate::has_vnni() {
+            kernels.push(Kernel::Vnni);
+        }
+    }
+    let rows = w.rows;
+    let split = rows.min(PANEL);
+    for kernel in kernels {
+        let mut y = vec![f32::NAN; b * rows];
+        tile_run(kernel, w, x, act, &mut y, 0, split, b);
+        tile_run(kernel, w, x, act, &mut y, split, rows, b);
+        let got: Vec<u32> = y.iter().map(|v| v.to_bits()).collect();
+        assert_eq!(got, want, "{kernel:?} {what}");
+    }
+}
+
+const QFORMATS: [WeightFormat; 3] = [WeightFormat::Q8_0, WeightFormat::Q4_0, WeightFormat::Q4_1];
+
+#[test]
+fn panels_round_trip_to_gguf() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+    for format in QFORMATS {
+        for &(rows, cols) in &[(1usize, 32usize), (8, 64), (13, 96), (24, 576)] {
+            let gguf = quantize_gguf(format, &rand_vec(&mut rng, rows * cols));
+            let w = Weight::new(format, rows, cols, gguf.clone());
+            assert_eq!(w.to_gguf(), gguf, "{format:?} {rows}x{cols}");
+            assert_eq!(w.bytes(), rows.div_ceil(PANEL) * PANEL * cols / QK * format.block_bytes());
+            // Dequantization through the panels equals dequantizing the GGUF bytes.
+            let rb = cols / QK * format.block_bytes();
+            let mut row = vec![0f32; cols];
+            for r in 0..rows {
+                w.dequantize_row(r, &mut row);
+                for (j, b) in gguf[r * rb..(r + 1) * rb].chunks_exact(format.block_bytes()).enumerate() {
+                    for k in 0..QK {
+                        let want = match format {
+                            WeightFormat::Q8_0 => f16_at(b, 0) * (b[2 + k] as i8) as f32,
+                            WeightFormat::Q4_0 => f16_at(b, 0) * ((if k < 16 { b[2 + k] & 0xF } else { b[2 + k - 16] >> 4 }) as i32 - 8) as f32,
+                            _ => f16_at(b, 0) * (if k < 16 { b[4 + k] & 0xF } else { b[4 + k - 16] >> 4 }) as f32 + f16_at(b, 2),
+                        };
+                        assert_eq!(row[j * QK + k].to_bits(), want.to_bits(), "{format:?} row {r} elem {}", j * QK + k);
+                    }
+                }
+            }
+            let cat = Weight::concat_rows(&[&w, &w]).unwrap();
+            assert_eq!(cat.to_gguf(), [gguf.clone(), gguf].concat());
+        }
+    }
+}
+
+/// Every kernel (portable, AVX2, VNNI where present) equals ggml's scalar dot on the GGUF
+/// bytes bit for bit: ragged batches, partial last panels, every chunk size.
+#[test]
+fn kernels_equal_scalar_bit_for_bit() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+    for format in QFORMATS {
+        for &(rows, cols) in &[(8usize, 32usize), (11, 96), (16, 160), (27, 576), (8, 1536)] {
+            let nb = cols / QK;
+            let gguf = quantize_gguf(format, &rand_vec(&mut rng, rows * cols));
+            let w = Weight::new(format, rows, cols, gguf.clone());
+            let rb = nb * format.block_bytes();
+            for b in [1usize, 2, 3, 4, 5, 8, 9, 13, 17] {
+                let x = rand_vec(&mut rng, b * cols);
+                let act = quantize_rows(&x, cols);
+                let want: Vec<u32> = (0..b * rows)
+                    .map(|o| gguf_dot(format, &gguf[(o % rows) * rb..(o % rows + 1) * rb], &act[(o / rows) * nb..(o / rows + 1) * nb]).to_bits())
+                    .collect();
+                assert_every_kernel_gives(&w, &x, &act, b, &want, &format!("{format:?} {rows}x{cols} b {b}"));
+            }
+        }
+    }
+}
+
+/// Random GGUF K-quant super-blocks (any bytes are valid quants and sub-scales; the f16
+/// super-scales are set to sane values).
+fn random_k(rng: &mut impl Rng, format: WeightFormat, rows: usize, cols: usize) -> Weight {
+    let (bb, d_at) = if format == WeightFormat::Q4K { (144, &[0usize, 2][..]) } else { (210, &[208usize][..]) };
+    let mut bytes: Vec<u8> = (0..rows * cols / QK_K * bb).map(|_| rng.random()).collect();
+    for b in bytes.chunks_exact_mut(bb) {
+        for &at in d_at {
+            let d = f16::from_f32(rng.random_range(0.001f32..0.01));
+            b[at..at + 2].copy_from_slice(&d.to_bits().to_le_bytes());
+        }
+    }
+    if format == WeightFormat::Q4K {
+        Weight::from_q4_k(rows, cols, &bytes)
+    } else {
+        Weight::from_q6_k(rows, cols, &bytes)
+    }
+}
+
+/// The repacked K-quants: every kernel equals the scalar code bit for bit, and the matmul is
+/// batch invariant and close to the dequantized reference.
+#[test]
+fn k_quant_kernels_agree() {
+    let pool = ThreadPool::new(2);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(13);
+    for format in [WeightFormat::Q4K, WeightFormat::Q6K] {
+        for &(rows, cols) in &[(8usize, 256usize), (13, 512), (27, 256)] {
+            let w = random_k(&mut rng, format, rows, cols);
+            let nb = cols / QK;
+            for b in [1usize, 2, 3, 5, 8, 9, 17] {
+                let x = rand_vec(&mut rng, b * cols);
+                let act = quantize_rows(&x, cols);
+                let want: Vec<u32> = (0..b * rows).map(|o| dot_block_row(&w, o % rows, &act[(o / rows) * nb..(o / rows + 1) * nb]).to_bits()).collect();
+                assert_every_kernel_gives(&w, &x, &act, b, &want, &format!("{format:?} {rows}x{cols} b {b}"));
+                let mut y = vec![0f32; b * rows];
+                matmul(&pool, &w, &x, &mut y, &mut MatmulScratch::default());
+                let reference = reference(&w, &x, b);
+                let scale = reference.iter().fold(0f32, |m, v| m.max(v.abs()));
+                for (i, (a, r)) in y.iter().zip(&reference).enumerate() {
+                    assert!((a - r).abs() <= 0.02 * scale, "{format:?} b {b} out {i}: {a} vs {r}");
+                }
+                // Each row alone gives the same bits.
+                for row in 0..b {
+                    let mut y1 = vec![0f32; rows];
+                    matmul(&pool, &w, &x[row * cols..(row + 1) * cols], &mut y1, &mut MatmulScratch::default());
+                    assert_eq!(&y1[..], &y[row * rows..(row + 1) * rows]);
+                }
+            }
+        }
+        // Stacking whole panels keeps every value.
+        let w = random_k(&mut rng, format, 16, 256);
+        let cat = Weight::concat_rows(&[&w, &w]).unwrap();
+        let (mut a, mut b) = (vec![0f32; 256], vec![0f32; 256]);
+        for r in 0..32 {
+            w.dequantize_row(r % 16, &mut a);
+            cat.dequantize_row(r, &mut b);
+            assert_eq!(a, b);
+        }
+    }
+}
+
+#[test]
+fn matmul_rows_equals_matmul_on_the_same_rows() {
+    let pool = ThreadPool::new(2);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(9);
+    for format in [WeightFormat::F32, WeightFormat::Q4_1, WeightFormat::Q8_0] {
+        let (rows, cols) = (40, 96);
+        let wv = rand_vec(&mut rng, rows * cols);
+        let w = if format == WeightFormat::F32 { Weight::from_f32(rows, cols, &wv) } else { quantize_weight(format, rows, cols, &wv) };
+        for b in [1usize, 5, 16] {
+            let src = rand_vec(&mut rng, b * cols);
+            // The rows as produced: each source row doubled.
+            let x: Vec<f32> = src.iter().map(|v| v * 2.0).collect();
+            let (mut y0, mut y1) = (vec![0f32; b * rows], vec![0f32; b * rows]);
+            let mut scratch = MatmulScratch::default();
+            matmul(&pool, &w, &x, &mut y0, &mut scratch);
+            matmul_rows(&pool, &w, b, &mut y1, &mut scratch, |i, out| {
+                for (o, v) in out.iter_mut().zip(&src[i * cols..(i + 1) * cols]) {
+                    *o = v * 2.0;
+                }
+            });
+            assert_eq!(y0, y1, "{format:?} b {b}");
+        }
+    }
+}
+
+#[test]
+fn matmul_matches_reference_and_is_batch_invariant() {
+    let pool = ThreadPool::new(2);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    for format in [WeightFormat::F32, WeightFormat::Q8_0, WeightFormat::Q4_0, WeightFormat::Q4_1] {
+        for &(rows, cols) in &[(1usize, 32usize), (7, 64), (130, 96), (576, 576)] {
+            let wv = rand_vec(&mut rng, rows * cols);
+            let w = if format == WeightFormat::F32 {
+                Weight::from_f32(rows, cols, &wv)
+            } else {
+                quantize_weight(format, rows, cols, &wv)
+            };
+            for &b in &[1usize, 3, 8, 11] {
+                let x = rand_vec(&mut rng, b * cols);
+                let mut y = vec![0f32; b * rows];
+                let mut scratch = MatmulScratch::default();
+                matmul(&pool, &w, &x, &mut y, &mut scratch);
+                let want = reference(&w, &x, b);
+                // Activation quantization to int8 bounds the error relative to the row norm.
+                for i in 0..b * rows {
+                    let tol = if format == WeightFormat::F32 { 1e-4 } else { 0.02 * (cols as f32).sqrt() };
+                    assert!((y[i] - want[i]).abs() <= tol, "{format:?} {rows}x{cols} b={b} i={i}: {} vs {}", y[i], want[i]);
+                }
+                // Each row alone gives bit-identical results (ragged batches included).
+                for i in 0..b {
+                    let mut y1 = vec![0f32; rows];
+                    matmul(&pool, &w, &x[i * cols..(i + 1) * cols], &mut y1, &mut scratch);
+                    assert_eq!(&y[i * rows..(i + 1) * rows], &y1[..], "{format:?} row {i} of {b}");
+                }
+            }
+        }
+    }
+}
