@@ -117,6 +117,12 @@ impl Coordinator {
         self.admission.max_inflight - self.admission.inflight.available_permits()
     }
 
+    /// Placement marks this coordinator holds (pending, done): they must drain to zero pending
+    /// once no request is in flight (leak checks).
+    pub fn placement_marks(&self) -> (usize, usize) {
+        self.admission.tracker.len()
+    }
+
     pub fn is_ready(&self) -> bool {
         !self.admission.draining.load(Ordering::Acquire) && !*self.hard_stop.borrow()
     }
@@ -210,6 +216,7 @@ impl Coordinator {
                 return Ok((EventStream::Local(stream), served_by, mark));
             }
             let Some(addr) = self.cluster.peer_addr(&w.node) else {
+                metrics::counter!("zerolayer_forward_failures_total", "node" => self.node_id.clone(), "peer" => w.node.clone()).increment(1);
                 last_err = Some(ApiError::Overloaded(format!("Overloaded: node {} is unreachable", w.node)));
                 continue;
             };
@@ -228,6 +235,7 @@ impl Coordinator {
                 Err(ForwardError::Refused { overloaded: false, message }) => return Err(ApiError::Internal(message)),
                 Err(ForwardError::Unreachable(m)) => {
                     tracing::warn!(node = %w.node, error = %m, "forwarding failed; trying the next candidate");
+                    metrics::counter!("zerolayer_forward_failures_total", "node" => self.node_id.clone(), "peer" => w.node.clone()).increment(1);
                     last_err = Some(ApiError::Overloaded(format!("Overloaded: {m}")));
                 }
             }

@@ -114,3 +114,63 @@ async fn up_serves_and_sigterm_drains_active_streams() {
     assert_eq!(code.code(), Some(0), "exit code 0 after SIGTERM");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// How a user starts a node without writing a config: in a directory with no `cluster.toml`
+/// the binary uses its embedded default; `--node`, `--http` and `--model` override it, and so
+/// do `ZEROLAYER_*` variables; the default's model alias is accepted. An unknown `--node` is
+/// refused with a clear message.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn embedded_default_flags_env_and_aliases() {
+    let dir = std::env::temp_dir().join(format!("zerolayer-bin-default-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    assert!(!dir.join("cluster.toml").exists());
+    let bad = Command::new(env!("CARGO_BIN_EXE_zerolayer")).args(["up", "--node", "n9"]).current_dir(&dir).output().unwrap();
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("\"n9\" is not in the config"), "{}", String::from_utf8_lossy(&bad.stderr));
+    let mut child = Command::new(env!("CARGO_BIN_EXE_zerolayer"))
+        .args(["up", "--node", "n1", "--http", "127.0.0.1:0", "--model"])
+        .arg(model_path())
+        .current_dir(&dir)
+        .env("ZEROLAYER_MODEL__ID", "zl-renamed")
+        .env("ZEROLAYER_MODEL__DISPLAY_NAME", "Renamed by the environment")
+        .env("RUST_LOG", "info")
+        .env("NO_COLOR", "1")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start zerolayer");
+    let stdout = child.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel::<String>();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let base = loop {
+        let line = rx.recv_timeout(deadline.saturating_duration_since(Instant::now())).expect("zerolayer logs its ready line");
+        if let Some(i) = line.find("zerolayer ready:") {
+            assert!(line.contains("node n1 serving zl-renamed"), "{line}");
+            break line[i..].split_whitespace().find(|w| w.starts_with("http://")).unwrap().to_string();
+        }
+    };
+    assert!(!base.ends_with(":8080"), "--http replaced the default address: {base}");
+    let c = reqwest::Client::builder().timeout(Duration::from_secs(120)).build().unwrap();
+    let models: serde_json::Value = c.get(format!("{base}/v1/models")).send().await.unwrap().json().await.unwrap();
+    assert_eq!(models["data"][0]["id"], "zl-renamed", "the environment overrode the model id: {models}");
+    assert_eq!(models["data"][0]["display_name"], "Renamed by the environment");
+    let ask = |model: &str| {
+        let body = serde_json::json!({"model": model, "max_tokens": 2, "temperature": 0, "messages": [{"role": "user", "content": "Hi"}]});
+        c.post(format!("{base}/v1/messages")).json(&body).send()
+    };
+    assert_eq!(ask("SmolLM2-135M-Instruct").await.unwrap().status(), 200, "the default's alias");
+    assert_eq!(ask("zl-renamed").await.unwrap().status(), 200);
+    assert_eq!(ask("smollm2-135m-instruct").await.unwrap().status(), 404, "the old id was overridden");
+    Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap();
+    let t0 = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        assert!(t0.elapsed() < Duration::from_secs(60), "exits after SIGTERM");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

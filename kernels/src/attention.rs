@@ -287,7 +287,7 @@ mod tests {
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn avx2_attention_equals_portable_bit_for_bit() {
-        if !crate::has_avx2() {
+        if !crate::test_simd_paths("attention") {
             return;
         }
         let mut seed = 0x2545_f491_4f6c_dd1du64;

@@ -49,6 +49,25 @@ pub fn has_avx2() -> bool {
     }
 }
 
+/// For the kernel tests: whether the AVX2 paths can run here, so they are compared with the
+/// portable code. A CPU without AVX2 fails the tests (the SIMD paths would silently go
+/// untested) unless `ZEROLAYER_ALLOW_PORTABLE_ONLY` is set; a missing VNNI path is reported.
+#[cfg(test)]
+pub(crate) fn test_simd_paths(what: &str) -> bool {
+    let avx2 = has_avx2();
+    if !avx2 {
+        assert!(
+            std::env::var_os("ZEROLAYER_ALLOW_PORTABLE_ONLY").is_some(),
+            "{what}: this CPU lacks AVX2/FMA/F16C, so the SIMD path would go untested; set ZEROLAYER_ALLOW_PORTABLE_ONLY=1 to accept that"
+        );
+        eprintln!("{what}: the AVX2 path was NOT exercised (no AVX2 on this CPU)");
+    }
+    if !has_vnni() {
+        eprintln!("{what}: the AVX-512 VNNI path was NOT exercised (not on this CPU, or ZEROLAYER_NO_VNNI is set)");
+    }
+    avx2
+}
+
 /// Views little-endian bytes as f32s. Panics if misaligned or of a length not a multiple of 4.
 pub fn cast_f32(bytes: &[u8]) -> &[f32] {
     assert!(cfg!(target_endian = "little"), "zerolayer kernels assume a little-endian target");

@@ -226,7 +226,7 @@ mod tests {
         assert_eq!(exp_fast(-110.0), 0.0);
         assert_eq!(exp_fast(100.0), f32::INFINITY);
         #[cfg(target_arch = "x86_64")]
-        if crate::has_avx2() {
+        if crate::test_simd_paths("silu_mul / exp8") {
             let gate: Vec<f32> = xs.iter().map(|x| x * 0.25).collect();
             let up: Vec<f32> = (0..gate.len()).map(|i| (i as f32 * 0.37).sin()).collect();
             let (mut a, mut b) = (gate.clone(), gate.clone());

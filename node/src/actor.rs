@@ -29,7 +29,7 @@ use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::sync::{broadcast, mpsc, oneshot, watch};
 use zerolayer_common::{KvEvent, SamplingParams, SeqEvent, StopReason, WorkerSignals};
 
-use crate::engine::Engine;
+use crate::engine::{Engine, StepHook};
 use crate::error::{WorkerError, Result};
 use crate::scheduler::SeqId;
 
@@ -53,6 +53,7 @@ enum EngineCmd {
     Cancel { id: SeqId },
     /// A snapshot of every cached block hash (for a KV-event reader that lagged).
     CachedHashes { reply: oneshot::Sender<Vec<u64>> },
+    SetStepHook { hook: Option<StepHook> },
     Shutdown,
 }
 
@@ -63,6 +64,8 @@ pub enum WorkerMsg {
     Cancel { id: SeqId },
     /// A snapshot of every cached block hash (for a KV-event reader that lagged).
     CachedHashes { reply: oneshot::Sender<Result<Vec<u64>>> },
+    /// Installs or removes the engine's step hook (tests and fault injection).
+    SetStepHook { hook: Option<StepHook>, done: oneshot::Sender<Result<()>> },
     /// Stop the engine after its current step, wait for its thread, then stop the actor.
     Shutdown { done: oneshot::Sender<()> },
 }
@@ -120,6 +123,9 @@ impl Actor for WorkerActor {
                         let _ = reply.send(Err(refused.1));
                     }
                 }
+            }
+            WorkerMsg::SetStepHook { hook, done } => {
+                let _ = done.send(state.forward(EngineCmd::SetStepHook { hook }).map_err(|refused| refused.1));
             }
             WorkerMsg::Shutdown { done } => {
                 stop_engine(state).await;
@@ -269,6 +275,14 @@ impl WorkerHandle {
         self.kv_events.subscribe()
     }
 
+    /// Installs (or, with `None`, removes) a hook the engine runs at the start of every step
+    /// (see [`StepHook`]). For tests and fault injection.
+    pub async fn set_step_hook(&self, hook: Option<StepHook>) -> Result<()> {
+        let (done, rx) = oneshot::channel();
+        self.actor.send_message(WorkerMsg::SetStepHook { hook, done }).map_err(|_| WorkerError::ShuttingDown)?;
+        rx.await.map_err(|_| WorkerError::ShuttingDown)?
+    }
+
     /// Stops the engine after its current step and waits for its thread; open sequences end
     /// with an error event. Returns at once if the worker already stopped.
     pub async fn shutdown(&self) {
@@ -358,6 +372,7 @@ fn engine_loop(mut engine: Engine, rx: Receiver<EngineCmd>, sig_tx: watch::Sende
                 EngineCmd::CachedHashes { reply } => {
                     let _ = reply.send(engine.cached_hashes());
                 }
+                EngineCmd::SetStepHook { hook } => engine.set_step_hook(hook),
                 EngineCmd::Shutdown => shutdown = true,
             }
         }
@@ -384,7 +399,9 @@ fn engine_loop(mut engine: Engine, rx: Receiver<EngineCmd>, sig_tx: watch::Sende
                     }
                 }
                 Err(e) => {
-                    // A failed step fails every running sequence, and the worker keeps serving.
+                    // Defensive: a step reports its own failures as error events of the
+                    // sequences it touched. Anything else fails every open sequence, and the
+                    // worker keeps serving.
                     tracing::error!(error = %e, "engine step failed");
                     let ids: Vec<SeqId> = routes.keys().copied().collect();
                     for id in ids {

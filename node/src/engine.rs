@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use zerolayer_common::{KvEvent, SamplingParams, SeqEvent, StopReason, Usage, WorkerSignals};
 
-use crate::error::{WorkerError, Result};
+use crate::error::{Result, WorkerError};
 use crate::model::{recycle, ForwardItem, KvCache, Model};
 use crate::sampler::Sampler;
 use crate::scheduler::{Plan, Scheduler, SchedulerConfig, SeqId};
@@ -63,7 +63,14 @@ pub struct Engine {
     logits: Vec<f32>,
     /// The step's plan and per-item buffers, reused (empty between steps).
     bufs: StepBufs,
+    hook: Option<StepHook>,
 }
+
+/// Runs at the start of every step that computes something, on the engine thread, with the
+/// ids of the step's sequences. For tests and fault injection: it may block (holding the step,
+/// so a test can depend on an event instead of a speed) or return an error (failing exactly
+/// that step's sequences).
+pub type StepHook = Box<dyn FnMut(&[SeqId]) -> Result<()> + Send>;
 
 #[derive(Default)]
 struct StepBufs {
@@ -96,7 +103,13 @@ impl Engine {
             hit_window: Default::default(),
             logits: Vec::new(),
             bufs: StepBufs::default(),
+            hook: None,
         })
+    }
+
+    /// Installs (or removes) the step hook.
+    pub fn set_step_hook(&mut self, hook: Option<StepHook>) {
+        self.hook = hook;
     }
 
     pub fn scheduler(&self) -> &Scheduler {
@@ -131,7 +144,9 @@ impl Engine {
         !self.sched.is_idle()
     }
 
-    /// Runs one step: schedule, forward, sample, detokenize, check stops.
+    /// Runs one step: schedule, forward, sample, detokenize, check stops. A failure (of the
+    /// forward, or of one sequence's detokenization) ends only the sequences it touched, with
+    /// an error event; the engine goes on.
     pub fn step(&mut self) -> Result<StepOutput> {
         let mut bufs = std::mem::take(&mut self.bufs);
         let r = self.step_with(&mut bufs);
@@ -154,6 +169,13 @@ impl Engine {
         if plan.items.is_empty() {
             return Ok(out);
         }
+        if let Some(hook) = &mut self.hook {
+            let ids: Vec<SeqId> = plan.items.iter().map(|it| it.seq).collect();
+            if let Err(e) = hook(&ids) {
+                self.fail(&ids, &e, &mut out);
+                return Ok(out);
+            }
+        }
         // Sequences with max_tokens == 0 only prefill; they need no logits.
         let want = &mut bufs.want;
         want.clear();
@@ -170,7 +192,14 @@ impl Engine {
             }));
             let rows = self.model.forward_into(&mut self.cache, &items, &mut self.logits);
             bufs.items = recycle(items);
-            rows?
+            match rows {
+                Ok(rows) => rows,
+                Err(e) => {
+                    let ids: Vec<SeqId> = plan.items.iter().map(|it| it.seq).collect();
+                    self.fail(&ids, &e, &mut out);
+                    return Ok(out);
+                }
+            }
         };
         // Taken out for the sampling loop (which needs `&mut self`) and put back below.
         let logits_buf = std::mem::take(&mut self.logits);
@@ -184,7 +213,6 @@ impl Engine {
         self.kv_events.extend(ev);
 
         let mut logits = logits_buf[..rows * vocab].chunks_exact(vocab);
-        let mut result = Ok(());
         for (it, &w) in plan.items.iter().zip(want) {
             if !it.completes {
                 continue;
@@ -196,12 +224,19 @@ impl Engine {
             }
             let row = logits.next().expect("one logits row per wanted item");
             if let Err(e) = self.on_token(it.seq, row, &mut out) {
-                result = Err(e);
-                break;
+                self.fail(&[it.seq], &e, &mut out);
             }
         }
         self.logits = logits_buf;
-        result.map(|()| out)
+        Ok(out)
+    }
+
+    /// Ends `ids` with an error (their step failed); every other sequence goes on.
+    fn fail(&mut self, ids: &[SeqId], e: &WorkerError, out: &mut StepOutput) {
+        tracing::error!(error = %e, sequences = ids.len(), "engine step failed; failing its sequences");
+        for &id in ids {
+            self.finish(id, StopReason::Error(e.to_string()), out);
+        }
     }
 
     /// The per-token path, written once: sample, detokenize, check stop sequences, the end

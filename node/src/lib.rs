@@ -24,6 +24,6 @@ pub mod scheduler;
 pub mod stop;
 pub mod tokenizer;
 
-pub use engine::{Engine, EngineConfig};
+pub use engine::{Engine, EngineConfig, StepHook};
 pub use error::{WorkerError, Result};
 pub use actor::{SeqStream, SubmitRequest, WorkerHandle};

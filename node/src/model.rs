@@ -515,7 +515,10 @@ mod tests {
             matmul(&pool, &w, &x, &mut ours, &mut MatmulScratch::default());
             let err = ours.iter().zip(&cand).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
             let scale = cand.iter().map(|v| v.abs()).fold(0f32, f32::max);
-            assert!(err <= 2e-2 * scale, "{dt:?}: matmul differs from candle by {err} (scale {scale})");
+            // Float weights multiply in f32 on both sides (only the summation order differs);
+            // quantized ones go through int8 activations here and candle's own quantized dots.
+            let tolerance = if matches!(dt, GgmlDType::F32 | GgmlDType::F16) { 1e-5 } else { 2e-2 };
+            assert!(err <= tolerance * scale, "{dt:?}: matmul differs from candle by {err} (scale {scale}, tolerance {tolerance})");
         }
     }
 }

@@ -325,3 +325,76 @@ pub async fn ask(http: &reqwest::Client, url: &str, text: &str, max_tokens: u32)
     let n = |k: &str| u[k].as_u64().unwrap_or_else(|| panic!("usage.{k} in {v}"));
     Answer { served_by, input_tokens: n("input_tokens"), cached_tokens: n("cache_read_input_tokens"), output_tokens: n("output_tokens"), secs: t.elapsed().as_secs_f64() }
 }
+
+/// Holds engine steps on demand, so a test waits for an event instead of hoping a step is
+/// slow. Install with `handle.set_step_hook(Some(gate.hook()))`; while held, the engine thread
+/// blocks at the start of its next step that computes something.
+#[derive(Clone, Default)]
+pub struct StepGate {
+    inner: std::sync::Arc<(std::sync::Mutex<GateState>, std::sync::Condvar)>,
+}
+
+#[derive(Default)]
+struct GateState {
+    held: bool,
+    /// Steps currently blocked in the gate.
+    waiting: usize,
+    /// Steps that have passed the gate (or are in it).
+    steps: u64,
+}
+
+impl StepGate {
+    pub fn hook(&self) -> zerolayer_worker::StepHook {
+        let inner = self.inner.clone();
+        Box::new(move |_ids| {
+            let (m, cv) = &*inner;
+            let mut s = m.lock().unwrap();
+            s.steps += 1;
+            s.waiting += 1;
+            cv.notify_all();
+            while s.held {
+                s = cv.wait(s).unwrap();
+            }
+            s.waiting -= 1;
+            Ok(())
+        })
+    }
+
+    pub fn hold(&self) {
+        self.inner.0.lock().unwrap().held = true;
+    }
+
+    pub fn release(&self) {
+        let (m, cv) = &*self.inner;
+        m.lock().unwrap().held = false;
+        cv.notify_all();
+    }
+
+    /// Steps that have reached the gate so far.
+    pub fn steps(&self) -> u64 {
+        self.inner.0.lock().unwrap().steps
+    }
+
+    /// Waits (off the async runtime) until a step is blocked in the gate.
+    pub async fn wait_blocked(&self, within: std::time::Duration) {
+        let inner = self.inner.clone();
+        tokio::task::spawn_blocking(move || {
+            let (m, cv) = &*inner;
+            let s = m.lock().unwrap();
+            let (s, t) = cv.wait_timeout_while(s, within, |s| s.waiting == 0).unwrap();
+            assert!(!t.timed_out() || s.waiting > 0, "no engine step reached the gate within {within:?}");
+        })
+        .await
+        .unwrap();
+    }
+}
+
+/// The value of `name{labels…}` in a Prometheus page: the first series whose labels include
+/// every `k="v"` given.
+pub fn metric_with(page: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    page.lines().filter(|l| !l.starts_with('#')).find_map(|l| {
+        let (series, value) = l.rsplit_once(' ')?;
+        let (base, rest) = series.split_once('{').unwrap_or((series, ""));
+        (base == name && labels.iter().all(|(k, v)| rest.contains(&format!("{k}=\"{v}\"")))).then(|| value.parse().ok()).flatten()
+    })
+}

@@ -170,10 +170,17 @@ async fn errors_models_and_openai() {
     let v: Value = ok.json().await.unwrap();
     assert_eq!(v["stop_reason"], "max_tokens");
     assert_eq!(v["usage"]["output_tokens"], 4);
-    // max_tokens = 0 pre-warms: empty content.
-    let v: Value = c.post(url.clone()).json(&msg_body("Say hi.", 0, false)).send().await.unwrap().json().await.unwrap();
+    // max_tokens = 0 pre-warms: empty content, and a prompt never seen before is computed and
+    // cached, so the next request with it reads its full blocks from the cache.
+    let fresh = format!("{} Which century is this about?", &LOREM[100..500]);
+    let v: Value = c.post(url.clone()).json(&msg_body(&fresh, 0, false)).send().await.unwrap().json().await.unwrap();
     assert_eq!(v["content"], json!([]));
-    assert_eq!(v["usage"]["output_tokens"], 0);
+    let prompt_tokens = v["usage"]["input_tokens"].as_u64().unwrap() + v["usage"]["cache_read_input_tokens"].as_u64().unwrap();
+    let shared = v["usage"]["cache_read_input_tokens"].as_u64().unwrap();
+    assert_eq!(v["usage"]["output_tokens"].as_u64(), Some(0));
+    assert!(shared < 20, "only the template's shared header was cached before: {v}");
+    let v: Value = c.post(url.clone()).json(&msg_body(&fresh, 1, false)).send().await.unwrap().json().await.unwrap();
+    assert_eq!(v["usage"]["cache_read_input_tokens"].as_u64().unwrap(), (prompt_tokens - 1) / 4 * 4, "pre-warmed blocks read from cache: {v}");
 
     // Models, both shapes in one.
     let m: Value = c.get(s.url("/v1/models")).send().await.unwrap().json().await.unwrap();
@@ -220,8 +227,24 @@ async fn errors_models_and_openai() {
     ] {
         assert!(metric(&page, name).is_some(), "{name} missing from /metrics");
     }
-    assert!(page.contains("vllm:time_to_first_token_seconds_bucket"), "TTFT histogram");
-    assert!(page.contains("zerolayer_requests_total"), "request counter");
+    // The counters move with a request, by what the request did.
+    let count = |page: &str, name: &str, labels: &[(&str, &str)]| metric_with(page, name, labels).unwrap_or(0.0);
+    let req_200 = [("endpoint", "messages"), ("status", "200")];
+    let before = page;
+    let v: Value = c.post(url.clone()).json(&msg_body("Say hello to the moon.", 7, false)).send().await.unwrap().json().await.unwrap();
+    let out = v["usage"]["output_tokens"].as_f64().unwrap();
+    let input = v["usage"]["input_tokens"].as_f64().unwrap() + v["usage"]["cache_read_input_tokens"].as_f64().unwrap();
+    let after = c.get(s.url("/metrics")).send().await.unwrap().text().await.unwrap();
+    assert_eq!(count(&after, "zerolayer_requests_total", &req_200) - count(&before, "zerolayer_requests_total", &req_200), 1.0);
+    assert_eq!(count(&after, "zerolayer_output_tokens_total", &[]) - count(&before, "zerolayer_output_tokens_total", &[]), out);
+    assert_eq!(count(&after, "vllm:generation_tokens_total", &[]) - count(&before, "vllm:generation_tokens_total", &[]), out);
+    assert_eq!(count(&after, "zerolayer_input_tokens_total", &[]) - count(&before, "zerolayer_input_tokens_total", &[]), input);
+    assert_eq!(count(&after, "vllm:time_to_first_token_seconds_count", &[]) - count(&before, "vllm:time_to_first_token_seconds_count", &[]), 1.0);
+    let bad = c.post(url.clone()).body("{").header("content-type", "application/json").send().await.unwrap();
+    assert_eq!(bad.status(), 400);
+    let after2 = c.get(s.url("/metrics")).send().await.unwrap().text().await.unwrap();
+    let req_400 = [("endpoint", "messages"), ("status", "400")];
+    assert_eq!(count(&after2, "zerolayer_requests_total", &req_400) - count(&after, "zerolayer_requests_total", &req_400), 1.0);
     s.stop().await.unwrap();
 }
 
@@ -300,23 +323,258 @@ async fn sixteen_concurrent_streams_and_early_disconnects_free_every_block() {
     s.stop().await.unwrap();
 }
 
-/// An idle stream (here: a long prompt prefilled in small chunks) gets `ping` events, and never
-/// before `message_start`.
+/// An idle stream gets `ping` events after `message_start` (never before it). The engine is
+/// held in a step after the stream started, so the stream is idle for as long as the test needs
+/// (an event, not a speed): it must see pings beyond the one that follows `message_start`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_streams_get_pings_after_message_start() {
     let _g = heavy();
-    let s = TestServer::start(|c| {
-        c.server.ping_interval_ms = 100;
-        c.nodes[0].workers[0].max_batch_tokens = 32;
-    })
-    .await;
-    let long = LOREM.repeat(2);
+    let s = TestServer::start(|c| c.server.ping_interval_ms = 100).await;
+    let gate = StepGate::default();
+    s.coordinator.workers[0].handle.set_step_hook(Some(gate.hook())).await.unwrap();
     let body = json!({"model": "smollm2-135m-instruct", "max_tokens": 4, "stream": true, "temperature": 0,
-                      "messages": [{"role": "user", "content": format!("{long}\nSummarize.")}]});
-    let raw = client().post(s.url("/v1/messages")).json(&body).send().await.unwrap().text().await.unwrap();
+                      "messages": [{"role": "user", "content": format!("{}\nSummarize.", LOREM)}]});
+    let resp = client().post(s.url("/v1/messages")).json(&body).send().await.unwrap();
+    let mut stream = resp.bytes_stream();
+    let mut raw = String::new();
+    while !raw.contains("event: message_start") {
+        raw.push_str(&String::from_utf8_lossy(&within(60, "message_start", stream.next()).await.unwrap().unwrap()));
+    }
+    gate.hold();
+    gate.wait_blocked(Duration::from_secs(60)).await;
+    while raw.matches("event: ping").count() < 3 {
+        raw.push_str(&String::from_utf8_lossy(&within(10, "pings while the engine is held", stream.next()).await.unwrap().unwrap()));
+    }
+    gate.release();
+    while let Some(chunk) = within(60, "the rest of the stream", stream.next()).await {
+        raw.push_str(&String::from_utf8_lossy(&chunk.unwrap()));
+    }
     let events = parse_sse(&raw);
     assert_eq!(events[0].0, "message_start", "{raw}");
-    assert!(events.iter().any(|(n, d)| n == "ping" && d["type"] == "ping"), "a ping while the prompt prefilled: {raw}");
+    assert!(events.iter().filter(|(n, d)| n == "ping" && d["type"] == "ping").count() >= 3, "{raw}");
     assert_eq!(events.last().unwrap().0, "message_stop");
+    s.stop().await.unwrap();
+}
+
+/// A stop sequence that spans several tokens stops generation right before it, end to end,
+/// streamed and not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stop_sequences_spanning_several_tokens() {
+    let _g = heavy();
+    let s = TestServer::start(|_| {}).await;
+    let c = client();
+    let q = "Describe the ocean in three sentences.";
+    let full: Value = c.post(s.url("/v1/messages")).json(&msg_body(q, 48, false)).send().await.unwrap().json().await.unwrap();
+    let full = full["content"][0]["text"].as_str().unwrap().to_string();
+    // A stop string from the middle of the answer that the tokenizer splits into 3+ tokens.
+    let tok = &s.coordinator.tokenizer;
+    let words: Vec<&str> = full.split(' ').collect();
+    let stop = (3..words.len().saturating_sub(3))
+        .map(|i| format!(" {} {}", words[i], words[i + 1]))
+        .find(|w| tok.encode(w).unwrap().len() >= 3 && full.find(w.as_str()).is_some_and(|p| p > 0))
+        .unwrap_or_else(|| panic!("no multi-token stop string in {full:?}"));
+    let want = &full[..full.find(&stop).unwrap()];
+    let mut body = msg_body(q, 48, false);
+    body["stop_sequences"] = json!([stop]);
+    let v: Value = c.post(s.url("/v1/messages")).json(&body).send().await.unwrap().json().await.unwrap();
+    assert_eq!(v["content"][0]["text"].as_str().unwrap(), want, "stops right before {stop:?}");
+    assert_eq!((v["stop_reason"].as_str(), v["stop_sequence"].as_str()), (Some("stop_sequence"), Some(stop.as_str())));
+    body["stream"] = json!(true);
+    let raw = c.post(s.url("/v1/messages")).json(&body).send().await.unwrap().text().await.unwrap();
+    let ev = parse_sse(&raw);
+    let streamed: String = ev.iter().filter_map(|(_, d)| d["delta"]["text"].as_str()).collect();
+    assert_eq!(streamed, want, "the stream never sent any part of the stop text");
+    let delta = &ev.iter().find(|(n, _)| n == "message_delta").unwrap().1;
+    assert_eq!(delta["delta"]["stop_sequence"].as_str(), Some(stop.as_str()));
+    s.stop().await.unwrap();
+}
+
+/// OpenAI's extras: `stream_options.include_usage`, `finish_reason`, its error shape, and
+/// seeded sampling that repeats exactly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn openai_usage_finish_reasons_errors_and_seeds() {
+    let _g = heavy();
+    let s = TestServer::start(|_| {}).await;
+    let c = client();
+    let url = s.url("/v1/chat/completions");
+    let body = |max: u32, stream: bool| {
+        json!({"model": "smollm2-135m-instruct", "temperature": 0, "max_tokens": max, "stream": stream,
+               "stream_options": {"include_usage": true},
+               "messages": [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": "What is the capital of France?"}]})
+    };
+    // Cut short: "length"; ends on its own: "stop".
+    let v: Value = c.post(&url).json(&body(3, false)).send().await.unwrap().json().await.unwrap();
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    assert_eq!(v["usage"]["completion_tokens"], 3);
+    let total = v["usage"]["prompt_tokens"].as_u64().unwrap() + 3;
+    assert_eq!(v["usage"]["total_tokens"].as_u64(), Some(total));
+    let v: Value = c.post(&url).json(&body(200, false)).send().await.unwrap().json().await.unwrap();
+    assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+    // Streamed: the finish chunk, then one usage chunk with no choices, then [DONE].
+    let raw = c.post(&url).json(&body(3, true)).send().await.unwrap().text().await.unwrap();
+    let ev = parse_sse(&raw);
+    let n = ev.len();
+    assert_eq!(ev[n - 1].1, json!("[DONE]"));
+    assert_eq!(ev[n - 2].1["choices"], json!([]), "{raw}");
+    assert_eq!(ev[n - 2].1["usage"]["completion_tokens"], 3);
+    assert_eq!(ev[n - 2].1["usage"]["total_tokens"].as_u64(), Some(total));
+    assert_eq!(ev[n - 3].1["choices"][0]["finish_reason"], "length");
+    let mut no_usage = body(3, true);
+    no_usage.as_object_mut().unwrap().remove("stream_options");
+    let raw = c.post(&url).json(&no_usage).send().await.unwrap().text().await.unwrap();
+    assert!(!raw.contains("\"usage\""), "usage only when asked for: {raw}");
+    // Errors in OpenAI's shape.
+    let r = c.post(&url).json(&json!({"model": "smollm2-135m-instruct", "messages": []})).send().await.unwrap();
+    assert_eq!(r.status(), 400);
+    let e: Value = r.json().await.unwrap();
+    assert_eq!(e["error"]["type"], "invalid_request_error", "{e}");
+    assert!(e["error"]["message"].as_str().unwrap().contains("messages"), "{e}");
+    assert!(e["error"].get("param").is_some() && e["error"].get("code").is_some(), "{e}");
+    assert!(e.get("type").is_none(), "not the Anthropic shape: {e}");
+    // Seeded sampling at temperature 0.9 repeats exactly.
+    let seeded = |seed: u64| json!({"model": "smollm2-135m-instruct", "temperature": 0.9, "seed": seed, "max_tokens": 24,
+                                    "messages": [{"role": "user", "content": "Invent a name for a cat."}]});
+    let mut texts = vec![];
+    for seed in [1234u64, 1234, 1234, 77] {
+        let v: Value = c.post(&url).json(&seeded(seed)).send().await.unwrap().json().await.unwrap();
+        texts.push(v["choices"][0]["message"]["content"].as_str().unwrap().to_string());
+    }
+    assert!(texts[0] == texts[1] && texts[1] == texts[2], "the same seed, the same text: {texts:?}");
+    eprintln!("seed 1234: {:?}; seed 77: {:?}", texts[0], texts[3]);
+    s.stop().await.unwrap();
+}
+
+/// While a node drains (SIGTERM's path), no new work starts: `/ready` is 503, a new
+/// generation is refused (529, or the connection is no longer accepted), and the coordinator
+/// itself refuses; the request already running finishes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_new_work_while_draining() {
+    let _g = heavy();
+    let s = TestServer::start(|c| c.server.shutdown_grace_secs = 60).await;
+    let gate = StepGate::default();
+    let coordinator = s.coordinator.clone();
+    coordinator.workers[0].handle.set_step_hook(Some(gate.hook())).await.unwrap();
+    let c = client();
+    let resp = c.post(s.url("/v1/messages")).json(&msg_body("Count to five.", 8, true)).send().await.unwrap();
+    let mut stream = resp.bytes_stream();
+    let mut raw = String::new();
+    while !raw.contains("event: message_start") {
+        raw.push_str(&String::from_utf8_lossy(&within(60, "message_start", stream.next()).await.unwrap().unwrap()));
+    }
+    gate.hold();
+    gate.wait_blocked(Duration::from_secs(60)).await;
+    let base = s.base.clone();
+    let stopping = tokio::spawn(s.stop());
+    within(10, "the node starts draining", async {
+        while coordinator.is_ready() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    let fresh = reqwest::Client::new();
+    match fresh.get(format!("{base}/ready")).send().await {
+        Ok(r) => assert_eq!(r.status(), 503),
+        Err(e) => assert!(e.is_connect(), "{e}"),
+    }
+    match fresh.post(format!("{base}/v1/messages")).json(&msg_body("Hello?", 4, false)).send().await {
+        Ok(r) => {
+            assert_eq!(r.status(), 529, "a new generation during the drain");
+            assert_eq!(r.json::<Value>().await.unwrap()["error"]["type"], "overloaded_error");
+        }
+        Err(e) => assert!(e.is_connect(), "{e}"),
+    }
+    let req = zerolayer_coordinator::request::GenerationRequest {
+        model: "smollm2-135m-instruct".into(),
+        system: None,
+        turns: vec![zerolayer_coordinator::request::Turn { role: zerolayer_coordinator::request::Role::User, text: "Hi".into() }],
+        max_tokens: Some(1),
+        params: SamplingParams::greedy(1),
+        stream: false,
+    };
+    let refused = coordinator.start(&zerolayer_coordinator::auth::Caller::Open, req).await.err().expect("refused while draining");
+    assert_eq!(refused.status(), 529);
+    gate.release();
+    while let Some(chunk) = within(60, "the running stream finishes", stream.next()).await {
+        raw.push_str(&String::from_utf8_lossy(&chunk.unwrap()));
+    }
+    assert_eq!(parse_sse(&raw).last().unwrap().0, "message_stop", "{raw}");
+    stopping.await.unwrap().unwrap();
+}
+
+/// One node, two workers with small KV caches. Each runs a long request that holds most of its
+/// blocks; then a burst arrives that no worker has room for. It queues on the workers (placement
+/// reason `queued_for_kv`) and completes, instead of failing with 529. The engines are held
+/// while the burst is placed, so the workers' published signals cannot change under it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_short_requests_queue_across_workers() {
+    let _g = heavy();
+    let s = TestServer::start(|c| {
+        let mut w = c.nodes[0].workers[0].clone();
+        w.threads = 1;
+        w.kv_cache_mb = 16; // 91 blocks of 4 tokens: room for one of these requests at a time
+        w.id = "cpu0".into();
+        let mut w1 = w.clone();
+        w1.id = "cpu1".into();
+        c.nodes[0].workers = vec![w, w1];
+    })
+    .await;
+    let c = client();
+    let gates = [StepGate::default(), StepGate::default()];
+    for (w, g) in s.coordinator.workers.iter().zip(&gates) {
+        w.handle.set_step_hook(Some(g.hook())).await.unwrap();
+    }
+    let note = |i: usize| format!("Note {i}: {LOREM}\nSummarize the note."); // ~58 blocks
+    let send = |body: Value, url: String| {
+        let c = c.clone();
+        tokio::spawn(async move {
+            let r = c.post(url).json(&body).send().await.unwrap();
+            let by = r.headers().get("zerolayer-worker").map(|v| v.to_str().unwrap().to_string());
+            (r.status().as_u16(), by, r.text().await.unwrap())
+        })
+    };
+    // Two holders, one per worker, each holding its prompt's ~58 blocks.
+    let mut tasks = vec![];
+    for i in 0..2 {
+        let holder = json!({"model": "smollm2-135m-instruct", "max_tokens": 60, "ignore_eos": true, "temperature": 0,
+                            "messages": [{"role": "user", "content": note(i)}]});
+        tasks.push(send(holder, s.url("/v1/chat/completions")));
+        within(60, "the holder runs", async {
+            while s.coordinator.workers.iter().map(|w| w.handle.signals().running).sum::<u32>() < i as u32 + 1 {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await;
+    }
+    let free: Vec<u32> = s.coordinator.workers.iter().map(|w| w.handle.signals().kv_blocks_free).collect();
+    assert!(s.coordinator.workers.iter().all(|w| w.handle.signals().running == 1), "one holder per worker");
+    for g in &gates {
+        g.hold();
+        g.wait_blocked(Duration::from_secs(60)).await;
+    }
+    for i in 2..6 {
+        tasks.push(send(msg_body(&note(i), 8, false), s.url("/v1/messages")));
+    }
+    within(60, "the burst is placed", async {
+        loop {
+            let page = c.get(s.url("/metrics")).send().await.unwrap().text().await.unwrap();
+            if metric_with(&page, "zerolayer_placements_total", &[("reason", "queued_for_kv")]).unwrap_or(0.0) >= 4.0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    for g in &gates {
+        g.release();
+    }
+    let mut served = vec![];
+    for t in tasks {
+        let (status, by, body) = within(600, "queued requests complete", t).await.unwrap();
+        assert_eq!(status, 200, "{body}");
+        served.push(by.unwrap());
+    }
+    eprintln!("free blocks while the holders ran: {free:?}; served by {served:?}");
+    assert!(served[2..].iter().any(|w| w == "n1/cpu0") || served[2..].iter().any(|w| w == "n1/cpu1"));
+    assert!(served.iter().any(|w| w == "n1/cpu0") && served.iter().any(|w| w == "n1/cpu1"), "both workers served: {served:?}");
     s.stop().await.unwrap();
 }

@@ -38,9 +38,14 @@ async fn auth_rate_limits_and_keys_never_logged() {
     let sink = logs.clone();
     let _ = tracing_subscriber::fmt().with_env_filter("trace").with_writer(move || sink.clone()).try_init();
     let user = "sk-user-0123456789abcdef";
+    let heavy_user = "sk-heavy-0123456789abcdef";
     let admin = "sk-admin-fedcba9876543210";
+    // Keys from a file (comments and blank lines skipped) as well as inline.
+    let dir = temp_dir("keys");
+    let keys_file = dir.join("keys.txt");
+    std::fs::write(&keys_file, format!("# user keys\n{user}\n\n  {heavy_user}  \n")).unwrap();
     let s = TestServer::start(|c| {
-        c.auth.api_keys = vec![user.into()];
+        c.auth.api_keys_file = Some(keys_file.clone());
         c.auth.admin_key = Some(admin.into());
         c.limits.requests_per_minute = 6;
         c.limits.tokens_per_minute = 2000;
@@ -87,6 +92,34 @@ async fn auth_rate_limits_and_keys_never_logged() {
     tokio::time::sleep(Duration::from_secs(retry)).await;
     let r = c.post(s.url("/v1/messages")).header("x-api-key", user).json(&ok_body()).send().await.unwrap();
     assert_eq!(status(&r), 200);
+    // The reset header names when the bucket is full again: within the next minute.
+    let reset = r.headers()["anthropic-ratelimit-requests-reset"].to_str().unwrap().to_string();
+    let now = std::time::SystemTime::now();
+    let in_a_minute = zerolayer_coordinator::clock::rfc3339_system(now + Duration::from_secs(61));
+    let now = zerolayer_coordinator::clock::rfc3339_system(now - Duration::from_secs(1));
+    assert!(reset.len() == 20 && reset > now && reset <= in_a_minute, "reset {reset} between {now} and {in_a_minute}");
+
+    // The token limit (2,000 prompt tokens a minute) on the second key from the file: a
+    // ~1,200-token prompt fits once, not twice.
+    let big = json!({"model": MODEL, "max_tokens": 1, "temperature": 0, "messages": [{"role": "user", "content": LOREM.repeat(7)}]});
+    let r = c.post(s.url("/v1/messages")).header("x-api-key", heavy_user).json(&big).send().await.unwrap();
+    assert_eq!(status(&r), 200);
+    let v: Value = r.json().await.unwrap();
+    assert!(v["usage"]["input_tokens"].as_u64().unwrap() + v["usage"]["cache_read_input_tokens"].as_u64().unwrap() > 1000);
+    let r = c.post(s.url("/v1/messages")).header("x-api-key", heavy_user).json(&big).send().await.unwrap();
+    assert_eq!(status(&r), 429);
+    assert!(r.headers()["retry-after"].to_str().unwrap().parse::<u64>().unwrap() >= 1);
+    let e: Value = r.json().await.unwrap();
+    assert_eq!(e["error"]["type"], "rate_limit_error");
+    assert!(e["error"]["message"].as_str().unwrap().contains("tokens per minute"), "{e}");
+
+    // The OpenAI route answers auth failures in OpenAI's shape.
+    let chat = json!({"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "Hi"}]});
+    let r = c.post(s.url("/v1/chat/completions")).header("authorization", "Bearer sk-nobody").json(&chat).send().await.unwrap();
+    assert_eq!(status(&r), 401);
+    let e: Value = r.json().await.unwrap();
+    assert_eq!(e["error"]["type"], "authentication_error", "{e}");
+    assert!(e.get("type").is_none() && e["error"].get("code").is_some(), "OpenAI's shape: {e}");
     s.stop().await.unwrap();
 
     let logged = String::from_utf8_lossy(&logs.0.lock().unwrap()).to_string();

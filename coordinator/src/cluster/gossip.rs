@@ -214,6 +214,21 @@ impl LocalDigest {
         changed
     }
 
+    /// Applies every event waiting in `rx` without blocking. Returns (the set changed, the
+    /// reader lagged): after a lag some events were lost, and the caller must [`Self::resync`]
+    /// from a snapshot.
+    pub fn drain(&mut self, rx: &mut tokio::sync::broadcast::Receiver<KvEvent>) -> (bool, bool) {
+        use tokio::sync::broadcast::error::TryRecvError;
+        let (mut changed, mut lagged) = (false, false);
+        loop {
+            match rx.try_recv() {
+                Ok(ev) => changed |= self.apply(ev),
+                Err(TryRecvError::Lagged(_)) => lagged = true,
+                Err(_) => return (changed, lagged),
+            }
+        }
+    }
+
     /// Replaces the set with a full snapshot (after the event stream lagged).
     pub fn resync(&mut self, all: impl IntoIterator<Item = u64>) {
         self.set = all.into_iter().collect();
@@ -420,6 +435,23 @@ mod tests {
         d.resync([b]);
         assert_eq!(d.take_dirty().len(), KV_SHARDS);
         assert_eq!(d.set().len(), 1);
+    }
+
+    #[test]
+    fn a_lagging_reader_knows_it_must_resync() {
+        let (tx, mut rx) = tokio::sync::broadcast::channel(4);
+        let mut d = LocalDigest::default();
+        for h in 1..=10u64 {
+            tx.send(KvEvent::Stored { hashes: vec![h] }).unwrap();
+        }
+        let (changed, lagged) = d.drain(&mut rx);
+        assert!(changed && lagged, "6 of 10 events were lost");
+        assert_eq!(d.set().len(), 4, "only the last 4 arrived");
+        d.resync(1..=10);
+        assert_eq!(d.set().len(), 10);
+        tx.send(KvEvent::Evicted { hashes: vec![3] }).unwrap();
+        assert_eq!(d.drain(&mut rx), (true, false));
+        assert_eq!(d.set().len(), 9);
     }
 
     #[test]

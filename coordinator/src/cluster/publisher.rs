@@ -50,21 +50,22 @@ pub async fn run(cluster: Weak<Cluster>, mut kv_rx: Vec<broadcast::Receiver<KvEv
     }
 }
 
-/// Applies worker `i`'s pending KV events; returns whether its set changed.
+/// Applies worker `i`'s pending KV events; returns whether its set changed. A reader that
+/// lagged resyncs from a snapshot (a message to the worker actor).
 async fn drain_kv_events(c: &Cluster, i: usize, rx: &mut broadcast::Receiver<KvEvent>, digest: &mut LocalDigest) -> bool {
-    let mut changed = false;
-    loop {
-        match rx.try_recv() {
-            Ok(ev) => changed |= digest.apply(ev),
-            Err(broadcast::error::TryRecvError::Lagged(n)) => {
-                tracing::debug!(worker = %c.local[i].worker.id, missed = n, "KV events lagged; resyncing");
-                if let Ok(all) = c.local[i].worker.handle.cached_hashes().await {
-                    digest.resync(all);
-                    changed = true;
-                }
-            }
-            Err(_) => return changed,
+    let (changed, lagged) = digest.drain(rx);
+    if !lagged {
+        return changed;
+    }
+    tracing::debug!(worker = %c.local[i].worker.id, "KV events lagged; resyncing");
+    match c.local[i].worker.handle.cached_hashes().await {
+        Ok(all) => {
+            digest.resync(all);
+            // Events sent while the snapshot was taken apply on top of it.
+            digest.drain(rx);
+            true
         }
+        Err(_) => changed,
     }
 }
 

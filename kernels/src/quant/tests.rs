@@ -114,6 +114,8 @@ fn quantize_row_paths_agree_bit_for_bit() {
         let mut a = vec![ActBlock::default(); n / QK];
         let mut b = a.clone();
         quantize_row_portable(&x, &mut a);
+        // `quantize_row` dispatches to the AVX2 code where it can run.
+        assert_eq!(crate::test_simd_paths("quantize_row"), crate::has_avx2());
         quantize_row(&x, &mut b);
         for (a, b) in a.iter().zip(&b) {
             assert_eq!((a.d.to_bits(), a.s.to_bits(), a.sum, a.qs), (b.d.to_bits(), b.s.to_bits(), b.sum, b.qs));
@@ -138,7 +140,7 @@ fn assert_every_kernel_gives(w: &Weight, x: &[f32], act: &[ActBlock], b: usize, 
     let mut kernels = vec![Kernel::Portable];
     #[cfg(target_arch = "x86_64")]
     {
-        if crate::has_avx2() {
+        if crate::test_simd_paths(what) {
             kernels.push(Kernel::Avx2);
         }
         if crate::has_vnni() {
