@@ -5,11 +5,13 @@
 //! Algorithm (the form SGLang's cache-aware router and Dynamo's KV router converged on):
 //! 1. **Hard filters.** A worker is skipped if its node is not `ready`; its waiting queue is
 //!    full; its memory is over `memory_high_water`; or its free + evictable KV blocks cannot hold
-//!    the uncached part of the prompt plus `decode_headroom_blocks`. If KV space is the only
-//!    reason every worker was skipped, the request is placed anyway (by the same policy, among
-//!    those workers) and waits in that worker's bounded queue for blocks to free up: a burst of
-//!    long prompts queues, as on a single engine, instead of failing with 529. A full queue, a
-//!    draining node or memory over the high-water mark still refuses.
+//!    the uncached part of the prompt plus `decode_headroom_blocks`. If capacity is the only
+//!    reason every worker was skipped (KV space, or memory over the high-water mark, which on a
+//!    worker whose KV pool is reserved at startup is KV held by running sequences), the request
+//!    is placed anyway (by the same policy, among those workers) and waits in that worker's
+//!    bounded queue for blocks to free up: a burst of long prompts queues, as on a single
+//!    engine, instead of failing with 529. A full queue or a node that is not ready still
+//!    refuses.
 //! 2. **Policy.**
 //!    - `round_robin`: the `rr`-th candidate in (node, worker) order.
 //!    - `least_loaded`: fewest running + waiting sequences, then fewest active blocks.
@@ -124,12 +126,12 @@ pub fn cost(w: &WorkerView, req: &RequestSummary, cached: usize, cfg: &Placement
 pub fn place(view: &ClusterView, req: &RequestSummary, cfg: &PlacementConfig, rr: usize) -> Decision {
     let mut skipped = Vec::new();
     let mut cands: Vec<(usize, usize)> = Vec::new(); // (index, cached blocks)
-    let mut kv_short: Vec<(usize, usize)> = Vec::new(); // skipped only for KV space
+    let mut kv_short: Vec<(usize, usize)> = Vec::new(); // skipped only for capacity
     for (i, w) in view.workers.iter().enumerate() {
         let cached = cached_prefix_blocks(w, &req.block_hashes);
         match filter(w, req, cached, cfg) {
             Some(s) => {
-                if s == Skip::KvSpace {
+                if matches!(s, Skip::KvSpace | Skip::Memory) {
                     kv_short.push((i, cached));
                 }
                 skipped.push((i, s));
@@ -255,8 +257,8 @@ mod tests {
             let d = place(&view, &r, &c, 0);
             assert_eq!(chosen(&d), 1, "{skip:?}: the filtered worker must not be chosen");
             let only = ClusterView { workers: vec![view.workers[0].clone()] };
-            if skip == Skip::KvSpace {
-                // Short of KV everywhere: it queues on that worker rather than failing.
+            if matches!(skip, Skip::KvSpace | Skip::Memory) {
+                // Short of capacity everywhere: it queues on that worker rather than failing.
                 let Decision::Place { index, reason, .. } = place(&only, &r, &c, 0) else { panic!("KV-short worker refused") };
                 assert_eq!((index, reason), (0, "queued_for_kv"));
             } else {

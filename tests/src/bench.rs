@@ -106,8 +106,15 @@ async fn one(http: &reqwest::Client, base: &str, level: &Level, i: usize) -> One
     });
     let t0 = Instant::now();
     let mut out = One { index: i, token_times: vec![], ok: false, prompt_tokens: 0, output_tokens: 0, ttft_ms: f64::NAN, itl_ms: vec![], e2e_s: 0.0 };
-    let Ok(mut resp) = http.post(format!("{base}/v1/chat/completions")).json(&body).send().await else { return out };
+    let mut resp = match http.post(format!("{base}/v1/chat/completions")).json(&body).send().await {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("request {i} failed: {e}");
+            return out;
+        }
+    };
     if !resp.status().is_success() {
+        eprintln!("request {i} failed: {} {}", resp.status(), resp.text().await.unwrap_or_default());
         return out;
     }
     let mut buf = String::new();
@@ -116,7 +123,10 @@ async fn one(http: &reqwest::Client, base: &str, level: &Level, i: usize) -> One
         let chunk = match resp.chunk().await {
             Ok(Some(c)) => c,
             Ok(None) => break,
-            Err(_) => return out,
+            Err(e) => {
+                eprintln!("request {i}: the stream broke: {e}");
+                return out;
+            }
         };
         let now = Instant::now();
         buf.push_str(&String::from_utf8_lossy(&chunk));
@@ -147,6 +157,9 @@ async fn one(http: &reqwest::Client, base: &str, level: &Level, i: usize) -> One
         }
     }
     out.e2e_s = t0.elapsed().as_secs_f64();
+    if !out.ok {
+        eprintln!("request {i}: the stream ended without [DONE]: {buf:?}");
+    }
     out
 }
 
