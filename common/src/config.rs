@@ -49,6 +49,9 @@ pub struct ClusterSection {
     pub idle_timeout_ms: u64,
     /// Signals and prefix-cache digests are republished at this interval.
     pub publish_interval_ms: u64,
+    /// How many times one request may continue elsewhere (its worker lost, or its node
+    /// drained) before it fails with the error it would have had without the move.
+    pub migration_limit: u32,
 }
 
 impl Default for ClusterSection {
@@ -60,6 +63,7 @@ impl Default for ClusterSection {
             phi_threshold: 40.0,
             idle_timeout_ms: 3000,
             publish_interval_ms: 100,
+            migration_limit: 3,
         }
     }
 }

@@ -11,6 +11,6 @@ pub mod types;
 pub mod wire;
 
 pub use config::{ClusterConfig, ClusterSection, ConfigError, NodeConfig, PlacementConfig, PlacementPolicy, WorkerConfig};
-pub use hash::{block_hashes, chain_hash};
+pub use hash::{block_hashes, chain_hash, checksum};
 pub use signals::{KvEvent, WorkerSignals};
 pub use types::*;

@@ -56,16 +56,28 @@ pub enum StopReason {
     Cancelled,
     /// The worker failed the sequence.
     Error(String),
+    /// The worker (or the link to it) went away before the sequence ended: the coordinator that
+    /// holds the client continues it elsewhere by exact replay. Never reaches a client.
+    Lost(String),
+    /// The sequence left this worker (its node drains) and continues on `node`/`worker`, whose
+    /// prefix cache now holds the first `kv_tokens` tokens of its KV (0: the move carried no KV,
+    /// and the continuation recomputes). Never reaches a client.
+    Moved { node: String, worker: String, kv_tokens: u32 },
 }
 
 impl StopReason {
+    /// Whether the sequence did not end but left its worker (the coordinator continues it).
+    pub fn continues_elsewhere(&self) -> bool {
+        matches!(self, StopReason::Lost(_) | StopReason::Moved { .. })
+    }
+
     /// The Anthropic `stop_reason` string.
     pub fn as_anthropic(&self) -> &'static str {
         match self {
             StopReason::EndTurn => "end_turn",
             StopReason::MaxTokens => "max_tokens",
             StopReason::StopSequence(_) => "stop_sequence",
-            StopReason::Cancelled | StopReason::Error(_) => "end_turn",
+            StopReason::Cancelled | StopReason::Error(_) | StopReason::Lost(_) | StopReason::Moved { .. } => "end_turn",
         }
     }
 }
@@ -78,6 +90,8 @@ impl fmt::Display for StopReason {
             StopReason::StopSequence(s) => write!(f, "stop_sequence({s:?})"),
             StopReason::Cancelled => write!(f, "cancelled"),
             StopReason::Error(e) => write!(f, "error: {e}"),
+            StopReason::Lost(e) => write!(f, "lost: {e}"),
+            StopReason::Moved { node, worker, kv_tokens } => write!(f, "moved to {node}/{worker} with {kv_tokens} tokens of KV"),
         }
     }
 }

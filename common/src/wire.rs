@@ -1,10 +1,17 @@
 //! Frames between nodes: rkyv archives behind a 4-byte little-endian length prefix.
 //!
-//! A forwarded request is one [`Submit`] frame on a fresh QUIC bi-stream from the coordinator
-//! that accepted it to the coordinator of the node owning the chosen worker. Everything that
-//! comes back on that stream is a [`Reply`]: first `Accepted` or `Refused`, then `Event`s
-//! until `SeqEvent::Finished`. There is no per-element encoding beyond rkyv's archive, and a
-//! frame larger than [`MAX_FRAME_BYTES`] is refused on both sides.
+//! Every QUIC bi-stream between nodes opens with one [`Open`] frame:
+//! - [`Open::Submit`]: a forwarded request, from the coordinator that accepted it to the node
+//!   owning the chosen worker. Everything that comes back is a [`Reply`]: first `Accepted` or
+//!   `Refused`, then `Event`s until `SeqEvent::Finished`.
+//! - [`Open::Import`]: KV blocks of a sequence leaving a draining node, for the target
+//!   worker's prefix cache. The header is followed by the raw bytes of every block it marks as
+//!   sent, `block_bytes` each, in order, with no framing; the answer is one `Reply::Imported`
+//!   or `Refused`.
+//!
+//! There is no per-element encoding beyond rkyv's archive, and a frame larger than
+//! [`MAX_FRAME_BYTES`] is refused on both sides; an import's raw bytes are bounded by what the
+//! header announces, which the receiver checks against its own cache before reading them.
 
 use crate::types::{SamplingParams, SeqEvent};
 
@@ -23,6 +30,47 @@ pub struct Submit {
     pub worker: String,
     pub prompt: Vec<u32>,
     pub params: SamplingParams,
+    /// Tokens a worker that is gone already generated and the client already has: the
+    /// sequence continues after them (exact replay; empty for a new sequence).
+    pub resume: Vec<u32>,
+}
+
+/// One block of an import: its prefix hash, the checksum of its bytes, and whether the bytes
+/// follow (the sender believes the target caches the others already).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct BlockHeader {
+    pub hash: u64,
+    pub checksum: u64,
+    pub sent: bool,
+}
+
+/// KV blocks of a sequence that leaves a draining node.
+#[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct ImportHeader {
+    pub request_id: String,
+    /// The node the blocks come from.
+    pub origin_node: String,
+    /// The receiving node's worker whose prefix cache takes them.
+    pub worker: String,
+    pub block_size: u32,
+    pub block_bytes: u64,
+    /// The tokens the blocks hold (the chain hashes are checked against them).
+    pub tokens: Vec<u32>,
+    pub blocks: Vec<BlockHeader>,
+}
+
+impl ImportHeader {
+    /// Raw bytes that follow the header.
+    pub fn payload_bytes(&self) -> u64 {
+        self.blocks.iter().filter(|b| b.sent).count() as u64 * self.block_bytes
+    }
+}
+
+/// The first frame of every bi-stream between nodes.
+#[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub enum Open {
+    Submit(Submit),
+    Import(ImportHeader),
 }
 
 /// What the receiving node sends back on the stream.
@@ -33,6 +81,8 @@ pub enum Reply {
     /// The worker refused it. `overloaded`: its queue was full (the origin answers 529).
     Refused { overloaded: bool, message: String },
     Event(SeqEvent),
+    /// An import is done: the first `blocks` blocks of its chain are in the worker's cache.
+    Imported { blocks: u32 },
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -68,15 +118,15 @@ fn aligned(body: &[u8]) -> rkyv::util::AlignedVec<16> {
     v
 }
 
-/// A length-prefixed `Submit` frame.
-pub fn encode_submit(s: &Submit) -> Result<Vec<u8>, WireError> {
-    let body = rkyv::to_bytes::<rkyv::rancor::Error>(s).map_err(|e| WireError::Malformed(e.to_string()))?;
+/// A length-prefixed `Open` frame.
+pub fn encode_open(o: &Open) -> Result<Vec<u8>, WireError> {
+    let body = rkyv::to_bytes::<rkyv::rancor::Error>(o).map_err(|e| WireError::Malformed(e.to_string()))?;
     frame(&body)
 }
 
 /// Decodes a frame body (without the length prefix), validating it first.
-pub fn decode_submit(body: &[u8]) -> Result<Submit, WireError> {
-    rkyv::from_bytes::<Submit, rkyv::rancor::Error>(&aligned(body)).map_err(|e| WireError::Malformed(e.to_string()))
+pub fn decode_open(body: &[u8]) -> Result<Open, WireError> {
+    rkyv::from_bytes::<Open, rkyv::rancor::Error>(&aligned(body)).map_err(|e| WireError::Malformed(e.to_string()))
 }
 
 pub fn encode_reply(r: &Reply) -> Result<Vec<u8>, WireError> {
@@ -101,21 +151,36 @@ mod tests {
             worker: "cpu0".into(),
             prompt: (0..700).collect(),
             params: SamplingParams { stop_sequences: vec!["\n\n".into()], seed: Some(7), ..SamplingParams::greedy(9) },
+            resume: vec![5, 6],
         };
-        let f = encode_submit(&s).unwrap();
+        let f = encode_open(&Open::Submit(s.clone())).unwrap();
         let n = frame_len(f[..4].try_into().unwrap()).unwrap();
         assert_eq!(n, f.len() - 4);
-        assert_eq!(decode_submit(&f[4..]).unwrap(), s);
+        assert_eq!(decode_open(&f[4..]).unwrap(), Open::Submit(s));
+        let h = ImportHeader {
+            request_id: "req_2".into(),
+            origin_node: "a".into(),
+            worker: "cpu0".into(),
+            block_size: 4,
+            block_bytes: 1024,
+            tokens: (0..8).collect(),
+            blocks: vec![BlockHeader { hash: 1, checksum: 2, sent: false }, BlockHeader { hash: 3, checksum: 4, sent: true }],
+        };
+        assert_eq!(h.payload_bytes(), 1024);
+        let f = encode_open(&Open::Import(h.clone())).unwrap();
+        assert_eq!(decode_open(&f[4..]).unwrap(), Open::Import(h));
         for r in [
             Reply::Accepted,
             Reply::Refused { overloaded: true, message: "full".into() },
+            Reply::Imported { blocks: 7 },
             Reply::Event(SeqEvent::Delta { tokens: vec![1, 2], text: "hé".into() }),
             Reply::Event(SeqEvent::Finished { reason: StopReason::StopSequence("x".into()), usage: Usage { output_tokens: 3, ..Default::default() } }),
+            Reply::Event(SeqEvent::Finished { reason: StopReason::Moved { node: "b".into(), worker: "cpu0".into(), kv_tokens: 96 }, usage: Usage::default() }),
         ] {
             let f = encode_reply(&r).unwrap();
             assert_eq!(decode_reply(&f[4..]).unwrap(), r);
         }
-        assert!(decode_submit(&[0xff; 37]).is_err());
+        assert!(decode_open(&[0xff; 37]).is_err());
         assert!(decode_reply(&f[4..f.len() - 3]).is_err());
         assert!(matches!(frame_len((MAX_FRAME_BYTES as u32 + 1).to_le_bytes()), Err(WireError::TooLarge(_))));
     }

@@ -1,27 +1,26 @@
 //! The coordinator: what every HTTP handler calls. It turns a validated
-//! [`GenerationRequest`] into a prompt, places it on a worker anywhere in the cluster
-//! ([`crate::placement`] over the [`Cluster`] view, corrected by the [`Tracker`]) and hands the
-//! sequence to that worker: one in-process message when the worker is local (no
-//! serialization), exactly one QUIC hop when it is remote.
+//! [`GenerationRequest`] into a prompt, takes an in-flight slot, and hands the sequence to
+//! the [`Dispatcher`] (placement anywhere in the cluster, then one in-process message or one
+//! QUIC hop). The client follows it through a [`LiveSequence`], which continues it elsewhere
+//! if its worker is lost or drained.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
+use ractor::ActorRef;
 use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
-use zerolayer_common::wire::Submit;
-use zerolayer_common::{block_hashes, ClusterConfig, SamplingParams, SeqEvent, WorkerSignals};
+use zerolayer_common::{ClusterConfig, WorkerSignals};
 use zerolayer_worker::chat::ChatTemplate;
 use zerolayer_worker::tokenizer::Tokenizer;
-use zerolayer_worker::{SeqStream, SubmitRequest};
 
 use crate::auth::{Caller, Guard};
-use crate::cluster::forward::{ForwardError, RemoteStream};
 use crate::cluster::{Cluster, LocalWorker};
+use crate::dispatch::{Dispatcher, Job};
+use crate::drain::{DrainMsg, DrainReport};
 use crate::error::ApiError;
-use crate::placement::{self, Decision, RequestSummary};
 use crate::request::{resolve_max_tokens, GenerationRequest};
-use crate::tracker::{PlacementMark, Tracker};
+use crate::resume::LiveSequence;
 use crate::view::NodeState;
 
 /// The model this node serves.
@@ -40,34 +39,15 @@ impl ModelInfo {
     }
 }
 
-/// The events of an accepted sequence, from a local worker or over QUIC.
-pub enum EventStream {
-    Local(SeqStream),
-    Remote(RemoteStream),
-}
-
-impl EventStream {
-    /// The next event, or `None` once the sequence is over. A lost remote node ends the
-    /// stream with an error `Finished`.
-    pub async fn recv(&mut self) -> Option<SeqEvent> {
-        match self {
-            EventStream::Local(s) => s.recv().await,
-            EventStream::Remote(s) => s.recv().await,
-        }
-    }
-}
-
 /// A sequence accepted by a worker.
 pub struct Accepted {
-    pub stream: EventStream,
+    pub stream: LiveSequence,
     pub prompt_tokens: usize,
-    /// `NODE_ID/WORKER_ID`, for the `zerolayer-worker` header.
+    /// `NODE_ID/WORKER_ID` of the first worker, for the `zerolayer-worker` header.
     pub served_by: String,
     pub started_at: Instant,
     /// Released when the response is done (the node's in-flight cap).
     pub _permit: OwnedSemaphorePermit,
-    /// Takes this request's load off the placement view when the response is done.
-    pub _mark: PlacementMark,
 }
 
 pub struct Coordinator {
@@ -83,31 +63,21 @@ pub struct Coordinator {
     pub hard_stop: watch::Receiver<bool>,
     /// What changes as requests come and go.
     pub admission: Admission,
+    /// Placement and submission (shared with the sequences it placed, which may move).
+    pub dispatch: Arc<Dispatcher>,
+    /// This node's coordinator actor: drain and undrain (see [`crate::drain`]).
+    pub drainer: ActorRef<DrainMsg>,
 }
 
-/// A coordinator's admission state: the in-flight cap, draining, its round-robin counter and
-/// its own recent placements.
+/// A coordinator's admission state: the in-flight cap.
 pub struct Admission {
     inflight: Arc<Semaphore>,
     max_inflight: usize,
-    /// Set on SIGTERM / drain: `/ready` turns 503 and new work is refused.
-    draining: AtomicBool,
-    rr: AtomicUsize,
-    tracker: Arc<Tracker>,
 }
 
 impl Admission {
-    pub fn new(node_id: &str, max_inflight: usize) -> Self {
-        // Coordinators start their round-robin at different points, so independent
-        // coordinators do not move through the workers in lockstep.
-        let rr_start = zerolayer_common::chain_hash(0, &node_id.bytes().map(u32::from).collect::<Vec<_>>()) as usize % 1024;
-        Admission {
-            inflight: Arc::new(Semaphore::new(max_inflight)),
-            max_inflight,
-            draining: AtomicBool::new(false),
-            rr: AtomicUsize::new(rr_start),
-            tracker: Arc::new(Tracker::default()),
-        }
+    pub fn new(max_inflight: usize) -> Self {
+        Admission { inflight: Arc::new(Semaphore::new(max_inflight)), max_inflight }
     }
 }
 
@@ -120,17 +90,28 @@ impl Coordinator {
     /// Placement marks this coordinator holds (pending, done): they must drain to zero pending
     /// once no request is in flight (leak checks).
     pub fn placement_marks(&self) -> (usize, usize) {
-        self.admission.tracker.len()
+        self.dispatch.placement_marks()
     }
 
+    /// Ready for new work: not draining, not shutting down (`/ready`).
     pub fn is_ready(&self) -> bool {
-        !self.admission.draining.load(Ordering::Acquire) && !*self.hard_stop.borrow()
+        self.cluster.state() == NodeState::Ready && !*self.hard_stop.borrow()
     }
 
-    /// Stops taking new work: `/ready` turns 503 and peers stop placing here.
-    pub fn set_draining(&self) {
-        self.admission.draining.store(true, Ordering::Release);
-        self.cluster.set_state(NodeState::Draining);
+    /// Starts draining this node (idempotent): `/ready` turns 503, peers stop placing here, and
+    /// every sequence on its workers moves to other workers. Returns the drain's report so far.
+    pub async fn drain(&self) -> Result<DrainReport, ApiError> {
+        ractor::call_t!(self.drainer, DrainMsg::Drain, 10_000).map_err(|e| ApiError::Internal(format!("drain: {e}")))
+    }
+
+    /// Lets traffic back in after a drain.
+    pub async fn undrain(&self) -> Result<DrainReport, ApiError> {
+        ractor::call_t!(self.drainer, DrainMsg::Undrain, 10_000).map_err(|e| ApiError::Internal(format!("undrain: {e}")))
+    }
+
+    /// The drain's progress (sequences still on this node's workers, what moved).
+    pub async fn drain_report(&self) -> Result<DrainReport, ApiError> {
+        ractor::call_t!(self.drainer, DrainMsg::Report, 10_000).map_err(|e| ApiError::Internal(format!("drain report: {e}")))
     }
 
     /// Sequences still running because of this node: its own requests plus those it serves
@@ -152,15 +133,21 @@ impl Coordinator {
         self.tokenize(&req.render(&self.template)?)
     }
 
-    /// Validates length, takes an in-flight slot, places and submits.
-    pub async fn start(&self, caller: &Caller, req: GenerationRequest) -> Result<Accepted, ApiError> {
-        if !self.is_ready() {
-            return Err(ApiError::Overloaded("Overloaded: this node is draining or shutting down".into()));
+    /// Validates length, takes an in-flight slot, places and submits. A draining node still
+    /// accepts requests (its workers are out of placement; other nodes' are not); only a node
+    /// past its shutdown grace period refuses.
+    pub async fn start(&self, caller: &Caller, req: GenerationRequest, request_id: &str) -> Result<Accepted, ApiError> {
+        if *self.hard_stop.borrow() {
+            return Err(ApiError::Overloaded("Overloaded: this node is shutting down".into()));
         }
         let started_at = Instant::now();
         let ids = self.prompt_ids(&req)?;
         let mut params = req.params;
         params.max_tokens = resolve_max_tokens(req.max_tokens, ids.len(), self.model.context_length)?;
+        if params.temperature > 0.0 {
+            // Fixed here, so that a continuation on another worker samples what this one would.
+            params.seed.get_or_insert_with(rand::random);
+        }
         self.guard.take_tokens(caller, ids.len())?;
         let permit = self
             .admission
@@ -169,85 +156,9 @@ impl Coordinator {
             .try_acquire_owned()
             .map_err(|_| ApiError::Overloaded("Overloaded: too many requests in flight on this node".into()))?;
         let prompt_tokens = ids.len();
-        let (stream, served_by, mark) = self.place_and_submit(ids, params).await?;
-        Ok(Accepted { stream, prompt_tokens, served_by, started_at, _permit: permit, _mark: mark })
-    }
-
-    /// Places the sequence and submits it. If the chosen remote node cannot be reached, the
-    /// next candidates are tried (at most [`MAX_PLACEMENT_TRIES`] in all).
-    async fn place_and_submit(&self, mut ids: Vec<u32>, params: SamplingParams) -> Result<(EventStream, String, PlacementMark), ApiError> {
-        let summary = RequestSummary { block_hashes: block_hashes(&ids, self.block_size()), prompt_tokens: ids.len(), max_tokens: params.max_tokens as usize };
-        let mut view = self.cluster.view();
-        let cc = &self.config.cluster;
-        let local_window = 2 * zerolayer_worker::actor::SIGNAL_INTERVAL;
-        let remote_window = local_window + std::time::Duration::from_millis(2 * (cc.publish_interval_ms + cc.gossip_interval_ms));
-        self.admission.tracker.adjust(&mut view, local_window, remote_window, Instant::now());
-        let rr = self.admission.rr.fetch_add(1, Ordering::Relaxed);
-        let pcfg = &self.config.placement;
-        let (ranked, reason) = match placement::place(&view, &summary, pcfg, rr) {
-            Decision::Place { ranked, reason, .. } => (ranked, reason),
-            Decision::NoWorker { skipped } => {
-                let why: Vec<String> =
-                    skipped.iter().map(|(i, s)| format!("{}/{}: {s:?}", view.workers[*i].node, view.workers[*i].worker)).collect();
-                tracing::debug!(skipped = ?why, "placement: no worker can take the request");
-                return Err(ApiError::Overloaded(format!("Overloaded: no worker can take this request now ({})", why.join(", "))));
-            }
-        };
-        if tracing::enabled!(tracing::Level::DEBUG) {
-            let top: Vec<String> = ranked
-                .iter()
-                .take(4)
-                .map(|s| format!("{}/{} cost={:.1} cached_blocks={}", view.workers[s.index].node, view.workers[s.index].worker, s.cost, s.cached_blocks))
-                .collect();
-            tracing::debug!(policy = ?pcfg.policy, reason, prompt_blocks = summary.block_hashes.len(), candidates = ?top, "placement decision");
-        }
-        let mut last_err = None;
-        for s in ranked.iter().take(MAX_PLACEMENT_TRIES) {
-            let w = &view.workers[s.index];
-            let bs = w.signals.block_size.max(1) as usize;
-            let id = self.admission.tracker.placed(&w.node, &w.worker, summary.prompt_tokens.saturating_sub(s.cached_blocks * bs) as u64, Instant::now());
-            let mark = PlacementMark::new(self.admission.tracker.clone(), id, summary.prompt_tokens.div_ceil(bs) as u32);
-            let served_by = format!("{}/{}", w.node, w.worker);
-            let target = if w.local { "local" } else { "remote" };
-            metrics::counter!("zerolayer_placements_total", "policy" => format!("{:?}", pcfg.policy), "target" => target, "reason" => reason).increment(1);
-            if w.local {
-                let lw = self.cluster.local_worker(&w.worker).ok_or_else(|| ApiError::Internal(format!("local worker {} vanished", w.worker)))?;
-                let stream = lw.handle.submit(SubmitRequest { prompt: std::mem::take(&mut ids), params }).await?;
-                return Ok((EventStream::Local(stream), served_by, mark));
-            }
-            let Some(addr) = self.cluster.peer_addr(&w.node) else {
-                metrics::counter!("zerolayer_forward_failures_total", "node" => self.node_id.clone(), "peer" => w.node.clone()).increment(1);
-                last_err = Some(ApiError::Overloaded(format!("Overloaded: node {} is unreachable", w.node)));
-                continue;
-            };
-            let sub = Submit {
-                request_id: uuid::Uuid::new_v4().simple().to_string(),
-                origin_node: self.node_id.clone(),
-                worker: w.worker.clone(),
-                prompt: ids.clone(),
-                params: params.clone(),
-            };
-            match crate::cluster::forward::submit(&self.cluster, &w.node, addr, &sub).await {
-                Ok(rs) => return Ok((EventStream::Remote(rs), served_by, mark)),
-                Err(ForwardError::Refused { overloaded: true, message }) => {
-                    last_err = Some(ApiError::Overloaded(format!("Overloaded: {message}")));
-                }
-                Err(ForwardError::Refused { overloaded: false, message }) => return Err(ApiError::Internal(message)),
-                Err(ForwardError::Unreachable(m)) => {
-                    tracing::warn!(node = %w.node, error = %m, "forwarding failed; trying the next candidate");
-                    metrics::counter!("zerolayer_forward_failures_total", "node" => self.node_id.clone(), "peer" => w.node.clone()).increment(1);
-                    last_err = Some(ApiError::Overloaded(format!("Overloaded: {m}")));
-                }
-            }
-        }
-        Err(last_err.unwrap_or_else(|| ApiError::Overloaded("Overloaded: no worker accepted the request".into())))
-    }
-
-    /// The KV block size prompts are hashed with (uniform across the cluster).
-    fn block_size(&self) -> usize {
-        self.workers.first().map(|w| w.handle.signals().block_size as usize).filter(|&b| b > 0).unwrap_or(16)
+        let job = Job { request_id: request_id.to_string(), prompt: ids, params };
+        let placed = self.dispatch.submit(&job, &[], &[], None).await?;
+        let served_by = placed.served_by();
+        Ok(Accepted { stream: LiveSequence::new(self.dispatch.clone(), job, placed), prompt_tokens, served_by, started_at, _permit: permit })
     }
 }
-
-/// Candidates tried per request when forwarding fails.
-pub const MAX_PLACEMENT_TRIES: usize = 3;

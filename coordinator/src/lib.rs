@@ -8,7 +8,10 @@
 //!   neutral generation request), [`metrics`], [`status`] (the CLI's table);
 //! - [`placement`] (a pure function over a view), [`tracker`] (staleness correction), [`auth`];
 //! - [`cluster`]: QUIC with mutual TLS, chitchat membership and gossip, forwarding;
-//! - [`coordinator`]: prompt, admission, placement and submission;
+//! - [`dispatch`]: placement and submission (local or one QUIC hop); [`resume`]: a sequence
+//!   followed across moves (exact replay after a loss or a drain);
+//! - [`coordinator`]: prompt and admission; [`drain`]: the node's coordinator actor (drain,
+//!   undrain, the moves);
 //! - [`api`]: the axum router, one folder per API; [`fuzzing`]: the front end as one function;
 //! - [`node`]: starting a node and serving it with graceful shutdown.
 //!
@@ -19,12 +22,15 @@ pub mod auth;
 pub mod clock;
 pub mod cluster;
 pub mod coordinator;
+pub mod dispatch;
+pub mod drain;
 pub mod error;
 pub mod fuzzing;
 pub mod metrics;
 pub mod node;
 pub mod placement;
 pub mod request;
+pub mod resume;
 pub mod status;
 pub mod tracker;
 pub mod view;

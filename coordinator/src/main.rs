@@ -47,15 +47,47 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
-    /// Drain a node for replacement (arrives with the rolling-replacement issue).
-    Drain,
-    /// Let traffic back into a drained node (arrives with the rolling-replacement issue).
-    Undrain,
+    /// Drain a node: it stops taking new work and its sequences move (with their KV) to
+    /// other workers; clients' streams continue. Through any node's admin API.
+    Drain {
+        /// The node's id (as in the config), or `--self` for the node at --addr.
+        node: Option<String>,
+        /// Drain the node that --addr points at (a Kubernetes preStop hook).
+        #[arg(long = "self")]
+        this: bool,
+        #[command(flatten)]
+        admin: AdminArgs,
+        /// Return once the node's workers hold no sequence, and print what moved.
+        #[arg(long)]
+        wait: bool,
+        /// With --wait: give up after this many seconds (exit code 1).
+        #[arg(long, default_value_t = 300)]
+        timeout: u64,
+    },
+    /// Let traffic back into a drained node.
+    Undrain {
+        node: Option<String>,
+        #[arg(long = "self")]
+        this: bool,
+        #[command(flatten)]
+        admin: AdminArgs,
+    },
     /// Cluster CA and node certificates.
     Cluster {
         #[command(subcommand)]
         cmd: ClusterCmd,
     },
+}
+
+/// Where the admin API is, and its key.
+#[derive(clap::Args)]
+struct AdminArgs {
+    /// Any node's HTTP address.
+    #[arg(long, default_value = "http://127.0.0.1:8080", env = "ZEROLAYER_ADDR")]
+    addr: String,
+    /// The admin key, if the cluster has one.
+    #[arg(long, env = "ZEROLAYER_ADMIN_KEY", hide_env_values = true)]
+    admin_key: Option<String>,
 }
 
 #[derive(Subcommand)]
@@ -87,11 +119,66 @@ fn main() -> anyhow::Result<()> {
             println!("keep {} private: it signs new node certificates", out.join("ca.key").display());
             Ok(())
         }
-        Cmd::Drain | Cmd::Undrain => {
-            eprintln!("this subcommand is reserved; it arrives with rolling node replacement");
-            std::process::exit(2);
+        Cmd::Drain { node, this, admin, wait, timeout } => drain(&target(node, this)?, &admin, wait, timeout),
+        Cmd::Undrain { node, this, admin } => {
+            let v = admin_call(&admin, reqwest::Method::POST, &format!("/admin/nodes/{}/undrain", target(node, this)?))?;
+            println!("{} is {}", v["node"].as_str().unwrap_or("?"), if v["draining"] == true { "still draining" } else { "taking work" });
+            Ok(())
         }
     }
+}
+
+fn target(node: Option<String>, this: bool) -> anyhow::Result<String> {
+    match (node, this) {
+        (Some(n), false) => Ok(n),
+        (None, true) => Ok("self".into()),
+        _ => anyhow::bail!("name a node, or pass --self"),
+    }
+}
+
+/// One admin API call; the JSON answer, or the error the node gave.
+fn admin_call(admin: &AdminArgs, method: reqwest::Method, path: &str) -> anyhow::Result<serde_json::Value> {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    rt.block_on(async {
+        let url = format!("{}{path}", admin.addr.trim_end_matches('/'));
+        let mut req = reqwest::Client::new().request(method, &url).timeout(std::time::Duration::from_secs(30));
+        if let Some(k) = &admin.admin_key {
+            req = req.header("x-api-key", k);
+        }
+        let resp = req.send().await.map_err(|e| anyhow::anyhow!("{url}: {e}"))?;
+        let code = resp.status();
+        let body = resp.text().await?;
+        if !code.is_success() {
+            anyhow::bail!("{url} answered {code}: {body}");
+        }
+        anyhow::Ok(serde_json::from_str(&body)?)
+    })
+}
+
+fn drain(node: &str, admin: &AdminArgs, wait: bool, timeout: u64) -> anyhow::Result<()> {
+    let v = admin_call(admin, reqwest::Method::POST, &format!("/admin/nodes/{node}/drain"))?;
+    let name = v["node"].as_str().unwrap_or(node).to_string();
+    println!("draining {name}: {} sequences on its workers", v["sequences"]);
+    if !wait {
+        return Ok(());
+    }
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(timeout);
+    let v = loop {
+        let v = admin_call(admin, reqwest::Method::GET, &format!("/admin/nodes/{name}/drain"))?;
+        if v["sequences"] == 0 {
+            break v;
+        }
+        if std::time::Instant::now() > deadline {
+            eprintln!("{name} still holds {} sequences after {timeout} s", v["sequences"]);
+            std::process::exit(1);
+        }
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    };
+    println!(
+        "{name} drained: {} sequences moved with their KV ({} blocks, {} bytes), {} without",
+        v["moved_with_kv"], v["kv_blocks_moved"], v["kv_bytes_sent"], v["moved_without_kv"]
+    );
+    Ok(())
 }
 
 fn status(addr: &str, admin_key: Option<&str>, json: bool) -> anyhow::Result<()> {

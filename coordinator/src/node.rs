@@ -14,6 +14,8 @@ use zerolayer_worker::WorkerHandle;
 
 use crate::cluster::{Cluster, LocalWorker};
 use crate::coordinator::{Admission, Coordinator, ModelInfo};
+use crate::dispatch::Dispatcher;
+use crate::drain::{DrainActor, DrainContext};
 use crate::view::NodeState;
 
 /// A started node: its coordinator and the switch that ends open streams.
@@ -88,9 +90,13 @@ impl Node {
         }
         let cluster = Cluster::start(&config, node_id, &workers, quic_socket).await?;
         let (hard_stop_tx, hard_stop) = watch::channel(false);
-        let admission = Admission::new(node_id, config.server.max_inflight);
+        let admission = Admission::new(config.server.max_inflight);
+        let block_size = node.workers.first().map(|w| w.block_size).unwrap_or(16);
+        let dispatch = Arc::new(Dispatcher::new(node_id, cluster.clone(), config.clone(), block_size));
+        let ctx = DrainContext { node_id: node_id.to_string(), cluster: cluster.clone(), dispatch: dispatch.clone(), workers: workers.clone() };
+        let (drainer, _) = ractor::Actor::spawn(None, DrainActor, ctx).await.map_err(|e| anyhow::anyhow!("starting the node's coordinator actor: {e}"))?;
         let node_id = node_id.to_string();
-        let coordinator = Arc::new(Coordinator { node_id, config, model, tokenizer, template, workers, guard, cluster, hard_stop, admission });
+        let coordinator = Arc::new(Coordinator { node_id, config, model, tokenizer, template, workers, guard, cluster, hard_stop, admission, dispatch, drainer });
         Ok(Node { coordinator, hard_stop_tx })
     }
 
@@ -109,7 +115,11 @@ impl Node {
         let hard = self.hard_stop_tx.clone();
         let signal = async move {
             shutdown.await;
-            coord.set_draining();
+            // In a cluster the drain moves this node's sequences to other workers; the
+            // requests this node's clients sent keep streaming from wherever they now run.
+            if let Err(e) = coord.drain().await {
+                tracing::warn!(error = %e, "could not start the drain");
+            }
             tracing::info!(grace_secs = grace.as_secs(), in_flight = coord.busy(), "shutting down: no new work; finishing in-flight requests");
             let deadline = tokio::time::Instant::now() + grace;
             while coord.busy() > 0 && tokio::time::Instant::now() < deadline {
@@ -121,6 +131,7 @@ impl Node {
             }
         };
         axum::serve(listener, app).with_graceful_shutdown(signal).await?;
+        self.coordinator.drainer.stop(None);
         self.coordinator.cluster.stop().await;
         for w in &self.coordinator.workers {
             w.handle.shutdown().await;

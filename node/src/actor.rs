@@ -8,6 +8,8 @@
 //!
 //! - Submit carries token ids, sampling params and the reply stream; the engine validates and
 //!   acknowledges. A full command channel or waiting queue is refused at once (`QueueFull`).
+//!   A sequence still open when the worker stops ends `Lost`: its coordinator continues it
+//!   elsewhere.
 //! - Cancel frees the sequence's blocks. Dropping a [`SeqStream`] cancels too, and so does a
 //!   reply channel found closed by the engine.
 //! - A client that reads slowly never blocks the engine: events that do not fit its channel
@@ -27,9 +29,10 @@ use std::time::{Duration, Instant};
 
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::sync::{broadcast, mpsc, oneshot, watch};
-use zerolayer_common::{KvEvent, SamplingParams, SeqEvent, StopReason, WorkerSignals};
+use zerolayer_common::{KvEvent, SamplingParams, SeqEvent, StopReason, Usage, WorkerSignals};
 
 use crate::engine::{Engine, StepHook};
+use crate::migrate::{Export, ImportReport, KvImport};
 use crate::error::{WorkerError, Result};
 use crate::scheduler::SeqId;
 
@@ -46,6 +49,37 @@ pub const SIGNAL_INTERVAL: Duration = Duration::from_millis(100);
 pub struct SubmitRequest {
     pub prompt: Vec<u32>,
     pub params: SamplingParams,
+    /// Tokens already generated (and delivered) by a worker that is gone: the sequence
+    /// continues after them (`Engine::add_resumed`). Empty for a new sequence.
+    pub resume: Vec<u32>,
+}
+
+impl SubmitRequest {
+    pub fn new(prompt: Vec<u32>, params: SamplingParams) -> Self {
+        SubmitRequest { prompt, params, resume: Vec::new() }
+    }
+}
+
+/// A sequence taken off this worker by [`WorkerHandle::export`]: what it carries, and its
+/// client's event channel, which the new owner's events will follow.
+pub struct Handover {
+    pub export: Export,
+    route: Option<Route>,
+}
+
+impl Handover {
+    /// Ends the sequence's stream here with `reason` (`Moved` once its KV is on the target,
+    /// `Lost` if the move failed and it must be replayed), after any events still held back.
+    pub async fn finish(mut self, reason: StopReason) {
+        let Some(r) = self.route.take() else { return };
+        let output_tokens = self.export.generated.len() as u32;
+        let fin = SeqEvent::Finished { reason, usage: Usage { output_tokens, ..Default::default() } };
+        for ev in r.pending.into_iter().chain(std::iter::once(fin)) {
+            if r.tx.send(ev).await.is_err() {
+                return; // the client is gone
+            }
+        }
+    }
 }
 
 enum EngineCmd {
@@ -54,6 +88,9 @@ enum EngineCmd {
     /// A snapshot of every cached block hash (for a KV-event reader that lagged).
     CachedHashes { reply: oneshot::Sender<Vec<u64>> },
     SetStepHook { hook: Option<StepHook> },
+    Sequences { reply: oneshot::Sender<Vec<SeqId>> },
+    Export { id: SeqId, reply: oneshot::Sender<Option<Handover>> },
+    Import { import: KvImport, reply: oneshot::Sender<Result<ImportReport>> },
     Shutdown,
 }
 
@@ -66,6 +103,12 @@ pub enum WorkerMsg {
     CachedHashes { reply: oneshot::Sender<Result<Vec<u64>>> },
     /// Installs or removes the engine's step hook (tests and fault injection).
     SetStepHook { hook: Option<StepHook>, done: oneshot::Sender<Result<()>> },
+    /// The ids of every sequence the worker holds (a drain moves each).
+    Sequences { reply: oneshot::Sender<Result<Vec<SeqId>>> },
+    /// Takes a sequence off the worker for a move (see [`Handover`]).
+    Export { id: SeqId, reply: oneshot::Sender<Result<Option<Handover>>> },
+    /// Writes KV blocks into the worker's prefix cache.
+    Import { import: KvImport, reply: oneshot::Sender<Result<ImportReport>> },
     /// Stop the engine after its current step, wait for its thread, then stop the actor.
     Shutdown { done: oneshot::Sender<()> },
 }
@@ -112,11 +155,22 @@ impl Actor for WorkerActor {
             }
             WorkerMsg::CachedHashes { reply } => {
                 let (tx, rx) = oneshot::channel();
-                match state.forward(EngineCmd::CachedHashes { reply: tx }) {
-                    // Answered off the actor, so a busy engine never holds up its mailbox.
+                answer_from_engine(state.forward(EngineCmd::CachedHashes { reply: tx }), rx, reply);
+            }
+            WorkerMsg::Sequences { reply } => {
+                let (tx, rx) = oneshot::channel();
+                answer_from_engine(state.forward(EngineCmd::Sequences { reply: tx }), rx, reply);
+            }
+            WorkerMsg::Export { id, reply } => {
+                let (tx, rx) = oneshot::channel();
+                answer_from_engine(state.forward(EngineCmd::Export { id, reply: tx }), rx, reply);
+            }
+            WorkerMsg::Import { import, reply } => {
+                let (tx, rx) = oneshot::channel();
+                match state.forward(EngineCmd::Import { import, reply: tx }) {
                     Ok(()) => {
                         tokio::spawn(async move {
-                            let _ = reply.send(rx.await.map_err(|_| WorkerError::ShuttingDown));
+                            let _ = reply.send(rx.await.unwrap_or(Err(WorkerError::ShuttingDown)));
                         });
                     }
                     Err(refused) => {
@@ -140,6 +194,25 @@ impl Actor for WorkerActor {
         // Every handle is gone (or the actor was stopped): the engine thread stops too.
         let _ = state.engine_tx.try_send(EngineCmd::Shutdown);
         Ok(())
+    }
+}
+
+/// Answers `reply` with what the engine thread sends on `rx` (off the actor, so a busy engine
+/// never holds up the mailbox), or with why the command could not reach the engine.
+fn answer_from_engine<T: Send + 'static>(
+    sent: std::result::Result<(), Box<(EngineCmd, WorkerError)>>,
+    rx: oneshot::Receiver<T>,
+    reply: oneshot::Sender<Result<T>>,
+) {
+    match sent {
+        Ok(()) => {
+            tokio::spawn(async move {
+                let _ = reply.send(rx.await.map_err(|_| WorkerError::ShuttingDown));
+            });
+        }
+        Err(refused) => {
+            let _ = reply.send(Err(refused.1));
+        }
     }
 }
 
@@ -199,7 +272,7 @@ impl SeqStream {
             }
             None => {
                 self.finished = true;
-                Some(SeqEvent::Finished { reason: StopReason::Error("worker stopped".into()), usage: Default::default() })
+                Some(SeqEvent::Finished { reason: StopReason::Lost("worker stopped".into()), usage: Default::default() })
             }
         }
     }
@@ -273,6 +346,29 @@ impl WorkerHandle {
     /// Subscribes to KV events (block stored / evicted).
     pub fn kv_events(&self) -> broadcast::Receiver<KvEvent> {
         self.kv_events.subscribe()
+    }
+
+    /// Every sequence the worker holds now (running, then waiting).
+    pub async fn sequences(&self) -> Result<Vec<SeqId>> {
+        let (reply, rx) = oneshot::channel();
+        self.actor.send_message(WorkerMsg::Sequences { reply }).map_err(|_| WorkerError::ShuttingDown)?;
+        rx.await.map_err(|_| WorkerError::ShuttingDown)?
+    }
+
+    /// Takes sequence `id` off the worker for a move (`None` if it already ended). Its blocks
+    /// stay in this worker's prefix cache; its client's events now wait for
+    /// [`Handover::finish`].
+    pub async fn export(&self, id: SeqId) -> Result<Option<Handover>> {
+        let (reply, rx) = oneshot::channel();
+        self.actor.send_message(WorkerMsg::Export { id, reply }).map_err(|_| WorkerError::ShuttingDown)?;
+        rx.await.map_err(|_| WorkerError::ShuttingDown)?
+    }
+
+    /// Writes KV blocks into the worker's prefix cache (see [`crate::migrate`]).
+    pub async fn import(&self, import: KvImport) -> Result<ImportReport> {
+        let (reply, rx) = oneshot::channel();
+        self.actor.send_message(WorkerMsg::Import { import, reply }).map_err(|_| WorkerError::ShuttingDown)?;
+        rx.await.map_err(|_| WorkerError::ShuttingDown)?
     }
 
     /// Installs (or, with `None`, removes) a hook the engine runs at the start of every step
@@ -351,7 +447,7 @@ fn engine_loop(mut engine: Engine, rx: Receiver<EngineCmd>, sig_tx: watch::Sende
         }
         for cmd in cmds {
             match cmd {
-                EngineCmd::Submit { id, req, reply, ack } => match engine.add(id, req.prompt, req.params) {
+                EngineCmd::Submit { id, req, reply, ack } => match engine.add_resumed(id, req.prompt, req.resume, req.params) {
                     Ok(()) => {
                         routes.insert(id, Route { tx: reply, pending: VecDeque::new() });
                         let _ = ack.send(Ok(()));
@@ -373,6 +469,16 @@ fn engine_loop(mut engine: Engine, rx: Receiver<EngineCmd>, sig_tx: watch::Sende
                     let _ = reply.send(engine.cached_hashes());
                 }
                 EngineCmd::SetStepHook { hook } => engine.set_step_hook(hook),
+                EngineCmd::Sequences { reply } => {
+                    let _ = reply.send(engine.sequences());
+                }
+                EngineCmd::Export { id, reply } => {
+                    let handover = engine.export(id).map(|export| Handover { export, route: routes.remove(&id) });
+                    let _ = reply.send(handover);
+                }
+                EngineCmd::Import { import, reply } => {
+                    let _ = reply.send(engine.import(&import));
+                }
                 EngineCmd::Shutdown => shutdown = true,
             }
         }
@@ -425,7 +531,7 @@ fn engine_loop(mut engine: Engine, rx: Receiver<EngineCmd>, sig_tx: watch::Sende
     // Shutting down: every open sequence ends with an error event.
     for (id, mut r) in routes.drain() {
         engine.cancel(id);
-        r.deliver(Some(SeqEvent::Finished { reason: StopReason::Error("worker shut down".into()), usage: Default::default() }));
+        r.deliver(Some(SeqEvent::Finished { reason: StopReason::Lost("worker shut down".into()), usage: Default::default() }));
     }
     let _ = sig_tx.send(engine.signals());
 }

@@ -9,6 +9,7 @@ use std::time::Instant;
 use zerolayer_common::{KvEvent, SamplingParams, SeqEvent, StopReason, Usage, WorkerSignals};
 
 use crate::error::{Result, WorkerError};
+use crate::migrate::{Export, ImportReport, KvImport};
 use crate::model::{recycle, ForwardItem, KvCache, Model};
 use crate::sampler::Sampler;
 use crate::scheduler::{Plan, Scheduler, SchedulerConfig, SeqId};
@@ -38,6 +39,39 @@ struct SeqState {
     stop: StopChecker,
 }
 
+impl SeqState {
+    fn new(params: SamplingParams, sampled: u64) -> Self {
+        SeqState { sampler: Sampler::new(&params, sampled), decoder: IncrementalDecoder::default(), stop: StopChecker::new(&params.stop_sequences), params }
+    }
+
+    /// The text the newest token of `generated` completes (the token is `generated`'s last),
+    /// and whether the sequence ends with it: the end token, a stop sequence, `max_tokens`.
+    fn advance(&mut self, tok: &Tokenizer, generated: &[u32]) -> Result<(String, Option<StopReason>)> {
+        let last = *generated.last().expect("a new token");
+        let end = tok.is_end_token(last) && !self.params.ignore_eos;
+        let at_limit = !end && generated.len() >= self.params.max_tokens as usize;
+        // An end token adds no text of its own: only what the decoder still holds back.
+        let gen = &generated[..generated.len() - usize::from(end)];
+        let mut text = if end { String::new() } else { self.decoder.step(tok, gen)? };
+        if end || at_limit {
+            text.push_str(&self.decoder.flush(tok, gen)?);
+        }
+        let step = self.stop.push(&text);
+        let mut emit = step.emit;
+        let reason = match step.matched {
+            Some(m) => Some(StopReason::StopSequence(m)),
+            None if end => Some(StopReason::EndTurn),
+            None if at_limit => Some(StopReason::MaxTokens),
+            None => None,
+        };
+        if matches!(reason, Some(StopReason::EndTurn | StopReason::MaxTokens)) {
+            // Text held back as a possible stop-sequence start is final now.
+            emit.push_str(&self.stop.flush());
+        }
+        Ok((emit, reason))
+    }
+}
+
 /// Output of one step: events per sequence, in order.
 #[derive(Debug, Default)]
 pub struct StepOutput {
@@ -64,6 +98,9 @@ pub struct Engine {
     /// The step's plan and per-item buffers, reused (empty between steps).
     bufs: StepBufs,
     hook: Option<StepHook>,
+    /// Events decided outside a step (a resumed sequence that had already ended), sent with
+    /// the next step's.
+    pending: Vec<(SeqId, SeqEvent)>,
 }
 
 /// Runs at the start of every step that computes something, on the engine thread, with the
@@ -104,6 +141,7 @@ impl Engine {
             logits: Vec::new(),
             bufs: StepBufs::default(),
             hook: None,
+            pending: Vec::new(),
         })
     }
 
@@ -122,15 +160,112 @@ impl Engine {
 
     /// Queues a request. Errors: too long for the model or the cache, or the queue is full.
     pub fn add(&mut self, id: SeqId, prompt: Vec<u32>, params: SamplingParams) -> Result<()> {
-        if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= self.model.cfg.vocab_size) {
+        self.add_resumed(id, prompt, Vec::new(), params)
+    }
+
+    /// Queues a sequence that continues one a worker that is gone had started: `generated` are
+    /// the tokens its client already has. They are replayed silently through the detokenizer
+    /// and the stop matcher, the sampler starts at step `generated.len()` (same seed), and the
+    /// sequence is computed from `prompt + generated` (its cached prefix reused, so after a KV
+    /// migration only the last partial block is recomputed): it continues with exactly the
+    /// tokens the original would have produced. If `generated` already ends the sequence, it
+    /// finishes at once.
+    pub fn add_resumed(&mut self, id: SeqId, prompt: Vec<u32>, generated: Vec<u32>, params: SamplingParams) -> Result<()> {
+        let vocab = self.model.cfg.vocab_size;
+        if let Some(&bad) = prompt.iter().chain(&generated).find(|&&t| t as usize >= vocab) {
             return Err(WorkerError::Invalid(format!("token id {bad} is outside the vocabulary")));
         }
-        self.sched.add(id, prompt, params.max_tokens as usize)?;
-        self.states.insert(
-            id,
-            SeqState { sampler: Sampler::new(&params), decoder: IncrementalDecoder::default(), stop: StopChecker::new(&params.stop_sequences), params },
-        );
+        let mut st = SeqState::new(params, generated.len() as u64);
+        let mut ended = None;
+        for k in 1..=generated.len() {
+            if let (_, Some(reason)) = st.advance(&self.tokenizer, &generated[..k])? {
+                ended = Some(reason);
+                break;
+            }
+        }
+        let prompt_len = prompt.len();
+        let output = generated.len();
+        let mut tokens = prompt;
+        tokens.extend(generated);
+        if let Some(reason) = ended {
+            let usage = Usage { prompt_tokens_uncached: prompt_len as u32, prompt_tokens_cached: 0, output_tokens: output as u32 };
+            self.pending.push((id, SeqEvent::Started { prompt_tokens: prompt_len as u32, cached_tokens: 0 }));
+            self.pending.push((id, SeqEvent::Finished { reason, usage }));
+            return Ok(());
+        }
+        self.sched.add_resumed(id, tokens, prompt_len, st.params.max_tokens as usize)?;
+        self.states.insert(id, st);
         Ok(())
+    }
+
+    /// Every sequence the engine holds, running then waiting.
+    pub fn sequences(&self) -> Vec<SeqId> {
+        self.sched.sequence_ids()
+    }
+
+    /// Takes sequence `id` out of this engine for a move: its tokens, seed, and the KV bytes of
+    /// its computed full blocks, which stay in this worker's prefix cache after it leaves. The
+    /// other sequences are not paused.
+    pub fn export(&mut self, id: SeqId) -> Option<Export> {
+        let st = self.states.remove(&id)?;
+        let s = self.sched.get(id)?;
+        let bs = self.sched.config().block_size;
+        let full = s.num_computed / bs;
+        let block_hashes = zerolayer_common::block_hashes(&s.tokens[..full * bs], bs);
+        let mut kv = Vec::with_capacity(full * self.cache.block_bytes());
+        for &b in &s.blocks[..full] {
+            self.cache.read_block(b, &mut kv);
+        }
+        let (prompt, generated) = (s.tokens[..s.prompt_len].to_vec(), s.tokens[s.prompt_len..].to_vec());
+        self.sched.remove(id);
+        Some(Export { prompt, generated, seed: st.sampler.seed(), block_hashes, kv, block_bytes: self.cache.block_bytes(), block_size: bs })
+    }
+
+    /// Writes the blocks of `imp` this worker does not cache into its prefix cache, in chain
+    /// order, and stops at the first it cannot place. Blocks it already caches are pinned while
+    /// the rest is written, so the import cannot evict its own chain.
+    pub fn import(&mut self, imp: &KvImport) -> Result<ImportReport> {
+        let bs = self.sched.config().block_size;
+        if imp.block_size != bs || imp.block_bytes != self.cache.block_bytes() {
+            return Err(WorkerError::Invalid(format!(
+                "KV import of {}-token blocks of {} bytes into a worker with {bs}-token blocks of {} bytes",
+                imp.block_size,
+                imp.block_bytes,
+                self.cache.block_bytes()
+            )));
+        }
+        let mut report = ImportReport::default();
+        let mut pinned = Vec::new();
+        for (i, (hash, bytes)) in imp.blocks.iter().enumerate() {
+            if let Some(b) = self.sched.pin_cached(*hash) {
+                pinned.push(b);
+                report.already_cached += 1;
+                continue;
+            }
+            let Some(bytes) = bytes else {
+                report.skipped = imp.blocks.len() - i;
+                break;
+            };
+            if bytes.len() != imp.block_bytes {
+                return Err(WorkerError::Invalid(format!("KV block {i}: {} bytes, not {}", bytes.len(), imp.block_bytes)));
+            }
+            let Some(b) = self.sched.alloc_import() else {
+                report.skipped = imp.blocks.len() - i;
+                break;
+            };
+            self.cache.write_block(b, bytes);
+            self.sched.commit_import(b, *hash);
+            report.imported += 1;
+        }
+        for b in pinned {
+            self.sched.unpin(b);
+        }
+        let (ev, overflowed) = self.sched.drain_kv_events();
+        if overflowed {
+            self.kv_events.clear();
+        }
+        self.kv_events.extend(ev);
+        Ok(report)
     }
 
     /// Cancels a sequence, freeing its blocks. Returns its final event if it existed.
@@ -141,7 +276,7 @@ impl Engine {
     }
 
     pub fn has_work(&self) -> bool {
-        !self.sched.is_idle()
+        !self.sched.is_idle() || !self.pending.is_empty()
     }
 
     /// Runs one step: schedule, forward, sample, detokenize, check stops. A failure (of the
@@ -157,7 +292,7 @@ impl Engine {
     fn step_with(&mut self, bufs: &mut StepBufs) -> Result<StepOutput> {
         self.sched.schedule_into(&mut bufs.plan);
         let plan = &bufs.plan;
-        let mut out = StepOutput::default();
+        let mut out = StepOutput { events: std::mem::take(&mut self.pending), ..Default::default() };
         for &id in &plan.started {
             let s = self.sched.get(id).unwrap();
             out.events.push((id, SeqEvent::Started { prompt_tokens: s.prompt_len as u32, cached_tokens: s.cached_prompt_tokens as u32 }));
@@ -247,26 +382,7 @@ impl Engine {
         self.sched.append_token(id, tok);
         self.generated_total += 1;
         let s = self.sched.get(id).expect("scheduled sequence");
-        let end = self.tokenizer.is_end_token(tok) && !st.params.ignore_eos;
-        let at_limit = !end && s.generated() >= st.params.max_tokens as usize;
-        // An end token adds no text of its own: only what the decoder still holds back.
-        let gen = &s.tokens[s.prompt_len..s.tokens.len() - usize::from(end)];
-        let mut text = if end { String::new() } else { st.decoder.step(&self.tokenizer, gen)? };
-        if end || at_limit {
-            text.push_str(&st.decoder.flush(&self.tokenizer, gen)?);
-        }
-        let step = st.stop.push(&text);
-        let mut emit = step.emit;
-        let reason = match step.matched {
-            Some(m) => Some(StopReason::StopSequence(m)),
-            None if end => Some(StopReason::EndTurn),
-            None if at_limit => Some(StopReason::MaxTokens),
-            None => None,
-        };
-        if matches!(reason, Some(StopReason::EndTurn | StopReason::MaxTokens)) {
-            // Text held back as a possible stop-sequence start is final now.
-            emit.push_str(&st.stop.flush());
-        }
+        let (emit, reason) = st.advance(&self.tokenizer, &s.tokens[s.prompt_len..])?;
         out.events.push((id, SeqEvent::Delta { tokens: vec![tok], text: emit }));
         if let Some(r) = reason {
             self.finish(id, r, out);

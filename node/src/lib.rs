@@ -7,7 +7,8 @@
 //! - [`block_pool`]: paged KV blocks with reference counts and automatic prefix caching.
 //! - [`scheduler`]: continuous batching with chunked prefill and preemption (sans-IO).
 //! - [`sampler`], [`stop`]: sampling and stop sequences.
-//! - [`engine`]: one `step()` at a time over all of the above.
+//! - [`engine`]: one `step()` at a time over all of the above; [`migrate`]: what a sequence
+//!   that leaves its worker takes with it, and how KV blocks enter another worker's cache.
 //! - [`actor`]: the worker actor and its engine thread; [`WorkerHandle`] is the API.
 //!
 //! This crate speaks neither HTTP nor QUIC.
@@ -18,6 +19,7 @@ pub mod chat;
 pub mod engine;
 pub mod error;
 pub mod loader;
+pub mod migrate;
 pub mod model;
 pub mod sampler;
 pub mod scheduler;

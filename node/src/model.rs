@@ -104,6 +104,35 @@ impl KvCache {
         KvCache { layout, num_blocks, k: (0..cfg.n_layers).map(|_| committed()).collect(), v: (0..cfg.n_layers).map(|_| committed()).collect() }
     }
 
+    /// Bytes of one block across every layer, K and V: what a KV transfer moves per block.
+    pub fn block_bytes(&self) -> usize {
+        (self.k.len() + self.v.len()) * self.layout.block_elems() * std::mem::size_of::<KvElem>()
+    }
+
+    /// Appends block `b`'s K and V, layer by layer (`[K₀ V₀ K₁ V₁ …]`, little-endian), to `out`.
+    pub fn read_block(&self, b: u32, out: &mut Vec<u8>) {
+        let be = self.layout.block_elems();
+        let r = b as usize * be..(b as usize + 1) * be;
+        for (k, v) in self.k.iter().zip(&self.v) {
+            for x in k[r.clone()].iter().chain(&v[r.clone()]) {
+                out.extend_from_slice(&x.to_le_bytes());
+            }
+        }
+    }
+
+    /// Overwrites block `b` with bytes in [`Self::read_block`]'s layout.
+    pub fn write_block(&mut self, b: u32, bytes: &[u8]) {
+        assert_eq!(bytes.len(), self.block_bytes(), "KV block size");
+        let be = self.layout.block_elems();
+        let r = b as usize * be..(b as usize + 1) * be;
+        let mut words = bytes.chunks_exact(std::mem::size_of::<KvElem>()).map(|c| KvElem::from_le_bytes(c.try_into().unwrap()));
+        for (k, v) in self.k.iter_mut().zip(self.v.iter_mut()) {
+            for x in k[r.clone()].iter_mut().chain(v[r.clone()].iter_mut()) {
+                *x = words.next().unwrap();
+            }
+        }
+    }
+
     pub fn bytes(&self) -> usize {
         (self.k.len() + self.v.len()) * self.num_blocks * self.layout.block_elems() * std::mem::size_of::<KvElem>()
     }

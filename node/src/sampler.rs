@@ -1,8 +1,10 @@
-//! Token sampling: exact greedy at temperature 0; otherwise temperature, top-k and top-p,
-//! with an optional seed for reproducibility.
+//! Token sampling: exact greedy at temperature 0; otherwise temperature, top-k and top-p.
+//!
+//! The random draw of step `k` is a pure function of `(seed, k)` (splitmix64), not a stream
+//! advanced call by call. A sequence that continues elsewhere (replayed or migrated after
+//! `k` tokens) starts its sampler at step `k` with the same seed, and so draws exactly what the
+//! original would have: seeded sampling at temperature > 0 survives a move, as greedy does.
 
-use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
 use zerolayer_common::SamplingParams;
 
 /// Per-sequence sampling state.
@@ -10,26 +12,45 @@ pub struct Sampler {
     temperature: f32,
     top_k: usize,
     top_p: f32,
-    rng: StdRng,
+    seed: u64,
+    /// Tokens sampled so far (the next draw is step `step`).
+    step: u64,
     candidates: Vec<(u32, f32)>,
 }
 
+fn splitmix64(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// The uniform draw in [0, 1) of step `step` of a sequence seeded with `seed`.
+pub fn uniform(seed: u64, step: u64) -> f32 {
+    (splitmix64(seed ^ splitmix64(step)) >> 40) as f32 / (1u64 << 24) as f32
+}
+
 impl Sampler {
-    pub fn new(p: &SamplingParams) -> Self {
-        let rng = match p.seed {
-            Some(s) => StdRng::seed_from_u64(s),
-            None => StdRng::from_rng(&mut rand::rng()),
-        };
+    /// A sampler for a sequence that has already sampled `step` tokens (0 when it is new). With
+    /// no seed in `p` one is drawn; [`Sampler::seed`] tells which, so the sequence can move.
+    pub fn new(p: &SamplingParams, step: u64) -> Self {
         Sampler {
             temperature: p.temperature,
             top_k: p.top_k.filter(|&k| k > 0).map(|k| k as usize).unwrap_or(usize::MAX),
             top_p: p.top_p.unwrap_or(1.0).clamp(f32::MIN_POSITIVE, 1.0),
-            rng,
+            seed: p.seed.unwrap_or_else(rand::random),
+            step,
             candidates: Vec::new(),
         }
     }
 
+    pub fn seed(&self) -> u64 {
+        self.seed
+    }
+
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
+        let step = self.step;
+        self.step += 1;
         if self.temperature == 0.0 || self.top_k == 1 {
             return argmax(logits);
         }
@@ -62,7 +83,7 @@ impl Sampler {
             }
         }
         let mass: f32 = c[..keep].iter().map(|e| e.1).sum();
-        let mut r = self.rng.random::<f32>() * mass;
+        let mut r = uniform(self.seed, step) * mass;
         for e in &c[..keep] {
             r -= e.1;
             if r <= 0.0 {
@@ -92,7 +113,7 @@ mod tests {
 
     #[test]
     fn greedy_is_exact_argmax() {
-        let mut s = Sampler::new(&SamplingParams::greedy(1));
+        let mut s = Sampler::new(&SamplingParams::greedy(1), 0);
         assert_eq!(s.sample(&[0.1, 3.0, 2.9999, -1.0]), 1);
         assert_eq!(s.sample(&[5.0, 5.0]), 0);
     }
@@ -101,11 +122,21 @@ mod tests {
     fn seeded_sampling_is_reproducible_and_respects_top_k() {
         let p = SamplingParams { temperature: 1.0, top_k: Some(2), seed: Some(42), ..Default::default() };
         let logits: Vec<f32> = (0..50).map(|i| (i as f32 * 0.37).sin()).collect();
-        let mut a = Sampler::new(&p);
-        let mut b = Sampler::new(&p);
+        let mut a = Sampler::new(&p, 0);
+        let mut b = Sampler::new(&p, 0);
         let xs: Vec<u32> = (0..64).map(|_| a.sample(&logits)).collect();
         let ys: Vec<u32> = (0..64).map(|_| b.sample(&logits)).collect();
         assert_eq!(xs, ys);
+        // A sampler that starts at step 40 (a sequence that moved after 40 tokens) draws what
+        // the original drew from step 40 on.
+        let mut moved = Sampler::new(&p, 40);
+        let zs: Vec<u32> = (40..64).map(|_| moved.sample(&logits)).collect();
+        assert_eq!(zs, xs[40..]);
+        // Without a seed one is drawn, and it can be read back to continue elsewhere.
+        let mut unseeded = Sampler::new(&SamplingParams { seed: None, ..p.clone() }, 0);
+        let first: Vec<u32> = (0..8).map(|_| unseeded.sample(&logits)).collect();
+        let mut again = Sampler::new(&SamplingParams { seed: Some(unseeded.seed()), ..p.clone() }, 0);
+        assert_eq!((0..8).map(|_| again.sample(&logits)).collect::<Vec<_>>(), first);
         let mut top: Vec<u32> = (0..50).collect();
         top.sort_by(|&i, &j| logits[j as usize].total_cmp(&logits[i as usize]));
         assert!(xs.iter().all(|x| top[..2].contains(x)));
@@ -115,7 +146,7 @@ mod tests {
     #[test]
     fn tiny_top_p_is_greedy() {
         let p = SamplingParams { temperature: 1.0, top_p: Some(1e-6), seed: Some(1), ..Default::default() };
-        let mut s = Sampler::new(&p);
+        let mut s = Sampler::new(&p, 0);
         for _ in 0..20 {
             assert_eq!(s.sample(&[0.0, 1.0, 0.5]), 1);
         }

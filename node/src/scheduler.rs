@@ -153,6 +153,36 @@ impl Scheduler {
         self.pool.cached_hashes()
     }
 
+    /// Every sequence the scheduler holds: running (oldest first), then waiting.
+    pub fn sequence_ids(&self) -> Vec<SeqId> {
+        self.running.iter().chain(self.waiting.iter()).copied().collect()
+    }
+
+    /// The cached block holding the prefix named `hash`, pinned (not evictable) until
+    /// [`Self::unpin`]; for a KV import that skips blocks the pool already has.
+    pub fn pin_cached(&mut self, hash: u64) -> Option<BlockId> {
+        let b = self.pool.lookup(hash)?;
+        self.pool.acquire(b);
+        Some(b)
+    }
+
+    pub fn unpin(&mut self, b: BlockId) {
+        self.pool.release(b);
+    }
+
+    /// A block for imported KV (free, or the least recently used cached one), held until
+    /// [`Self::commit_import`].
+    pub fn alloc_import(&mut self) -> Option<BlockId> {
+        self.pool.allocate()
+    }
+
+    /// The imported block `b` now holds the prefix `hash`: it joins the prefix cache (evictable,
+    /// most recently used) and a `Stored` KV event announces it.
+    pub fn commit_import(&mut self, b: BlockId, hash: u64) {
+        self.pool.register(b, hash);
+        self.pool.release(b);
+    }
+
     /// Checks the pool's invariants (tests).
     pub fn check_invariants(&self) {
         self.pool.check_invariants();
@@ -164,13 +194,24 @@ impl Scheduler {
 
     /// Queues a sequence. Refuses one that could never fit alone, or a full queue.
     pub fn add(&mut self, id: SeqId, prompt: Vec<u32>, max_tokens: usize) -> Result<()> {
-        if prompt.is_empty() {
+        let prompt_len = prompt.len();
+        self.add_resumed(id, prompt, prompt_len, max_tokens)
+    }
+
+    /// Queues a sequence whose `tokens` are its prompt (`prompt_len`) followed by output it
+    /// already generated elsewhere; `max_tokens` counts that output too.
+    pub fn add_resumed(&mut self, id: SeqId, tokens: Vec<u32>, prompt_len: usize, max_tokens: usize) -> Result<()> {
+        let prompt = tokens;
+        if prompt_len == 0 || prompt.len() < prompt_len {
             return Err(WorkerError::Invalid("empty prompt".into()));
+        }
+        if prompt.len() - prompt_len > max_tokens {
+            return Err(WorkerError::Invalid(format!("{} tokens already generated, more than max_tokens {max_tokens}", prompt.len() - prompt_len)));
         }
         if self.seqs.contains_key(&id) {
             return Err(WorkerError::Invalid(format!("duplicate sequence id {id}")));
         }
-        let total = prompt.len() + max_tokens;
+        let total = prompt_len + max_tokens;
         if total > self.cfg.max_model_len {
             return Err(WorkerError::TooLong { needed: total, limit: self.cfg.max_model_len });
         }
@@ -181,7 +222,6 @@ impl Scheduler {
         if self.waiting.len() >= self.cfg.max_waiting {
             return Err(WorkerError::QueueFull(self.waiting.len()));
         }
-        let prompt_len = prompt.len();
         self.seqs.insert(
             id,
             Sequence {

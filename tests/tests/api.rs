@@ -444,9 +444,10 @@ async fn openai_usage_finish_reasons_errors_and_seeds() {
     s.stop().await.unwrap();
 }
 
-/// While a node drains (SIGTERM's path), no new work starts: `/ready` is 503, a new
-/// generation is refused (529, or the connection is no longer accepted), and the coordinator
-/// itself refuses; the request already running finishes.
+/// While a lone node drains (SIGTERM's path), no new work starts: `/ready` is 503, a new
+/// generation is refused (529: its only worker is out of placement, and there is no other; or
+/// the connection is no longer accepted), and the coordinator itself refuses; the request
+/// already running finishes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_new_work_while_draining() {
     let _g = heavy();
@@ -491,7 +492,7 @@ async fn no_new_work_while_draining() {
         params: SamplingParams::greedy(1),
         stream: false,
     };
-    let refused = coordinator.start(&zerolayer_coordinator::auth::Caller::Open, req).await.err().expect("refused while draining");
+    let refused = coordinator.start(&zerolayer_coordinator::auth::Caller::Open, req, "req_test").await.err().expect("refused while draining");
     assert_eq!(refused.status(), 529);
     gate.release();
     while let Some(chunk) = within(60, "the running stream finishes", stream.next()).await {

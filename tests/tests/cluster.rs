@@ -165,17 +165,23 @@ async fn three_nodes_place_by_cache_load_and_liveness() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 
-    // 4. A node dies mid-request: the client's stream ends with an error event within seconds.
-    //    A document only the victim caches is sent to a, so a forwards it there.
+    // 4. A node dies mid-request: the stream goes on (the coordinator holding the client replays
+    //    prompt + delivered tokens on a survivor) and the client gets exactly the text an
+    //    undisturbed run gets. A document only the victim caches is sent to a, so a forwards it
+    //    there.
     let (c_doc, victim) = remote_docs[0];
     let victim_id = cluster.nodes[victim].id.clone();
     let survivors: Vec<usize> = (0..3).filter(|&i| i != victim).collect();
-    let body = json!({"model": "smollm2-135m-instruct", "max_tokens": 400, "temperature": 0, "stream": true,
+    let body = json!({"model": "smollm2-135m-instruct", "max_tokens": 120, "temperature": 0, "stream": true,
                       "messages": [{"role": "user", "content": format!("{}\n\nQuestion 9: write a long essay about it.", document(c_doc, "ca"))}]});
+    let streamed_text = |raw: &str| -> String { parse_sse(raw).iter().filter_map(|(_, d)| d["delta"]["text"].as_str().map(str::to_string)).collect() };
+    let undisturbed = http.post(&a).json(&body).send().await.unwrap();
+    assert_eq!(undisturbed.headers()["zerolayer-worker"].to_str().unwrap(), format!("{victim_id}/cpu0"));
+    let undisturbed = streamed_text(&undisturbed.text().await.unwrap());
     let mut resp = http.post(&a).json(&body).send().await.unwrap();
     assert_eq!(resp.headers()["zerolayer-worker"].to_str().unwrap(), format!("{victim_id}/cpu0"), "the request must be forwarded to the victim");
     let mut text = String::new();
-    while !text.contains("content_block_delta") {
+    while text.matches("content_block_delta").count() < 3 {
         let chunk = timeout(Duration::from_secs(30), resp.chunk()).await.expect("first tokens").unwrap().expect("stream open");
         text.push_str(&String::from_utf8_lossy(&chunk));
     }
@@ -184,17 +190,18 @@ async fn three_nodes_place_by_cache_load_and_liveness() {
     eprintln!("no false dead-node verdict in {samples} samples of every node's view under load");
     let killed_at = Instant::now();
     cluster.nodes[victim].kill();
-    let rest = timeout(Duration::from_secs(10), async {
+    let rest = timeout(Duration::from_secs(120), async {
         while let Some(chunk) = resp.chunk().await.unwrap_or(None) {
             text.push_str(&String::from_utf8_lossy(&chunk));
         }
     })
     .await;
-    assert!(rest.is_ok(), "the stream must end within seconds of the node's death, not hang");
+    assert!(rest.is_ok(), "the stream must finish, not hang");
     let events = parse_sse(&text);
-    let last = events.last().unwrap();
-    assert_eq!(last.0, "error", "the stream ends with an error event: {last:?}");
-    eprintln!("stream from dead node ended with an error event after {:.2}s", killed_at.elapsed().as_secs_f64());
+    assert_eq!(events.last().unwrap().0, "message_stop", "the stream completes: {text}");
+    assert!(!events.iter().any(|(n, _)| n == "error"), "no error event: {text}");
+    assert_eq!(streamed_text(&text), undisturbed, "exactly the undisturbed text, after a replay on a survivor");
+    eprintln!("a stream whose node died finished on a survivor {:.2}s after the kill, with the undisturbed text", killed_at.elapsed().as_secs_f64());
 
     // 5. The others mark the victim dead and stop placing on it.
     let deadline = Instant::now() + Duration::from_secs(15);
@@ -314,13 +321,14 @@ mod mtls {
         let good_mat = tls::TlsMaterial::load(&good, "b").unwrap();
         let evil_mat = tls::TlsMaterial::load(&evil, "x").unwrap();
         let mixed = tls::TlsMaterial { ca: good_mat.ca.clone(), chain: evil_mat.chain.clone(), key: evil_mat.key.clone_key() };
-        let frame = zerolayer_common::wire::encode_submit(&zerolayer_common::wire::Submit {
+        let frame = zerolayer_common::wire::encode_open(&zerolayer_common::wire::Open::Submit(zerolayer_common::wire::Submit {
             request_id: "req_mtls".into(),
             origin_node: "b".into(),
             worker: "cpu0".into(),
             prompt: vec![1, 2, 3],
             params: zerolayer_common::SamplingParams::greedy(4),
-        })
+            resume: vec![],
+        }))
         .unwrap();
         let submit = |mat: tls::TlsMaterial| {
             let frame = frame.clone();

@@ -53,14 +53,14 @@ async fn a_failed_step_fails_only_its_sequences() {
     .await
     .unwrap();
     let greedy = |n| SamplingParams { ignore_eos: true, ..SamplingParams::greedy(n) };
-    let mut a = w.submit(SubmitRequest { prompt: prompt(&tok, "Count to one hundred."), params: greedy(200) }).await.unwrap();
+    let mut a = w.submit(SubmitRequest::new(prompt(&tok, "Count to one hundred."), greedy(200))).await.unwrap();
     // A is decoding once it has produced a token.
     loop {
         if let SeqEvent::Delta { .. } = a.recv().await.unwrap() {
             break;
         }
     }
-    let b = w.submit(SubmitRequest { prompt: prompt(&tok, "Name a color."), params: greedy(8) }).await.unwrap();
+    let b = w.submit(SubmitRequest::new(prompt(&tok, "Name a color."), greedy(8))).await.unwrap();
     fail_next.store(true, Ordering::SeqCst);
     let (_, _, fin_a, _) = drain(a).await;
     assert!(matches!(&fin_a, SeqEvent::Finished { reason: StopReason::Error(e), .. } if e.contains("injected")), "A was in the failed step: {fin_a:?}");
@@ -68,7 +68,7 @@ async fn a_failed_step_fails_only_its_sequences() {
     assert!(matches!(fin_b, SeqEvent::Finished { reason: StopReason::MaxTokens, .. }), "B was waiting, outside the step, and completes: {fin_b:?}");
     assert_eq!(toks_b.len(), 8);
     // The worker keeps serving, and its KV blocks all came back.
-    let c = w.submit(SubmitRequest { prompt: prompt(&tok, "Say hi."), params: greedy(4) }).await.unwrap();
+    let c = w.submit(SubmitRequest::new(prompt(&tok, "Say hi."), greedy(4))).await.unwrap();
     let (toks_c, ..) = drain(c).await;
     assert_eq!(toks_c.len(), 4);
     let mut sig = w.watch_signals();
@@ -84,11 +84,11 @@ async fn a_slow_reader_gets_merged_deltas_and_loses_nothing() {
     let p = prompt(&tok, "Tell me a long story about a lighthouse keeper.");
     let params = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(300) };
     // A reader that keeps up.
-    let fast = w.submit(SubmitRequest { prompt: p.clone(), params: params.clone() }).await.unwrap();
+    let fast = w.submit(SubmitRequest::new(p.clone(), params.clone())).await.unwrap();
     let (fast_toks, fast_text, ..) = drain(fast).await;
     // A reader that reads nothing until the sequence is over: 300 deltas do not fit the
     // 64-slot reply channel, and the engine must not wait for the reader.
-    let slow = w.submit(SubmitRequest { prompt: p, params }).await.unwrap();
+    let slow = w.submit(SubmitRequest::new(p, params)).await.unwrap();
     let mut sig = w.watch_signals();
     tokio::time::timeout(Duration::from_secs(300), sig.wait_for(|s| s.running == 0 && s.waiting == 0 && s.generated_tokens_total >= 600))
         .await
@@ -109,17 +109,18 @@ async fn cached_hashes_and_shutdown_go_through_the_actor() {
     let w = worker(EngineConfig { block_size: 4, ..Default::default() }).await;
     assert!(w.cached_hashes().await.unwrap().is_empty());
     let p = prompt(&tok, "What is the capital of France?");
-    let s = w.submit(SubmitRequest { prompt: p.clone(), params: SamplingParams::greedy(2) }).await.unwrap();
+    let s = w.submit(SubmitRequest::new(p.clone(), SamplingParams::greedy(2))).await.unwrap();
     drain(s).await;
     let cached = w.cached_hashes().await.unwrap();
     let want = zerolayer_common::block_hashes(&p, 4);
     assert!(want.iter().all(|h| cached.contains(h)), "every full prompt block is cached");
-    // Shutdown ends open sequences with an error event, and later commands are refused.
-    let open = w.submit(SubmitRequest { prompt: p, params: SamplingParams { ignore_eos: true, ..SamplingParams::greedy(2000) } }).await.unwrap();
+    // Shutdown ends open sequences as `Lost` (their coordinator continues them elsewhere), and
+    // later commands are refused.
+    let open = w.submit(SubmitRequest::new(p, SamplingParams { ignore_eos: true, ..SamplingParams::greedy(2000) })).await.unwrap();
     w.shutdown().await;
     let (.., fin, _) = drain(open).await;
-    assert!(matches!(fin, SeqEvent::Finished { reason: StopReason::Error(_), .. }), "{fin:?}");
+    assert!(matches!(fin, SeqEvent::Finished { reason: StopReason::Lost(_), .. }), "{fin:?}");
     assert!(matches!(w.cached_hashes().await, Err(WorkerError::ShuttingDown)));
-    let r = w.submit(SubmitRequest { prompt: vec![1, 2, 3], params: SamplingParams::greedy(1) }).await;
+    let r = w.submit(SubmitRequest::new(vec![1, 2, 3], SamplingParams::greedy(1))).await;
     assert!(matches!(r, Err(WorkerError::ShuttingDown)));
 }

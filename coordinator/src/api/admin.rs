@@ -1,14 +1,19 @@
-//! The operator's endpoints: `/admin/status` and `/admin/cluster` (admin key), `/health`,
-//! `/ready` (503 while draining or shutting down) and `/metrics` (Prometheus text).
+//! The operator's endpoints: `/admin/status`, `/admin/cluster` and
+//! `/admin/nodes/{node}/{drain,undrain}` (admin key), `/health`, `/ready` (503 while draining
+//! or shutting down) and `/metrics` (Prometheus text).
+//!
+//! Drain and undrain work through any node: a request for another node is passed on to that
+//! node's own admin API (its HTTP address is in the cluster view), with the caller's key.
 
-use axum::extract::State;
-use axum::http::StatusCode;
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Value};
 
-use super::shared::AppState;
+use super::shared::{AppState, RequestId};
 use crate::coordinator::Coordinator;
+use crate::error::ApiError;
 use crate::metrics;
 
 pub async fn status(State(c): State<AppState>) -> Json<Value> {
@@ -78,4 +83,47 @@ pub async fn prometheus(State(c): State<AppState>) -> Response {
     let peers: Vec<(String, &'static str)> = c.cluster.nodes().into_iter().map(|n| (n.id, n.state.as_str())).collect();
     let body = metrics::render(&c.node_id, &c.model.id, &c.worker_signals(), &peers);
     ([("content-type", "text/plain; version=0.0.4")], body).into_response()
+}
+
+/// `POST /admin/nodes/{node}/drain`, `POST …/undrain`, and `GET …/drain` (the report). `node` may
+/// be `self`, this node's id, or another node's id (passed on to that node).
+pub async fn drain(
+    State(c): State<AppState>,
+    axum::Extension(rid): axum::Extension<RequestId>,
+    method: Method,
+    headers: HeaderMap,
+    Path((node, action)): Path<(String, String)>,
+) -> Response {
+    let r = async {
+        if node != "self" && node != c.node_id {
+            return pass_on(&c, &node, &action, &method, &headers).await;
+        }
+        let report = match (method.as_str(), action.as_str()) {
+            ("POST", "drain") => c.drain().await?,
+            ("POST", "undrain") => c.undrain().await?,
+            ("GET", "drain") => c.drain_report().await?,
+            _ => return Err(ApiError::NotFound(format!("{method} /admin/nodes/{node}/{action} does not exist"))),
+        };
+        Ok(Json(json!(report)).into_response())
+    };
+    r.await.unwrap_or_else(|e: ApiError| e.into_anthropic(&rid.0))
+}
+
+/// Passes an admin request on to `node`'s own admin API.
+async fn pass_on(c: &Coordinator, node: &str, action: &str, method: &Method, headers: &HeaderMap) -> Result<Response, ApiError> {
+    let info = c.cluster.nodes().into_iter().find(|n| n.id == node).ok_or_else(|| ApiError::NotFound(format!("node {node} is not in the cluster")))?;
+    if info.http.is_empty() {
+        return Err(ApiError::Unavailable(format!("node {node} has not published its HTTP address")));
+    }
+    let url = format!("http://{}/admin/nodes/{node}/{action}", info.http);
+    let mut req = reqwest::Client::new().request(method.clone(), &url).timeout(std::time::Duration::from_secs(30));
+    for h in ["x-api-key", "authorization"] {
+        if let Some(v) = headers.get(h) {
+            req = req.header(h, v.as_bytes());
+        }
+    }
+    let resp = req.send().await.map_err(|e| ApiError::Unavailable(format!("node {node} at {}: {e}", info.http)))?;
+    let status = StatusCode::from_u16(resp.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
+    let body = resp.bytes().await.map_err(|e| ApiError::Unavailable(format!("node {node}: {e}")))?;
+    Ok((status, [("content-type", "application/json")], body).into_response())
 }

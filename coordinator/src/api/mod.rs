@@ -34,6 +34,7 @@ pub fn router(state: AppState) -> Router {
     let admin = Router::new()
         .route("/admin/status", get(admin::status))
         .route("/admin/cluster", get(admin::cluster))
+        .route("/admin/nodes/{node}/{action}", get(admin::drain).post(admin::drain))
         .route_layer(middleware::from_fn_with_state(state.clone(), admin_guard));
     Router::new()
         .merge(api)

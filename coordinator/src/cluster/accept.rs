@@ -1,11 +1,17 @@
 //! The accept loop: takes peer connections (mutual TLS is enforced by the endpoint's config)
-//! and dispatches their streams: uni = a gossip message for chitchat, bi = a forwarded request.
-//! Each connection's task ends when the connection closes, which `Cluster::kill` forces.
+//! and dispatches their streams: uni = a gossip message for chitchat; bi = whatever its first
+//! frame opens (a forwarded request, or KV blocks to import). Each connection's task ends when
+//! the connection closes, which `Cluster::kill` forces.
 
 use std::sync::Arc;
 
-use super::forward;
+use std::net::SocketAddr;
+
+use zerolayer_common::wire::{self, Open};
+
+use super::frames::read_frame;
 use super::link::Cluster;
+use super::{forward, migrate};
 use super::transport::MAX_GOSSIP_BYTES;
 
 pub async fn run(cluster: Arc<Cluster>) {
@@ -35,10 +41,27 @@ pub async fn run(cluster: Arc<Cluster>) {
                     }
                     bi = conn.accept_bi() => {
                         let Ok((send, recv)) = bi else { break };
-                        tokio::spawn(forward::serve(c.clone(), send, recv, remote));
+                        tokio::spawn(serve_bi(c.clone(), send, recv, remote));
                     }
                 }
             }
         });
+    }
+}
+
+/// Reads a bi-stream's opening frame (within [`forward::ACCEPT_TIMEOUT`]) and hands the stream
+/// to the side that serves it.
+async fn serve_bi(cluster: Arc<Cluster>, send: quinn::SendStream, mut recv: quinn::RecvStream, peer: SocketAddr) {
+    let first = tokio::time::timeout(forward::ACCEPT_TIMEOUT, read_frame(&mut recv)).await;
+    let open = match first {
+        Ok(Ok(Some(body))) => wire::decode_open(&body).map_err(anyhow::Error::from),
+        Ok(Ok(None)) => Err(anyhow::anyhow!("stream closed before its first frame")),
+        Ok(Err(e)) => Err(e),
+        Err(_) => Err(anyhow::anyhow!("no first frame within {:?}", forward::ACCEPT_TIMEOUT)),
+    };
+    match open {
+        Ok(Open::Submit(sub)) => forward::serve(cluster, sub, send, recv, peer).await,
+        Ok(Open::Import(header)) => migrate::serve(cluster, header, send, recv, peer).await,
+        Err(e) => tracing::debug!(%peer, error = %e, "refused a stream"),
     }
 }

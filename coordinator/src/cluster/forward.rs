@@ -4,35 +4,23 @@
 //! streams `Event` frames until `Finished`. Cancellation travels with the stream: dropping a
 //! [`RemoteStream`] before the end stops and resets it, and the owner, which watches
 //! `SendStream::stopped`, cancels the sequence at once (freeing its KV blocks). A lost peer
-//! surfaces as a read error within the QUIC idle timeout, and the stream ends with an error
-//! event, never a hang.
+//! surfaces as a read error within the QUIC idle timeout, and the stream ends with a `Lost`
+//! event (the origin then continues the sequence elsewhere), never a hang.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use zerolayer_common::wire::{self, Reply, Submit};
+use zerolayer_common::wire::{self, Open, Reply, Submit};
 use zerolayer_common::{SeqEvent, StopReason};
 use zerolayer_worker::{WorkerError, SubmitRequest};
 
+use super::frames::{read_frame, write_reply};
 use super::link::Cluster;
 use crate::view::NodeState;
 
 /// How long the owner may take to accept or refuse a submission.
 pub const ACCEPT_TIMEOUT: Duration = Duration::from_secs(10);
-
-async fn read_frame(recv: &mut quinn::RecvStream) -> anyhow::Result<Option<Vec<u8>>> {
-    let mut header = [0u8; 4];
-    match recv.read_exact(&mut header).await {
-        Ok(()) => {}
-        Err(quinn::ReadExactError::FinishedEarly(0)) => return Ok(None),
-        Err(e) => return Err(e.into()),
-    }
-    let n = wire::frame_len(header)?;
-    let mut body = vec![0u8; n];
-    recv.read_exact(&mut body).await?;
-    Ok(Some(body))
-}
 
 /// Why a forward failed before any event.
 #[derive(Debug)]
@@ -63,8 +51,8 @@ impl RemoteStream {
                 Ok(other) => SeqEvent::Finished { reason: StopReason::Error(format!("node {}: unexpected frame {other:?}", self.node)), usage: Default::default() },
                 Err(e) => SeqEvent::Finished { reason: StopReason::Error(format!("node {}: {e}", self.node)), usage: Default::default() },
             },
-            Ok(None) => SeqEvent::Finished { reason: StopReason::Error(format!("node {} ended the stream early", self.node)), usage: Default::default() },
-            Err(e) => SeqEvent::Finished { reason: StopReason::Error(format!("lost node {}: {e}", self.node)), usage: Default::default() },
+            Ok(None) => SeqEvent::Finished { reason: StopReason::Lost(format!("node {} ended the stream early", self.node)), usage: Default::default() },
+            Err(e) => SeqEvent::Finished { reason: StopReason::Lost(format!("lost node {}: {e}", self.node)), usage: Default::default() },
         };
         if matches!(ev, SeqEvent::Finished { .. }) {
             self.finished = true;
@@ -86,7 +74,7 @@ impl Drop for RemoteStream {
 /// Sends `submit` to `node` at `addr` and waits for the owner to accept it.
 pub async fn submit(cluster: &Cluster, node: &str, addr: std::net::SocketAddr, submit: &Submit) -> Result<RemoteStream, ForwardError> {
     let net = cluster.net.as_ref().ok_or_else(|| ForwardError::Unreachable("this node is not in a cluster".into()))?;
-    let frame = wire::encode_submit(submit).map_err(|e| ForwardError::Refused { overloaded: false, message: e.to_string() })?;
+    let frame = wire::encode_open(&Open::Submit(submit.clone())).map_err(|e| ForwardError::Refused { overloaded: false, message: e.to_string() })?;
     let setup = async {
         let conn = net.peers.connect(addr).await?;
         let (mut send, mut recv) = conn.open_bi().await?;
@@ -106,19 +94,10 @@ pub async fn submit(cluster: &Cluster, node: &str, addr: std::net::SocketAddr, s
     }
 }
 
-async fn write_reply(send: &mut quinn::SendStream, r: &Reply) -> anyhow::Result<()> {
-    send.write_all(&wire::encode_reply(r)?).await?;
-    Ok(())
-}
-
-/// The owner's side of one forwarded request.
-pub async fn serve(cluster: Arc<Cluster>, mut send: quinn::SendStream, mut recv: quinn::RecvStream, peer: std::net::SocketAddr) {
+/// The owner's side of one forwarded request (its `Submit` frame already read).
+pub async fn serve(cluster: Arc<Cluster>, sub: Submit, mut send: quinn::SendStream, recv: quinn::RecvStream, peer: std::net::SocketAddr) {
+    let _recv = recv; // kept open: the origin stops it to cancel
     let r = async {
-        let body = tokio::time::timeout(ACCEPT_TIMEOUT, read_frame(&mut recv))
-            .await
-            .map_err(|_| anyhow::anyhow!("no submission within {ACCEPT_TIMEOUT:?}"))??
-            .ok_or_else(|| anyhow::anyhow!("stream closed before a submission"))?;
-        let sub = wire::decode_submit(&body)?;
         let refuse = |overloaded: bool, message: String| Reply::Refused { overloaded, message };
         if cluster.state() != NodeState::Ready {
             return write_reply(&mut send, &refuse(true, format!("node {} is not accepting work", cluster.node_id))).await;
@@ -127,7 +106,7 @@ pub async fn serve(cluster: Arc<Cluster>, mut send: quinn::SendStream, mut recv:
             return write_reply(&mut send, &refuse(false, format!("node {} has no worker {:?}", cluster.node_id, sub.worker))).await;
         };
         tracing::debug!(request_id = %sub.request_id, origin = %sub.origin_node, worker = %sub.worker, prompt_tokens = sub.prompt.len(), "serving a forwarded request");
-        let mut stream = match w.handle.submit(SubmitRequest { prompt: sub.prompt, params: sub.params }).await {
+        let mut stream = match w.handle.submit(SubmitRequest { prompt: sub.prompt, params: sub.params, resume: sub.resume }).await {
             Ok(s) => s,
             Err(e) => {
                 let overloaded = matches!(e, WorkerError::QueueFull(_) | WorkerError::ShuttingDown);

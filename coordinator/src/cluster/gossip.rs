@@ -35,6 +35,16 @@ pub const MIN_DEAD_SILENCE: Duration = Duration::from_millis(1500);
 
 pub const KEY_STATE: &str = "state";
 pub const KEY_HTTP: &str = "http";
+/// Sequences a draining node still has to move.
+pub const KEY_MOVING: &str = "moving";
+
+/// A gossiped count (`moving`): a decimal u32, anything else is refused.
+pub fn decode_count(v: &str) -> Result<u32, GossipError> {
+    if v.is_empty() || v.len() > 10 || !v.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(GossipError::Malformed(format!("count {:?}", v.chars().take(16).collect::<String>())));
+    }
+    v.parse().map_err(|_| GossipError::OutOfRange(format!("count {v}")))
+}
 
 /// Why a gossiped value was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -417,6 +427,10 @@ mod tests {
         assert_eq!(worker_of_key("w:cpü"), None);
         assert_eq!(worker_of_key("sig:cpu0"), None);
         assert_eq!(decode_state("ready").unwrap(), NodeState::Ready);
+        assert_eq!(decode_count("12").unwrap(), 12);
+        for bad in ["", "-1", "1.5", "99999999999", "١٢", "12 "] {
+            assert!(decode_count(bad).is_err(), "{bad:?}");
+        }
         assert!(decode_state("réady").is_err());
     }
 

@@ -4,7 +4,7 @@
 
 use std::collections::HashSet;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
@@ -36,6 +36,8 @@ pub struct NodeInfo {
     pub quic: Option<SocketAddr>,
     pub generation: u64,
     pub local: bool,
+    /// Sequences a draining node still has to move (0 otherwise).
+    pub moving: u32,
 }
 
 /// A local worker and the prefix set the publisher keeps for it.
@@ -64,6 +66,8 @@ pub struct Cluster {
     pub net: Option<Net>,
     /// Forwarded sequences this node is running for other coordinators.
     pub serving_remote: AtomicUsize,
+    /// Sequences this node's drain still has to move (gossiped for `zerolayer status`).
+    pub moving: AtomicU32,
     pub(super) tasks: Mutex<Vec<JoinHandle<()>>>,
 }
 
@@ -98,6 +102,7 @@ impl Cluster {
             http: Mutex::new(http),
             net,
             serving_remote: AtomicUsize::new(0),
+            moving: AtomicU32::new(0),
             tasks: Mutex::new(Vec::new()),
         }
     }
@@ -155,6 +160,7 @@ impl Cluster {
             quic: self.quic_addr(),
             generation: 0,
             local: true,
+            moving: self.moving.load(Ordering::Acquire),
         }];
         out.extend(self.nodes.read().unwrap().iter().cloned());
         out

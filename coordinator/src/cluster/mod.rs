@@ -16,14 +16,20 @@
 //!   the network half; [`Cluster::view`] joins fresh local signals with that snapshot. A single
 //!   node (no `quic` address) runs the same code with no network: the view is local.
 //!
-//! Layering (no module here uses one above it): `tls`, `transport`, `gossip` < `link` <
-//! `forward`, `publisher` < `accept` < `start`. Every task is owned by [`Cluster`] and stops
+//! - **KV transfer** ([`migrate`]). A draining node sends a sequence's blocks to the target
+//!   worker's prefix cache on a bi-stream of their own (header, then raw bytes, a checksum per
+//!   block).
+//!
+//! Layering (no module here uses one above it): `tls`, `transport`, `gossip`, `frames` <
+//! `link` < `forward`, `migrate`, `publisher` < `accept` < `start`. Every task is owned by [`Cluster`] and stops
 //! in [`Cluster::stop`] (graceful) or [`Cluster::kill`].
 
 pub mod accept;
 pub mod forward;
+pub mod frames;
 pub mod gossip;
 pub mod link;
+pub mod migrate;
 pub mod publisher;
 mod start;
 pub mod tls;

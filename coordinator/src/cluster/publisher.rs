@@ -16,7 +16,7 @@ use chitchat::{Chitchat, ChitchatId};
 use tokio::sync::broadcast;
 use zerolayer_common::KvEvent;
 
-use super::gossip::{self, Detector, Liveness, LocalDigest, RemoteDigests, KEY_HTTP, KEY_STATE, KV_SHARDS, MAX_WORKERS_PER_NODE};
+use super::gossip::{self, Detector, Liveness, LocalDigest, RemoteDigests, KEY_HTTP, KEY_MOVING, KEY_STATE, KV_SHARDS, MAX_WORKERS_PER_NODE};
 use super::link::{Cluster, NodeInfo};
 use crate::view::WorkerView;
 
@@ -75,6 +75,7 @@ fn publish(c: &Cluster, chitchat: &mut Chitchat, digests: &mut [LocalDigest], de
     let me = chitchat.self_node_state();
     me.set(KEY_STATE, c.state().as_str());
     me.set(KEY_HTTP, http);
+    me.set(KEY_MOVING, c.moving.load(std::sync::atomic::Ordering::Acquire).to_string());
     for (l, digest) in c.local.iter().zip(digests) {
         let id = &l.worker.id;
         if describe {
@@ -131,6 +132,7 @@ impl Remote {
                 quic: Some(id.gossip_advertise_addr),
                 generation: id.generation_id,
                 local: false,
+                moving: ns.get(KEY_MOVING).and_then(|v| gossip::decode_count(v).ok()).unwrap_or(0),
             });
             for (k, v) in ns.key_values().filter(|(k, _)| k.starts_with("w:")).take(MAX_WORKERS_PER_NODE) {
                 let Some(wid) = gossip::worker_of_key(k) else { continue };

@@ -82,7 +82,7 @@ pub async fn messages(
     };
     let model = req.generation.model.clone();
     let stream = req.generation.stream;
-    let acc = match c.start(&caller, req.generation).await {
+    let acc = match c.start(&caller, req.generation, &rid.0).await {
         Ok(a) => a,
         Err(e) => return finish(&c, "messages", e.into_anthropic(&rid.0), None),
     };

@@ -12,7 +12,7 @@ use serde_json::{json, Value};
 use zerolayer_common::{SeqEvent, StopReason, Usage};
 
 use super::request::{self, ChatRequest};
-use crate::api::shared::{self, collect, failed, finish, json_body, new_id, shut_down, AppState, Following, Next, SseStep};
+use crate::api::shared::{self, collect, failed, finish, json_body, new_id, shut_down, AppState, Following, Next, RequestId, SseStep};
 use crate::auth::Caller;
 use crate::clock::unix_now;
 use crate::coordinator::{Accepted, Coordinator};
@@ -42,14 +42,19 @@ fn parse(c: &Coordinator, body: Result<Bytes, BytesRejection>) -> Result<ChatReq
     Ok(req)
 }
 
-pub async fn chat_completions(State(c): State<AppState>, Extension(caller): Extension<Caller>, body: Result<Bytes, BytesRejection>) -> Response {
+pub async fn chat_completions(
+    State(c): State<AppState>,
+    Extension(rid): Extension<RequestId>,
+    Extension(caller): Extension<Caller>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
     let req = match parse(&c, body) {
         Ok(r) => r,
         Err(e) => return finish(&c, "chat_completions", e.into_openai(), None),
     };
     let model = req.generation.model.clone();
     let stream = req.generation.stream;
-    let acc = match c.start(&caller, req.generation).await {
+    let acc = match c.start(&caller, req.generation, &rid.0).await {
         Ok(a) => a,
         Err(e) => return finish(&c, "chat_completions", e.into_openai(), None),
     };

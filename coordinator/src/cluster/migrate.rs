@@ -1,0 +1,156 @@
+//! Both ends of a KV transfer over QUIC: a sequence leaving a draining node takes its computed
+//! blocks to the target worker's prefix cache (see `zerolayer_worker::migrate`).
+//!
+//! One bi-stream per sequence: an [`ImportHeader`] frame (tokens, chain hashes, a checksum per
+//! block, which blocks follow), then the raw bytes of the blocks the target does not cache
+//! (as the source's view of the target's prefix index says), `block_bytes` each. The target
+//! checks everything before it uses anything: the hashes against the tokens, the sizes against
+//! its own cache, each block's checksum as it arrives. It imports the chain up to the first
+//! block that fails and answers how many blocks of the chain it now caches.
+
+use std::collections::HashSet;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use zerolayer_common::wire::{self, BlockHeader, ImportHeader, Open, Reply};
+use zerolayer_common::{block_hashes, checksum};
+use zerolayer_worker::migrate::{Export, KvImport};
+
+use super::frames::{read_frame, write_reply};
+use super::link::Cluster;
+use crate::view::NodeState;
+
+/// How long one transfer may take, end to end (a 1,400-token sequence is ~64 MB of f32 KV).
+pub const TRANSFER_TIMEOUT: Duration = Duration::from_secs(60);
+/// The largest block accepted (a block of any model this serves is far smaller).
+pub const MAX_BLOCK_BYTES: u64 = 64 << 20;
+
+/// What a transfer achieved.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Transferred {
+    /// Blocks of the sequence's chain now in the target's cache.
+    pub blocks: u32,
+    /// Bytes sent.
+    pub bytes: u64,
+}
+
+/// The header for `export`'s blocks; blocks whose hash is in `target_cached` are not sent.
+pub fn header(request_id: &str, origin_node: &str, worker: &str, export: &Export, target_cached: &HashSet<u64>) -> ImportHeader {
+    let n = export.block_hashes.len();
+    let tokens: Vec<u32> = export.prompt.iter().chain(&export.generated).copied().take(n * export.block_size).collect();
+    let blocks = export
+        .block_hashes
+        .iter()
+        .enumerate()
+        .map(|(i, &hash)| BlockHeader {
+            hash,
+            checksum: checksum(&export.kv[i * export.block_bytes..(i + 1) * export.block_bytes]),
+            sent: !target_cached.contains(&hash),
+        })
+        .collect();
+    ImportHeader {
+        request_id: request_id.to_string(),
+        origin_node: origin_node.to_string(),
+        worker: worker.to_string(),
+        block_size: export.block_size as u32,
+        block_bytes: export.block_bytes as u64,
+        tokens,
+        blocks,
+    }
+}
+
+/// Sends `export`'s blocks (those `header` marks as sent) to `node` at `addr`.
+pub async fn send(cluster: &Cluster, node: &str, addr: SocketAddr, header: ImportHeader, export: &Export) -> anyhow::Result<Transferred> {
+    let net = cluster.net.as_ref().ok_or_else(|| anyhow::anyhow!("this node is not in a cluster"))?;
+    let work = async {
+        let conn = net.peers.connect(addr).await?;
+        let (mut send, mut recv) = conn.open_bi().await?;
+        send.write_all(&wire::encode_open(&Open::Import(header.clone()))?).await?;
+        let mut bytes = 0u64;
+        for (i, b) in header.blocks.iter().enumerate() {
+            if b.sent {
+                send.write_all(&export.kv[i * export.block_bytes..(i + 1) * export.block_bytes]).await?;
+                bytes += export.block_bytes as u64;
+            }
+        }
+        send.finish()?;
+        let body = read_frame(&mut recv).await?.ok_or_else(|| anyhow::anyhow!("node {node} closed the stream without an answer"))?;
+        match wire::decode_reply(&body)? {
+            Reply::Imported { blocks } => anyhow::Ok(Transferred { blocks, bytes }),
+            Reply::Refused { message, .. } => anyhow::bail!("node {node} refused the KV: {message}"),
+            other => anyhow::bail!("node {node}: unexpected answer {other:?}"),
+        }
+    };
+    tokio::time::timeout(TRANSFER_TIMEOUT, work).await.map_err(|_| anyhow::anyhow!("KV transfer to {node} took over {TRANSFER_TIMEOUT:?}"))?
+}
+
+/// Checks a header against this node's worker before any byte is read: the worker exists, the
+/// geometry matches, the size is within its cache, and the hashes are the tokens' chain.
+fn check(cluster: &Cluster, h: &ImportHeader) -> Result<(), String> {
+    let Some(w) = cluster.local_worker(&h.worker) else { return Err(format!("node {} has no worker {:?}", cluster.node_id, h.worker)) };
+    let sig = w.handle.signals();
+    if h.block_size != sig.block_size {
+        return Err(format!("block size {} here, {} sent", sig.block_size, h.block_size));
+    }
+    if h.block_bytes == 0 || h.block_bytes > MAX_BLOCK_BYTES {
+        return Err(format!("block of {} bytes", h.block_bytes));
+    }
+    if h.blocks.len() > sig.kv_blocks_total as usize {
+        return Err(format!("{} blocks for a cache of {}", h.blocks.len(), sig.kv_blocks_total));
+    }
+    let bs = h.block_size as usize;
+    if h.tokens.len() < h.blocks.len() * bs {
+        return Err(format!("{} tokens for {} blocks of {bs}", h.tokens.len(), h.blocks.len()));
+    }
+    let chain = block_hashes(&h.tokens[..h.blocks.len() * bs], bs);
+    if chain.iter().zip(&h.blocks).any(|(a, b)| *a != b.hash) {
+        return Err("the block hashes are not the chain of the tokens sent".into());
+    }
+    Ok(())
+}
+
+/// The receiving end of one transfer (its header frame already read).
+pub async fn serve(cluster: Arc<Cluster>, h: ImportHeader, mut send: quinn::SendStream, mut recv: quinn::RecvStream, peer: SocketAddr) {
+    let r = async {
+        let refuse = |message: String| Reply::Refused { overloaded: false, message };
+        if cluster.state() != NodeState::Ready {
+            return write_reply(&mut send, &refuse(format!("node {} is not ready", cluster.node_id))).await;
+        }
+        if let Err(e) = check(&cluster, &h) {
+            tracing::warn!(%peer, request_id = %h.request_id, error = %e, "refused a KV transfer");
+            return write_reply(&mut send, &refuse(e)).await;
+        }
+        let Some(w) = cluster.local_worker(&h.worker) else { return Ok(()) };
+        let mut import = KvImport { block_size: h.block_size as usize, block_bytes: h.block_bytes as usize, blocks: Vec::with_capacity(h.blocks.len()) };
+        let mut bad = None;
+        for (i, b) in h.blocks.iter().enumerate() {
+            if !b.sent {
+                import.blocks.push((b.hash, None));
+                continue;
+            }
+            let mut bytes = vec![0u8; h.block_bytes as usize];
+            recv.read_exact(&mut bytes).await?;
+            if bad.is_some() {
+                continue; // drained, not used: the chain stops at the first bad block
+            }
+            if checksum(&bytes) != b.checksum {
+                bad = Some(i);
+                continue;
+            }
+            import.blocks.push((b.hash, Some(bytes)));
+        }
+        if let Some(i) = bad {
+            tracing::warn!(%peer, request_id = %h.request_id, block = i, "a KV block failed its checksum; importing the chain before it");
+            import.blocks.truncate(i);
+        }
+        let report = w.handle.import(import).await?;
+        tracing::debug!(request_id = %h.request_id, from = %h.origin_node, imported = report.imported, cached = report.already_cached, "KV imported");
+        write_reply(&mut send, &Reply::Imported { blocks: report.usable() as u32 }).await?;
+        let _ = send.finish();
+        anyhow::Ok(())
+    };
+    if let Err(e) = tokio::time::timeout(TRANSFER_TIMEOUT, r).await.unwrap_or_else(|_| Err(anyhow::anyhow!("timed out"))) {
+        tracing::debug!(%peer, error = %e, "KV transfer stream ended with an error");
+    }
+}

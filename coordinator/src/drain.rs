@@ -1,0 +1,229 @@
+//! Draining a node: the node's coordinator actor (ractor), which owns the cluster-level
+//! orchestration of this node: drain, undrain and the moves they make.
+//!
+//! A drain:
+//! 1. marks the node `draining`: `/ready` turns 503, the node gossips it, and placement (here
+//!    at once, elsewhere within a gossip round) stops choosing its workers; a request that
+//!    still arrives here is placed on other nodes;
+//! 2. moves every sequence off its workers, one at a time, running or waiting, prefilling or
+//!    decoding (`WorkerHandle::export`, which pauses only that sequence): placement picks the
+//!    target; the blocks the target does not cache travel to its prefix cache (in process for a
+//!    worker of this node, over QUIC for another node, `cluster::migrate`); then the sequence's
+//!    stream here ends with `Moved`, and the coordinator holding its client continues it there by
+//!    exact replay, computing only the last partial block. A transfer that fails ends it with
+//!    `Lost` instead: the continuation recomputes;
+//! 3. keeps checking until the workers hold no sequence (and stays draining until `undrain`).
+//!
+//! With no other ready worker in the cluster nothing moves: the sequences finish here (a single
+//! node's SIGTERM drain, as before clusters).
+//!
+//! The request path never waits on this actor's mailbox: placement reads the published view.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
+use serde::Serialize;
+use zerolayer_common::StopReason;
+use zerolayer_worker::migrate::KvImport;
+
+use crate::cluster::{migrate, Cluster, LocalWorker};
+use crate::dispatch::Dispatcher;
+use crate::view::NodeState;
+
+/// How often a drain looks for sequences still on its workers.
+const RECHECK: Duration = Duration::from_millis(100);
+
+/// What a drain did, so far.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct DrainReport {
+    pub node: String,
+    pub draining: bool,
+    /// Sequences on this node's workers now.
+    pub sequences: usize,
+    /// Sequences moved with their KV (the target caches some of their blocks).
+    pub moved_with_kv: u64,
+    /// Sequences moved without KV (waiting ones, or a failed transfer): recomputed there.
+    pub moved_without_kv: u64,
+    pub kv_bytes_sent: u64,
+    pub kv_blocks_moved: u64,
+    /// Milliseconds spent moving sequences (export, transfer, import).
+    pub move_ms: u64,
+    /// Milliseconds from the drain's start until its workers first held no sequence.
+    pub emptied_after_ms: Option<u64>,
+}
+
+pub enum DrainMsg {
+    Drain(RpcReplyPort<DrainReport>),
+    Undrain(RpcReplyPort<DrainReport>),
+    Report(RpcReplyPort<DrainReport>),
+}
+
+/// What a drain works with.
+#[derive(Clone)]
+pub struct DrainContext {
+    pub node_id: String,
+    pub cluster: Arc<Cluster>,
+    pub dispatch: Arc<Dispatcher>,
+    pub workers: Vec<LocalWorker>,
+}
+
+pub struct DrainActor;
+
+pub struct DrainState {
+    ctx: DrainContext,
+    report: Arc<Mutex<DrainReport>>,
+    task: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl DrainState {
+    async fn report(&self) -> DrainReport {
+        let mut r = self.report.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        r.draining = self.ctx.cluster.state() == NodeState::Draining;
+        r.sequences = sequences_here(&self.ctx.workers).await;
+        r
+    }
+}
+
+impl Actor for DrainActor {
+    type Msg = DrainMsg;
+    type State = DrainState;
+    type Arguments = DrainContext;
+
+    async fn pre_start(&self, _me: ActorRef<Self::Msg>, ctx: DrainContext) -> Result<Self::State, ActorProcessingErr> {
+        let report = Arc::new(Mutex::new(DrainReport { node: ctx.node_id.clone(), ..Default::default() }));
+        Ok(DrainState { ctx, report, task: None })
+    }
+
+    async fn handle(&self, _me: ActorRef<Self::Msg>, msg: Self::Msg, state: &mut Self::State) -> Result<(), ActorProcessingErr> {
+        match msg {
+            DrainMsg::Drain(reply) => {
+                if state.task.as_ref().is_none_or(|t| t.is_finished()) {
+                    state.ctx.cluster.set_state(NodeState::Draining);
+                    *state.report.lock().unwrap_or_else(|e| e.into_inner()) = DrainReport { node: state.ctx.node_id.clone(), ..Default::default() };
+                    tracing::info!(node = %state.ctx.node_id, "draining: moving every sequence off this node's workers");
+                    state.task = Some(tokio::spawn(drain(state.ctx.clone(), state.report.clone())));
+                }
+                let _ = reply.send(state.report().await);
+            }
+            DrainMsg::Undrain(reply) => {
+                if let Some(t) = state.task.take() {
+                    t.abort();
+                }
+                state.ctx.cluster.moving.store(0, std::sync::atomic::Ordering::Release);
+                if state.ctx.cluster.state() == NodeState::Draining {
+                    state.ctx.cluster.set_state(NodeState::Ready);
+                    tracing::info!(node = %state.ctx.node_id, "undrained: taking work again");
+                }
+                let _ = reply.send(state.report().await);
+            }
+            DrainMsg::Report(reply) => {
+                let _ = reply.send(state.report().await);
+            }
+        }
+        Ok(())
+    }
+
+    async fn post_stop(&self, _me: ActorRef<Self::Msg>, state: &mut Self::State) -> Result<(), ActorProcessingErr> {
+        if let Some(t) = state.task.take() {
+            t.abort();
+        }
+        Ok(())
+    }
+}
+
+async fn sequences_here(workers: &[LocalWorker]) -> usize {
+    let mut n = 0;
+    for w in workers {
+        n += w.handle.sequences().await.map(|s| s.len()).unwrap_or(0);
+    }
+    n
+}
+
+/// The drain's loop: move what is here, until undrained (the actor aborts it).
+async fn drain(ctx: DrainContext, report: Arc<Mutex<DrainReport>>) {
+    let t0 = Instant::now();
+    loop {
+        if ctx.cluster.state() != NodeState::Draining {
+            return;
+        }
+        let mut left = 0;
+        for w in &ctx.workers {
+            let ids = w.handle.sequences().await.unwrap_or_default();
+            left += ids.len();
+            for id in ids {
+                move_one(&ctx, w, id, &report).await;
+            }
+        }
+        ctx.cluster.moving.store(left as u32, std::sync::atomic::Ordering::Release);
+        if left == 0 {
+            let mut r = report.lock().unwrap_or_else(|e| e.into_inner());
+            if r.emptied_after_ms.is_none() {
+                r.emptied_after_ms = Some(t0.elapsed().as_millis() as u64);
+                tracing::info!(node = %ctx.node_id, moved_with_kv = r.moved_with_kv, moved_without_kv = r.moved_without_kv, kv_bytes = r.kv_bytes_sent, "drained: no sequence left on this node's workers");
+            }
+        }
+        tokio::time::sleep(RECHECK).await;
+    }
+}
+
+/// Moves one sequence off `w`, if another worker can take it.
+async fn move_one(ctx: &DrainContext, w: &LocalWorker, id: u64, report: &Mutex<DrainReport>) {
+    let exclude = [ctx.node_id.clone()];
+    // Is there anywhere to go? (Asked with no tokens: the real choice is made after export.)
+    if ctx.dispatch.target(&[0], 1, &exclude).is_none() {
+        return; // nowhere to move: it finishes here
+    }
+    let t0 = Instant::now();
+    let Ok(Some(handover)) = w.handle.export(id).await else { return };
+    let ex = &handover.export;
+    let tokens: Vec<u32> = ex.prompt.iter().chain(&ex.generated).copied().collect();
+    let remaining = ex.generated.len().max(1);
+    let Some(target) = ctx.dispatch.target(&tokens, remaining, &exclude) else {
+        handover.finish(StopReason::Lost(format!("node {} drains and no worker could take the sequence", ctx.node_id))).await;
+        return;
+    };
+    let request_id = format!("drain-{}-{}-{id}", ctx.node_id, w.id);
+    let moved = if target.local {
+        match ctx.cluster.local_worker(&target.worker) {
+            Some(tw) => {
+                let blocks = ex.block_hashes.iter().enumerate().map(|(i, &h)| (h, Some(ex.kv[i * ex.block_bytes..(i + 1) * ex.block_bytes].to_vec()))).collect();
+                tw.handle
+                    .import(KvImport { block_size: ex.block_size, block_bytes: ex.block_bytes, blocks })
+                    .await
+                    .map(|r| migrate::Transferred { blocks: r.usable() as u32, bytes: 0 })
+                    .map_err(|e| anyhow::anyhow!("{e}"))
+            }
+            None => Err(anyhow::anyhow!("local worker {} vanished", target.worker)),
+        }
+    } else {
+        match ctx.cluster.peer_addr(&target.node) {
+            Some(addr) => {
+                let header = migrate::header(&request_id, &ctx.node_id, &target.worker, ex, &target.cached);
+                migrate::send(&ctx.cluster, &target.node, addr, header, ex).await
+            }
+            None => Err(anyhow::anyhow!("node {} is unreachable", target.node)),
+        }
+    };
+    let (blocks, bs) = (ex.block_hashes.len(), ex.block_size);
+    let reason = match &moved {
+        Ok(t) => StopReason::Moved { node: target.node.clone(), worker: target.worker.clone(), kv_tokens: t.blocks * bs as u32 },
+        Err(e) => {
+            tracing::warn!(%request_id, to = %format!("{}/{}", target.node, target.worker), error = %e, "KV transfer failed; the sequence continues there by recompute");
+            StopReason::Moved { node: target.node.clone(), worker: target.worker.clone(), kv_tokens: 0 }
+        }
+    };
+    tracing::debug!(%request_id, to = %format!("{}/{}", target.node, target.worker), blocks, ?moved, "moved a sequence");
+    handover.finish(reason).await;
+    let mut r = report.lock().unwrap_or_else(|e| e.into_inner());
+    match moved {
+        Ok(t) if t.blocks > 0 => {
+            r.moved_with_kv += 1;
+            r.kv_blocks_moved += t.blocks as u64;
+            r.kv_bytes_sent += t.bytes;
+        }
+        _ => r.moved_without_kv += 1,
+    }
+    r.move_ms += t0.elapsed().as_millis() as u64;
+    metrics::counter!("zerolayer_drain_moves_total", "node" => ctx.node_id.clone()).increment(1);
+}

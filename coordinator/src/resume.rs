@@ -1,0 +1,131 @@
+//! An accepted sequence as the coordinator holding its client follows it, wherever it runs.
+//!
+//! When its worker hands it over (`Moved`: a drain put its KV blocks in another worker's prefix
+//! cache) or is lost (`Lost`: the worker stopped, its node died or was cut off, a transfer
+//! failed), the sequence continues elsewhere by **exact replay**: the prompt plus every token the
+//! client already has is submitted again, with the same seed and the sampler at the same step
+//! (`Engine::add_resumed`). After a move the whole prefix is a cache hit; after a loss it is
+//! recomputed. Greedy decoding is batch-invariant and sampling is a function of (seed, step), so
+//! the continuation produces exactly the tokens the original would have: the client's stream
+//! goes on with no gap, no repeat and no missing token, and its `usage` is the original's.
+//!
+//! A request continues elsewhere at most `cluster.migration_limit` times; then it gets the
+//! error it would have had without the moves.
+
+use std::sync::Arc;
+
+use zerolayer_common::{SeqEvent, StopReason, Usage};
+
+use crate::dispatch::{Dispatcher, Job, Placed};
+
+/// An accepted sequence's events, continued across moves.
+pub struct LiveSequence {
+    dispatch: Arc<Dispatcher>,
+    job: Job,
+    at: Placed,
+    /// Tokens delivered so far (what a continuation resumes after).
+    generated: Vec<u32>,
+    /// The first `Started`: the prompt's cached/uncached split the client was told.
+    started: Option<(u32, u32)>,
+    moves: u32,
+    /// Nodes this sequence was lost on (not tried again).
+    lost_on: Vec<String>,
+    finished: bool,
+}
+
+impl LiveSequence {
+    pub fn new(dispatch: Arc<Dispatcher>, job: Job, at: Placed) -> Self {
+        LiveSequence { dispatch, job, at, generated: Vec::new(), started: None, moves: 0, lost_on: Vec::new(), finished: false }
+    }
+
+    /// `NODE/WORKER` serving the sequence now.
+    pub fn served_by(&self) -> String {
+        self.at.served_by()
+    }
+
+    /// How many times the sequence continued elsewhere.
+    pub fn moves(&self) -> u32 {
+        self.moves
+    }
+
+    /// The next event for the client, or `None` once the sequence is over. Continuations are
+    /// invisible: their `Started` is dropped and a `Moved`/`Lost` end becomes a replay.
+    pub async fn recv(&mut self) -> Option<SeqEvent> {
+        if self.finished {
+            return None;
+        }
+        loop {
+            let ev = self.at.stream.recv().await.unwrap_or_else(|| lost("the worker ended the stream without a result"));
+            match ev {
+                SeqEvent::Started { prompt_tokens, cached_tokens } => {
+                    if self.started.is_some() {
+                        continue;
+                    }
+                    self.started = Some((prompt_tokens, cached_tokens));
+                    return Some(ev);
+                }
+                SeqEvent::Delta { ref tokens, .. } => {
+                    self.generated.extend_from_slice(tokens);
+                    return Some(ev);
+                }
+                SeqEvent::Finished { reason, usage } if reason.continues_elsewhere() => {
+                    if let Err(e) = self.continue_elsewhere(reason).await {
+                        self.finished = true;
+                        return Some(SeqEvent::Finished { reason: StopReason::Error(e), usage: self.usage(usage) });
+                    }
+                }
+                SeqEvent::Finished { reason, usage } => {
+                    self.finished = true;
+                    if self.moves > 0 {
+                        tracing::info!(request_id = %self.job.request_id, moves = self.moves, served_by = %self.served_by(), "request finished after moving");
+                    }
+                    return Some(SeqEvent::Finished { reason, usage: self.usage(usage) });
+                }
+            }
+        }
+    }
+
+    /// The client's usage: the prompt as first admitted, every token generated on any worker.
+    fn usage(&self, last: Usage) -> Usage {
+        if self.moves == 0 {
+            return last;
+        }
+        let (prompt, cached) = self.started.unwrap_or((last.prompt_tokens(), last.prompt_tokens_cached));
+        Usage { prompt_tokens_uncached: prompt - cached.min(prompt), prompt_tokens_cached: cached.min(prompt), output_tokens: last.output_tokens.max(self.generated.len() as u32) }
+    }
+
+    async fn continue_elsewhere(&mut self, reason: StopReason) -> Result<(), String> {
+        let limit = self.dispatch.migration_limit();
+        let from = self.at.served_by();
+        if self.moves >= limit {
+            tracing::warn!(request_id = %self.job.request_id, moves = self.moves, %from, %reason, "request failed: its migrations ran out");
+            metrics::counter!("zerolayer_migrations_total", "node" => self.dispatch.node_id.clone(), "kind" => "exhausted").increment(1);
+            return Err(format!("the sequence could not continue: {reason} (it already moved {} times; migration_limit is {limit})", self.moves));
+        }
+        self.moves += 1;
+        let (kind, prefer) = match &reason {
+            StopReason::Moved { node, worker, kv_tokens } if *kv_tokens > 0 => ("kv", Some((node.clone(), worker.clone()))),
+            StopReason::Moved { node, worker, .. } => ("replay", Some((node.clone(), worker.clone()))),
+            _ => {
+                self.lost_on.push(self.at.node.clone());
+                ("replay", None)
+            }
+        };
+        // Never back onto the node it just left, nor onto one it was lost on.
+        let mut exclude = self.lost_on.clone();
+        exclude.push(self.at.node.clone());
+        let prefer = prefer.as_ref().map(|(n, w)| (n.as_str(), w.as_str()));
+        let placed = self.dispatch.submit(&self.job, &self.generated, &exclude, prefer).await.map_err(|e| format!("{reason}, and it could not continue elsewhere: {e}"))?;
+        tracing::info!(
+            request_id = %self.job.request_id, %from, to = %placed.served_by(), kind, %reason,
+            tokens = self.generated.len(), moves = self.moves, "sequence continues elsewhere"
+        );
+        metrics::counter!("zerolayer_migrations_total", "node" => self.dispatch.node_id.clone(), "kind" => kind).increment(1);
+        self.at = placed;
+        Ok(())
+    }
+}
+
+fn lost(why: &str) -> SeqEvent {
+    SeqEvent::Finished { reason: StopReason::Lost(why.into()), usage: Usage::default() }
+}

@@ -1,0 +1,59 @@
+//! A sequence leaving its worker: what the worker exports, and how another worker imports KV
+//! blocks into its prefix cache.
+//!
+//! A drain moves each sequence in two halves. The source exports it ([`Export`]: its tokens,
+//! its sampler's seed, the chained hashes of its computed full blocks and their raw KV bytes)
+//! and stops running it. The target imports the blocks it does not already cache
+//! ([`KvImport`]): each is written into a free (or least recently used) block and registered in
+//! the prefix index under its hash, exactly as if the target had computed it. The sequence
+//! then continues on the target by exact replay (`Engine::add_resumed`): its whole computed
+//! prefix is a cache hit, so only the last partial block (fewer than `block_size` tokens) is
+//! recomputed, and batch invariance makes every later token the one the source would have
+//! produced.
+//!
+//! Bytes are `[K₀ V₀ K₁ V₁ …]` per block, f32 little-endian, [`crate::model::KvCache::read_block`]'s
+//! layout; both sides must run the same model and block size, which the import checks.
+
+/// What a worker hands over for one sequence.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Export {
+    pub prompt: Vec<u32>,
+    /// Tokens generated so far (the origin may have received fewer; it replays what it has).
+    pub generated: Vec<u32>,
+    /// The sampler's seed (one was drawn if the request had none).
+    pub seed: u64,
+    /// Chained hashes of the computed full blocks, in order.
+    pub block_hashes: Vec<u64>,
+    /// `block_hashes.len() × block_bytes` bytes of KV.
+    pub kv: Vec<u8>,
+    pub block_bytes: usize,
+    pub block_size: usize,
+}
+
+/// Blocks for a worker's prefix cache, in chain order. A block without bytes is one the target
+/// is believed to cache already.
+#[derive(Debug, Default)]
+pub struct KvImport {
+    pub block_size: usize,
+    pub block_bytes: usize,
+    pub blocks: Vec<(u64, Option<Vec<u8>>)>,
+}
+
+/// What an import did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ImportReport {
+    /// Blocks written from the bytes sent.
+    pub imported: usize,
+    /// Blocks the target cached already (sent or not).
+    pub already_cached: usize,
+    /// Blocks at the end of the chain that could not be placed (a block without bytes that was
+    /// not cached, or no block free): the replay recomputes from the first of them.
+    pub skipped: usize,
+}
+
+impl ImportReport {
+    /// Blocks of the chain that are in the target's prefix cache now.
+    pub fn usable(&self) -> usize {
+        self.imported + self.already_cached
+    }
+}
