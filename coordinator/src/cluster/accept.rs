@@ -22,6 +22,11 @@ pub async fn run(cluster: Arc<Cluster>) {
             let remote = incoming.remote_address();
             let conn = match incoming.await {
                 Ok(conn) => conn,
+                // A peer that stops (a node being replaced) abandons its handshakes: not a refusal.
+                Err(e @ (quinn::ConnectionError::ApplicationClosed(_) | quinn::ConnectionError::ConnectionClosed(_) | quinn::ConnectionError::TimedOut | quinn::ConnectionError::Reset)) => {
+                    tracing::debug!(%remote, error = %e, "a peer abandoned its connection during the handshake");
+                    return;
+                }
                 Err(e) => {
                     tracing::warn!(%remote, error = %e, "refused a peer connection (TLS handshake failed)");
                     return;

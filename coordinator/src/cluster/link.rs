@@ -48,6 +48,8 @@ pub(super) struct LocalState {
 
 /// The network half: present when the node has a `quic` address.
 pub struct Net {
+    /// This process's generation (its start time, ms): a restarted node has a new one.
+    pub generation: u64,
     pub endpoint: quinn::Endpoint,
     pub peers: Arc<Peers>,
     pub addr: SocketAddr,
@@ -158,7 +160,7 @@ impl Cluster {
             state: self.state(),
             http: self.http.lock().unwrap().clone(),
             quic: self.quic_addr(),
-            generation: 0,
+            generation: self.net.as_ref().map_or(0, |n| n.generation),
             local: true,
             moving: self.moving.load(Ordering::Acquire),
         }];

@@ -83,5 +83,5 @@ async fn join(config: &ClusterConfig, node_id: &str, addr: Option<&str>, socket:
     };
     let initial = vec![(KEY_STATE.to_string(), NodeState::Joining.as_str().to_string()), (KEY_HTTP.to_string(), me.http.clone())];
     let chitchat = chitchat::spawn_chitchat(cfg, initial, &transport).await?;
-    Ok(Net { endpoint, peers, addr, chitchat, relays })
+    Ok(Net { generation, endpoint, peers, addr, chitchat, relays })
 }
