@@ -52,6 +52,12 @@ pub struct ClusterSection {
     /// How many times one request may continue elsewhere (its worker lost, or its node
     /// drained) before it fails with the error it would have had without the move.
     pub migration_limit: u32,
+    /// Let nodes whose ids are not in `[[nodes]]` join (their certificate must still come from
+    /// the cluster CA and name them). Off: only the configured nodes can connect or gossip.
+    pub allow_join: bool,
+    /// A dead node's gossip state (and everything kept about it) is dropped this long after
+    /// it died, so that restarts and lost nodes do not accumulate.
+    pub dead_node_grace_secs: u64,
 }
 
 impl Default for ClusterSection {
@@ -64,6 +70,8 @@ impl Default for ClusterSection {
             idle_timeout_ms: 3000,
             publish_interval_ms: 100,
             migration_limit: 3,
+            allow_join: false,
+            dead_node_grace_secs: 60,
         }
     }
 }

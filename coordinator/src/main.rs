@@ -100,6 +100,9 @@ enum ClusterCmd {
         /// Node ids, comma-separated (as in cluster.toml).
         #[arg(long, value_delimiter = ',', required = true)]
         nodes: Vec<String>,
+        /// Replace the key and certificate of a node that already has one.
+        #[arg(long)]
+        force: bool,
     },
 }
 
@@ -111,8 +114,8 @@ fn main() -> anyhow::Result<()> {
     match cli.cmd {
         Cmd::Up { config, node, http, model } => up(config, node, http, model),
         Cmd::Status { addr, admin_key, json } => status(&addr, admin_key.as_deref(), json),
-        Cmd::Cluster { cmd: ClusterCmd::Init { out, nodes } } => {
-            let files = zerolayer_coordinator::cluster::tls::init(&out, &nodes)?;
+        Cmd::Cluster { cmd: ClusterCmd::Init { out, nodes, force } } => {
+            let files = zerolayer_coordinator::cluster::tls::init(&out, &nodes, force)?;
             for f in files {
                 println!("wrote {}", f.display());
             }

@@ -182,7 +182,7 @@ impl TestCluster {
     pub async fn start(n: usize, tweak: impl FnOnce(&mut zerolayer_common::ClusterConfig)) -> TestCluster {
         let ids: Vec<String> = (0..n).map(|i| ((b'a' + i as u8) as char).to_string()).collect();
         let tls_dir = temp_dir("tls");
-        zerolayer_coordinator::cluster::tls::init(&tls_dir, &ids).expect("cluster init");
+        zerolayer_coordinator::cluster::tls::init(&tls_dir, &ids, false).expect("cluster init");
         let sockets: Vec<std::net::UdpSocket> = ids.iter().map(|_| std::net::UdpSocket::bind("127.0.0.1:0").unwrap()).collect();
         let mut cfg = zerolayer_common::ClusterConfig::default();
         cfg.model.path = model_path();

@@ -293,8 +293,8 @@ mod mtls {
         let _g = heavy();
         let good = zerolayer_tests::temp_dir("ca-good");
         let evil = zerolayer_tests::temp_dir("ca-evil");
-        tls::init(&good, &["a".into(), "b".into()]).unwrap();
-        tls::init(&evil, &["x".into()]).unwrap();
+        tls::init(&good, &["a".into(), "b".into()], false).unwrap();
+        tls::init(&evil, &["x".into()], false).unwrap();
         let ((sa, aa), (sb, ab), (sx, ax)) = (sock(), sock(), sock());
         // x claims to be part of the same cluster and seeds from a, with its own CA.
         let good_cfg = config(&[("a", aa), ("b", ab), ("x", ax)], &good);
@@ -365,7 +365,7 @@ mod mtls {
     async fn gossip_from_another_cluster_id_is_ignored() {
         let _g = heavy();
         let ca = zerolayer_tests::temp_dir("ca-ids");
-        tls::init(&ca, &["a".into(), "b".into(), "y".into()]).unwrap();
+        tls::init(&ca, &["a".into(), "b".into(), "y".into()], false).unwrap();
         let ((sa, aa), (sb, ab), (sy, ay)) = (sock(), sock(), sock());
         let cfg = config(&[("a", aa), ("b", ab), ("y", ay)], &ca);
         let mut other = config(&[("a", aa), ("y", ay)], &ca);
@@ -385,5 +385,172 @@ mod mtls {
         for c in [a, b, y] {
             c.kill();
         }
+    }
+}
+
+/// Identity: a certificate holder cannot speak for another node, gossip cannot crash a node,
+/// and restarts leave nothing behind. Links without a model.
+mod identity {
+    use super::*;
+    use zerolayer_coordinator::cluster::{tls, Cluster};
+    use zerolayer_coordinator::view::NodeState;
+
+    fn sock() -> (std::net::UdpSocket, std::net::SocketAddr) {
+        let s = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        let a = s.local_addr().unwrap();
+        (s, a)
+    }
+
+    fn config(ids: &[(&str, std::net::SocketAddr)], tls_dir: &std::path::Path) -> zerolayer_common::ClusterConfig {
+        let mut c = zerolayer_common::ClusterConfig::default();
+        c.cluster.tls_dir = Some(tls_dir.to_path_buf());
+        let template = c.nodes[0].clone();
+        c.nodes = ids
+            .iter()
+            .map(|(id, addr)| {
+                let mut n = template.clone();
+                n.id = id.to_string();
+                n.quic = Some(addr.to_string());
+                n
+            })
+            .collect();
+        c
+    }
+
+    async fn until(what: &str, within: Duration, mut ok: impl FnMut() -> bool) {
+        let deadline = Instant::now() + within;
+        while !ok() {
+            assert!(Instant::now() < deadline, "{what}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    fn entry(of: &Cluster, node: &str) -> Vec<(NodeState, u64, String)> {
+        of.nodes().into_iter().filter(|n| n.id == node).map(|n| (n.state, n.generation, n.http)).collect()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn forged_identities_change_nothing_and_bad_gossip_is_refused() {
+        let _g = heavy();
+        let dir = zerolayer_tests::temp_dir("forgery");
+        tls::init(&dir, &["a".into(), "b".into(), "c".into()], false).unwrap();
+        let ((sa, aa), (sb, ab), (sc, ac), (sf, af)) = (sock(), sock(), sock(), sock());
+        let cfg = config(&[("a", aa), ("b", ab), ("c", ac)], &dir);
+        let a = Cluster::start(&cfg, "a", &[], Some(sa)).await.unwrap();
+        let b = Cluster::start(&cfg, "b", &[], Some(sb)).await.unwrap();
+        let c = Cluster::start(&cfg, "c", &[], Some(sc)).await.unwrap();
+        for n in [&a, &b, &c] {
+            n.set_state(NodeState::Ready);
+        }
+        until("a sees b and c ready", Duration::from_secs(10), || {
+            ["b", "c"].iter().all(|id| entry(&a, id).iter().any(|(s, _, _)| *s == NodeState::Ready))
+        })
+        .await;
+        let genuine = entry(&a, "b");
+
+        // 1. c's certificate and key, running as "b" (a newer generation, another address),
+        //    gossiping b's state, workers and cache digest.
+        let forged_dir = zerolayer_tests::temp_dir("forger");
+        for (from, to) in [("ca.pem", "ca.pem"), ("c.pem", "b.pem"), ("c.key", "b.key")] {
+            std::fs::copy(dir.join(from), forged_dir.join(to)).unwrap();
+        }
+        let forger = Cluster::start(&config(&[("a", aa), ("b", af)], &forged_dir), "b", &[], Some(sf)).await.unwrap();
+        forger.set_state(NodeState::Ready);
+        forger.publish_for_tests("w:cpu0", r#"{"device":"cpu","max_waiting":64}"#).await;
+        forger.publish_for_tests("sig:cpu0", r#"{"kv_blocks_total":100,"kv_blocks_free":100,"block_size":4}"#).await;
+        forger.publish_for_tests("kv:cpu0:1", "1000000000000001").await;
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        assert_eq!(entry(&a, "b"), genuine, "b's entry at a is unchanged");
+        assert!(a.view().workers.iter().all(|w| w.node != "b"), "no worker appears for b");
+        let refused = a.link_stats();
+        eprintln!("a's link after the forgery: {refused:?}");
+
+        // 2. A forwarded request that claims to come from b, over c's certificate.
+        let c_mat = tls::TlsMaterial::load(&dir, "c").unwrap();
+        let client = tls::endpoint(std::net::UdpSocket::bind("127.0.0.1:0").unwrap(), &c_mat, Duration::from_secs(2)).unwrap();
+        let conn = client.connect(aa, tls::SERVER_NAME).unwrap().await.unwrap();
+        let (mut s, mut r) = conn.open_bi().await.unwrap();
+        let sub = zerolayer_common::wire::Submit {
+            request_id: "req_forged".into(),
+            origin_node: "b".into(),
+            worker: "cpu0".into(),
+            prompt: vec![1, 2, 3],
+            params: zerolayer_common::SamplingParams::greedy(4),
+            resume: vec![],
+        };
+        s.write_all(&zerolayer_common::wire::encode_open(&zerolayer_common::wire::Open::Submit(sub)).unwrap()).await.unwrap();
+        let mut len = [0u8; 4];
+        r.read_exact(&mut len).await.unwrap();
+        let mut body = vec![0u8; zerolayer_common::wire::frame_len(len).unwrap()];
+        r.read_exact(&mut body).await.unwrap();
+        let reply = zerolayer_common::wire::decode_reply(&body).unwrap();
+        assert!(
+            matches!(&reply, zerolayer_common::wire::Reply::Refused { message, .. } if message.contains("does not name node \"b\"")),
+            "a frame as b over c's certificate is refused: {reply:?}"
+        );
+
+        // 3. c, as itself, gossips a malformed and a non-ASCII value: refused, and a keeps
+        //    updating its view of c.
+        c.publish_for_tests("w:cpu0", r#"{"device":"cpu","max_waiting":64}"#).await;
+        c.publish_for_tests("sig:cpu0", "é{{not json").await;
+        c.publish_for_tests("kv:cpu0:2", "zzzzzzzzzzzzzzzzé").await;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        c.set_state(NodeState::Draining);
+        until("a keeps updating its view of c", Duration::from_secs(10), || entry(&a, "c").iter().any(|(s, _, _)| *s == NodeState::Draining)).await;
+        assert!(a.view().workers.iter().all(|w| w.node != "c"), "c's worker with malformed signals is not in the view");
+        for n in [a, b, c, forger] {
+            n.kill();
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn fifty_restarts_leave_nothing_behind() {
+        let _g = heavy();
+        let dir = zerolayer_tests::temp_dir("churn");
+        tls::init(&dir, &["a".into(), "b".into()], false).unwrap();
+        let (sa, aa) = sock();
+        let (_, ab) = sock();
+        let mut cfg = config(&[("a", aa), ("b", ab)], &dir);
+        cfg.cluster.dead_node_grace_secs = 2;
+        let a = Cluster::start(&cfg, "a", &[], Some(sa)).await.unwrap();
+        a.set_state(NodeState::Ready);
+        let mut peak = zerolayer_coordinator::cluster::LinkStats::default();
+        for round in 0..50 {
+            let (sb, _) = sock(); // a new process: a new address and a new generation
+            let b = Cluster::start(&cfg, "b", &[], Some(sb)).await.unwrap();
+            b.set_state(NodeState::Ready);
+            let generation = b.nodes()[0].generation;
+            let seen = || a.nodes().iter().any(|n| n.id == "b" && n.generation == generation && n.state == NodeState::Ready);
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while !seen() {
+                assert!(Instant::now() < deadline, "round {round}: a sees the new b (generation {generation}); a sees {:?}, holds {:?}", a.nodes(), a.link_stats());
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            let s = a.link_stats();
+            peak = zerolayer_coordinator::cluster::LinkStats {
+                gossip_node_states: peak.gossip_node_states.max(s.gossip_node_states),
+                relay_sockets: peak.relay_sockets.max(s.relay_sockets),
+                connections: peak.connections.max(s.connections),
+                certificates: peak.certificates.max(s.certificates),
+                ..peak
+            };
+            b.kill();
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        // Dead generations are dropped after the grace period; the link keeps what the one
+        // remaining (dead) b needs, at most.
+        until("a forgets the old generations", Duration::from_secs(30), || {
+            let s = a.link_stats();
+            s.gossip_node_states <= 2 && s.relay_sockets <= 2 && s.connections <= 2 && s.certificates <= 2 && s.digests <= 1 && s.nodes <= 1
+        })
+        .await;
+        eprintln!("after 50 restarts: {:?}; peak during them: {peak:?}", a.link_stats());
+        // During the churn a dead generation lives for its grace period (2 s, plus chitchat's
+        // deletion grace): the peak follows the restart rate, not the number of restarts.
+        assert!(
+            peak.gossip_node_states < 40 && peak.relay_sockets < 40 && peak.connections < 40 && peak.certificates < 40,
+            "state is collected during the churn, not only after it: {peak:?}"
+        );
+        a.kill();
     }
 }

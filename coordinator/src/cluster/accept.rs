@@ -7,9 +7,11 @@ use std::sync::Arc;
 
 use std::net::SocketAddr;
 
-use zerolayer_common::wire::{self, Open};
+use rustls::pki_types::CertificateDer;
+use zerolayer_common::wire::{self, Open, Reply};
 
-use super::frames::read_frame;
+use super::frames::{read_frame, write_reply};
+use super::identity::cert_names;
 use super::link::Cluster;
 use super::{forward, migrate};
 use super::transport::MAX_GOSSIP_BYTES;
@@ -33,6 +35,20 @@ pub async fn run(cluster: Arc<Cluster>) {
                 }
             };
             let Some(relays) = c.net.as_ref().map(|n| n.relays.clone()) else { return };
+            // Who the peer is: the node its certificate names (the handshake already checked
+            // that it chains to the cluster CA).
+            let cert = conn.peer_identity().and_then(|i| i.downcast::<Vec<CertificateDer<'static>>>().ok()).and_then(|v| v.first().cloned());
+            let Some(cert) = cert else {
+                conn.close(1u32.into(), b"no certificate");
+                return;
+            };
+            let node = c.configured_nodes().find(|n| cert_names(&cert, n)).map(str::to_string);
+            if node.is_none() && !c.joining_allowed() {
+                tracing::warn!(%remote, "refused a peer whose certificate names no node of the config");
+                conn.close(1u32.into(), b"not a node of this cluster");
+                return;
+            }
+            let peer = Arc::new(Peer { addr: remote, cert, node });
             loop {
                 tokio::select! {
                     uni = conn.accept_uni() => {
@@ -46,7 +62,7 @@ pub async fn run(cluster: Arc<Cluster>) {
                     }
                     bi = conn.accept_bi() => {
                         let Ok((send, recv)) = bi else { break };
-                        tokio::spawn(serve_bi(c.clone(), send, recv, remote));
+                        tokio::spawn(serve_bi(c.clone(), send, recv, peer.clone()));
                     }
                 }
             }
@@ -54,9 +70,25 @@ pub async fn run(cluster: Arc<Cluster>) {
     }
 }
 
+/// The node at the other end of a connection.
+pub struct Peer {
+    pub addr: SocketAddr,
+    pub cert: CertificateDer<'static>,
+    /// The configured node its certificate names (`None` only when joining is allowed).
+    pub node: Option<String>,
+}
+
+impl Peer {
+    /// Whether this peer may speak as `node`: its certificate names it.
+    pub fn is(&self, node: &str) -> bool {
+        self.node.as_deref() == Some(node) || cert_names(&self.cert, node)
+    }
+}
+
 /// Reads a bi-stream's opening frame (within [`forward::ACCEPT_TIMEOUT`]) and hands the stream
-/// to the side that serves it.
-async fn serve_bi(cluster: Arc<Cluster>, send: quinn::SendStream, mut recv: quinn::RecvStream, peer: SocketAddr) {
+/// to the side that serves it, after checking that the peer is the node the frame says it
+/// comes from.
+async fn serve_bi(cluster: Arc<Cluster>, send: quinn::SendStream, mut recv: quinn::RecvStream, peer: Arc<Peer>) {
     let first = tokio::time::timeout(forward::ACCEPT_TIMEOUT, read_frame(&mut recv)).await;
     let open = match first {
         Ok(Ok(Some(body))) => wire::decode_open(&body).map_err(anyhow::Error::from),
@@ -64,9 +96,23 @@ async fn serve_bi(cluster: Arc<Cluster>, send: quinn::SendStream, mut recv: quin
         Ok(Err(e)) => Err(e),
         Err(_) => Err(anyhow::anyhow!("no first frame within {:?}", forward::ACCEPT_TIMEOUT)),
     };
+    let claimed = match &open {
+        Ok(Open::Submit(s)) => s.origin_node.as_str(),
+        Ok(Open::Import(h)) => h.origin_node.as_str(),
+        Err(_) => "",
+    };
+    if open.is_ok() && !peer.is(claimed) {
+        tracing::warn!(peer = %peer.addr, node = ?peer.node, claimed, "refused a frame that claims another node's id");
+        metrics::counter!("zerolayer_forged_frames_total", "node" => cluster.node_id.clone()).increment(1);
+        let mut send = send;
+        let reply = Reply::Refused { overloaded: false, message: format!("this connection's certificate does not name node {claimed:?}") };
+        let _ = write_reply(&mut send, &reply).await;
+        let _ = send.finish();
+        return;
+    }
     match open {
-        Ok(Open::Submit(sub)) => forward::serve(cluster, sub, send, recv, peer).await,
-        Ok(Open::Import(header)) => migrate::serve(cluster, header, send, recv, peer).await,
-        Err(e) => tracing::debug!(%peer, error = %e, "refused a stream"),
+        Ok(Open::Submit(sub)) => forward::serve(cluster, sub, send, recv, peer.addr).await,
+        Ok(Open::Import(header)) => migrate::serve(cluster, header, send, recv, peer.addr).await,
+        Err(e) => tracing::debug!(peer = %peer.addr, error = %e, "refused a stream"),
     }
 }

@@ -5,8 +5,11 @@
 //! - `state` (`joining` / `ready` / `draining`) and `http` (its HTTP address);
 //! - `w:<worker>`: the worker's device and queue limit ([`WorkerDesc`], JSON);
 //! - `sig:<worker>`: its [`WorkerSignals`] (JSON);
-//! - `kv:<worker>:<shard>`: the cached block hashes whose top 4 bits are `shard`, as 16 hex
-//!   digits each, sorted, so that one stored block rewrites 1/16 of the digest.
+//! - `kvbits:<worker>` and `kv:<worker>:<shard>`: the cached block hashes, 16 hex digits each,
+//!   sorted, split by their top `kvbits` bits into `2^kvbits` shards, so that one stored block
+//!   rewrites one shard. The shard count grows with the cache (16 at first, doubling whenever a
+//!   shard would pass [`MAX_HASHES_PER_SHARD`]), so no value exceeds the gossip message limit,
+//!   whatever the cache size.
 //!
 //! **A peer's values are validated like a client's.** Every decoder returns an error instead
 //! of panicking, on any bytes: non-ASCII text, odd lengths, oversized values, numbers out of
@@ -22,8 +25,13 @@ use zerolayer_common::{KvEvent, WorkerSignals};
 
 use crate::view::NodeState;
 
-/// Shards of a worker's published prefix digest.
-pub const KV_SHARDS: usize = 16;
+/// Top bits that pick a digest shard: at least 4 (16 shards), at most 12 (4,096 shards, a
+/// cache of 8 M blocks).
+pub const MIN_SHARD_BITS: u32 = 4;
+pub const MAX_SHARD_BITS: u32 = 12;
+/// Hashes per shard before the shard count doubles: 2,048 × 16 hex digits = 32 KiB, half of
+/// chitchat's largest message.
+pub const MAX_HASHES_PER_SHARD: usize = 2048;
 /// The largest gossiped value accepted (a digest shard of 4,000 hashes; signals are ~600 bytes).
 pub const MAX_VALUE_BYTES: usize = 64 * 1024;
 /// Workers accepted per node; more `w:` keys are ignored.
@@ -69,9 +77,22 @@ pub fn digest_key(worker: &str, shard: usize) -> String {
     format!("kv:{worker}:{shard:x}")
 }
 
-/// The shard of a block hash (its top 4 bits).
-pub fn shard_of(h: u64) -> usize {
-    (h >> 60) as usize
+pub fn shard_bits_key(worker: &str) -> String {
+    format!("kvbits:{worker}")
+}
+
+/// The shard of a block hash: its top `bits` bits.
+pub fn shard_of(h: u64, bits: u32) -> usize {
+    (h >> (64 - bits)) as usize
+}
+
+/// A gossiped shard-bit count, within [`MIN_SHARD_BITS`]..=[`MAX_SHARD_BITS`].
+pub fn decode_shard_bits(v: &str) -> Result<u32, GossipError> {
+    let b = decode_count(v)?;
+    if !(MIN_SHARD_BITS..=MAX_SHARD_BITS).contains(&b) {
+        return Err(GossipError::OutOfRange(format!("shard bits {b}")));
+    }
+    Ok(b)
 }
 
 /// The worker a `w:` key names, if the key is one and the name is acceptable.
@@ -190,12 +211,13 @@ pub fn decode_digest(v: &str) -> Result<Vec<u64>, GossipError> {
 /// they were last published.
 pub struct LocalDigest {
     set: HashSet<u64>,
-    dirty: [bool; KV_SHARDS],
+    bits: u32,
+    dirty: Vec<bool>,
 }
 
 impl Default for LocalDigest {
     fn default() -> Self {
-        LocalDigest { set: HashSet::new(), dirty: [true; KV_SHARDS] }
+        LocalDigest { set: HashSet::new(), bits: MIN_SHARD_BITS, dirty: vec![true; 1 << MIN_SHARD_BITS] }
     }
 }
 
@@ -207,7 +229,7 @@ impl LocalDigest {
             KvEvent::Stored { hashes } => {
                 for h in hashes {
                     if self.set.insert(h) {
-                        self.dirty[shard_of(h)] = true;
+                        self.dirty[shard_of(h, self.bits)] = true;
                         changed = true;
                     }
                 }
@@ -215,7 +237,7 @@ impl LocalDigest {
             KvEvent::Evicted { hashes } => {
                 for h in hashes {
                     if self.set.remove(&h) {
-                        self.dirty[shard_of(h)] = true;
+                        self.dirty[shard_of(h, self.bits)] = true;
                         changed = true;
                     }
                 }
@@ -242,21 +264,40 @@ impl LocalDigest {
     /// Replaces the set with a full snapshot (after the event stream lagged).
     pub fn resync(&mut self, all: impl IntoIterator<Item = u64>) {
         self.set = all.into_iter().collect();
-        self.dirty = [true; KV_SHARDS];
+        self.dirty.fill(true);
     }
 
     pub fn set(&self) -> &HashSet<u64> {
         &self.set
     }
 
+    /// The shard-bit count the shards are published under.
+    pub fn bits(&self) -> u32 {
+        self.bits
+    }
+
     /// The shards changed since the last call, encoded (sorted hashes), and marks them clean.
+    /// First the shard count doubles as often as needed to keep every shard under
+    /// [`MAX_HASHES_PER_SHARD`] on average (which rewrites them all).
     pub fn take_dirty(&mut self) -> Vec<(usize, String)> {
+        while self.bits < MAX_SHARD_BITS && self.set.len() > MAX_HASHES_PER_SHARD << self.bits {
+            self.bits += 1;
+            self.dirty = vec![true; 1 << self.bits];
+        }
+        let mut shards: Vec<Vec<u64>> = vec![Vec::new(); 1 << self.bits];
+        if self.dirty.iter().any(|&d| d) {
+            for &h in &self.set {
+                let s = shard_of(h, self.bits);
+                if self.dirty[s] {
+                    shards[s].push(h);
+                }
+            }
+        }
         let mut out = Vec::new();
-        for s in 0..KV_SHARDS {
+        for (s, hs) in shards.iter_mut().enumerate() {
             if std::mem::take(&mut self.dirty[s]) {
-                let mut hs: Vec<u64> = self.set.iter().copied().filter(|h| shard_of(*h) == s).collect();
                 hs.sort_unstable();
-                out.push((s, encode_digest(&hs)));
+                out.push((s, encode_digest(hs)));
             }
         }
         out
@@ -269,40 +310,41 @@ pub type RemoteWorkerKey = (String, u64, String);
 /// Parsed digests of remote workers, re-parsed only when a shard's version changes.
 #[derive(Default)]
 pub struct RemoteDigests {
-    /// The shard versions each set was parsed from, and the set.
-    by_worker: HashMap<RemoteWorkerKey, (Vec<u64>, Arc<HashSet<u64>>)>,
+    /// The shard-bit count and shard versions each set was parsed from, and the set.
+    by_worker: HashMap<RemoteWorkerKey, (u32, Vec<u64>, Arc<HashSet<u64>>)>,
 }
 
 impl RemoteDigests {
-    /// The cached set of `worker` on `node` (generation `generation`), whose shards are now at
-    /// `versions`; `shard(s)` reads shard `s`'s value. A malformed shard counts as empty (and is
-    /// logged by the caller through the returned errors).
+    /// The cached set of `worker` on `node` (generation `generation`), published in
+    /// `2^bits` shards now at `versions`; `shard(s)` reads shard `s`'s value. A malformed
+    /// shard counts as empty (and is reported in the returned errors).
     pub fn get(
         &mut self,
         node: &str,
         generation: u64,
         worker: &str,
-        versions: [u64; KV_SHARDS],
+        bits: u32,
+        versions: &[u64],
         shard: impl Fn(usize) -> Option<String>,
     ) -> (Arc<HashSet<u64>>, Vec<GossipError>) {
         let key = (node.to_string(), generation, worker.to_string());
-        if let Some((v, set)) = self.by_worker.get(&key) {
-            if v[..] == versions[..] {
+        if let Some((b, v, set)) = self.by_worker.get(&key) {
+            if *b == bits && v[..] == versions[..] {
                 return (set.clone(), Vec::new());
             }
         }
         let mut set = HashSet::new();
         let mut errors = Vec::new();
-        for s in 0..KV_SHARDS {
+        for s in 0..1usize << bits {
             if let Some(v) = shard(s) {
                 match decode_digest(&v) {
-                    Ok(hs) => set.extend(hs.into_iter().filter(|h| shard_of(*h) == s)),
+                    Ok(hs) => set.extend(hs.into_iter().filter(|h| shard_of(*h, bits) == s)),
                     Err(e) => errors.push(e),
                 }
             }
         }
         let set = Arc::new(set);
-        self.by_worker.insert(key, (versions.to_vec(), set.clone()));
+        self.by_worker.insert(key, (bits, versions.to_vec(), set.clone()));
         (set, errors)
     }
 
@@ -437,7 +479,7 @@ mod tests {
     #[test]
     fn local_digest_publishes_only_changed_shards() {
         let mut d = LocalDigest::default();
-        assert_eq!(d.take_dirty().len(), KV_SHARDS, "every shard is published once at first");
+        assert_eq!(d.take_dirty().len(), 16, "every shard is published once at first");
         assert!(d.take_dirty().is_empty());
         let (a, b) = (0x1000_0000_0000_0001u64, 0x2000_0000_0000_0002u64);
         assert!(d.apply(KvEvent::Stored { hashes: vec![a, b] }));
@@ -447,8 +489,34 @@ mod tests {
         d.apply(KvEvent::Evicted { hashes: vec![a] });
         assert_eq!(d.take_dirty(), vec![(1, String::new())]);
         d.resync([b]);
-        assert_eq!(d.take_dirty().len(), KV_SHARDS);
+        assert_eq!(d.take_dirty().len(), 16);
         assert_eq!(d.set().len(), 1);
+    }
+
+    #[test]
+    fn shards_multiply_as_the_cache_grows_and_no_value_passes_the_limit() {
+        let mut d = LocalDigest::default();
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let hashes: Vec<u64> = (0..200_000)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x
+            })
+            .collect();
+        d.apply(KvEvent::Stored { hashes: hashes.clone() });
+        let shards = d.take_dirty();
+        assert_eq!(d.bits(), 7, "200,000 hashes: 128 shards of ~1,560");
+        assert_eq!(shards.len(), 128);
+        assert!(shards.iter().all(|(_, v)| v.len() <= MAX_VALUE_BYTES), "largest shard {} bytes", shards.iter().map(|(_, v)| v.len()).max().unwrap());
+        // A reader rebuilds exactly the set.
+        let mut r = RemoteDigests::default();
+        let versions = vec![1u64; 128];
+        let (set, errors) = r.get("b", 1, "cpu0", 7, &versions, |s| shards.iter().find(|(i, _)| *i == s).map(|(_, v)| v.clone()));
+        assert!(errors.is_empty());
+        assert_eq!(set.len(), hashes.len());
+        assert!(decode_shard_bits("13").is_err() && decode_shard_bits("3").is_err() && decode_shard_bits("7").is_ok());
     }
 
     #[test]
@@ -473,26 +541,26 @@ mod tests {
         let mut r = RemoteDigests::default();
         let h = 0x3000_0000_0000_0003u64;
         let value = encode_digest(&[h]);
-        let mut versions = [0u64; KV_SHARDS];
+        let mut versions = vec![0u64; 16];
         versions[3] = 1;
-        let (set, errs) = r.get("b", 7, "cpu0", versions, |s| (s == 3).then(|| value.clone()));
+        let (set, errs) = r.get("b", 7, "cpu0", 4, &versions, |s| (s == 3).then(|| value.clone()));
         assert!(errs.is_empty());
         assert!(set.contains(&h));
         // Same versions: the cached set, without reading the shards.
-        let (again, _) = r.get("b", 7, "cpu0", versions, |_| panic!("must not re-read"));
+        let (again, _) = r.get("b", 7, "cpu0", 4, &versions, |_| panic!("must not re-read"));
         assert!(Arc::ptr_eq(&set, &again));
         // A malformed shard and a hash in the wrong shard are dropped; the rest stays usable.
         versions[3] = 2;
         versions[4] = 1;
         let wrong_shard = encode_digest(&[h]);
-        let (set, errs) = r.get("b", 7, "cpu0", versions, |s| match s {
+        let (set, errs) = r.get("b", 7, "cpu0", 4, &versions, |s| match s {
             3 => Some("zz".into()),
             4 => Some(wrong_shard.clone()),
             _ => None,
         });
         assert_eq!(errs.len(), 1);
         assert!(set.is_empty());
-        r.get("c", 1, "cpu0", versions, |_| None);
+        r.get("c", 1, "cpu0", 4, &versions, |_| None);
         assert_eq!(r.len(), 2);
         r.retain(&[("c".to_string(), 1, "cpu0".to_string())].into_iter().collect());
         assert_eq!(r.len(), 1);

@@ -14,6 +14,7 @@ use tokio::task::JoinHandle;
 use zerolayer_common::ClusterConfig;
 use zerolayer_worker::WorkerHandle;
 
+use super::identity::Signer;
 use super::transport::{Peers, Relays};
 use crate::view::{ClusterView, NodeState, WorkerView};
 
@@ -55,6 +56,10 @@ pub struct Net {
     pub addr: SocketAddr,
     pub(super) chitchat: ChitchatHandle,
     pub(super) relays: Arc<Relays>,
+    /// Signs this node's gossip (see [`super::identity`]).
+    pub(super) signer: Signer,
+    /// The cluster CA, that other nodes' certificates must chain to.
+    pub(super) ca: rustls::pki_types::CertificateDer<'static>,
 }
 
 pub struct Cluster {
@@ -71,6 +76,24 @@ pub struct Cluster {
     /// Sequences this node's drain still has to move (gossiped for `zerolayer status`).
     pub moving: AtomicU32,
     pub(super) tasks: Mutex<Vec<JoinHandle<()>>>,
+    /// What the link holds about peers, as of the last publisher round.
+    pub(super) stats: Mutex<LinkStats>,
+}
+
+/// How much a node's link holds about its peers (all bounded; see `publisher`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct LinkStats {
+    /// Node states chitchat holds (every generation of every node, until garbage-collected).
+    pub gossip_node_states: usize,
+    /// Nodes in the view (the newest valid generation of each).
+    pub nodes: usize,
+    pub remote_workers: usize,
+    /// Parsed prefix digests kept.
+    pub digests: usize,
+    /// Certificates accepted (one per node generation still gossiped).
+    pub certificates: usize,
+    pub relay_sockets: usize,
+    pub connections: usize,
 }
 
 fn state_code(s: NodeState) -> u8 {
@@ -106,6 +129,7 @@ impl Cluster {
             serving_remote: AtomicUsize::new(0),
             moving: AtomicU32::new(0),
             tasks: Mutex::new(Vec::new()),
+            stats: Mutex::new(LinkStats::default()),
         }
     }
 
@@ -168,6 +192,36 @@ impl Cluster {
         out
     }
 
+    /// Gossips `key` = `payload` as this node, signed like the publisher's own values (tests:
+    /// a node that lies about its workers, or a forger holding another node's certificate).
+    #[doc(hidden)]
+    pub async fn publish_for_tests(&self, key: &str, payload: &str) {
+        if let Some(net) = &self.net {
+            let v = net.signer.sign(key, payload);
+            net.chitchat.with_chitchat(|c| c.self_node_state().set(key.to_string(), v.clone())).await;
+        }
+    }
+
+    /// What the link holds about peers now.
+    pub fn link_stats(&self) -> LinkStats {
+        *self.stats.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether `node` may be part of this cluster: in the config, or any id if joining is on.
+    pub fn admits(&self, node: &str) -> bool {
+        self.joining_allowed() || self.config.nodes.iter().any(|n| n.id == node)
+    }
+
+    /// Whether nodes not in the config may join (`cluster.allow_join`).
+    pub fn joining_allowed(&self) -> bool {
+        self.config.cluster.allow_join
+    }
+
+    /// The configured node ids.
+    pub fn configured_nodes(&self) -> impl Iterator<Item = &str> {
+        self.config.nodes.iter().map(|n| n.id.as_str())
+    }
+
     /// The QUIC address of a live peer.
     pub fn peer_addr(&self, node: &str) -> Option<SocketAddr> {
         self.nodes.read().unwrap().iter().find(|n| n.id == node && n.state != NodeState::Dead).and_then(|n| n.quic)
@@ -177,7 +231,8 @@ impl Cluster {
     pub async fn stop(&self) {
         self.set_state(NodeState::Draining);
         if let Some(net) = &self.net {
-            net.chitchat.with_chitchat(|c| c.self_node_state().set(super::gossip::KEY_STATE, NodeState::Draining.as_str())).await;
+            let v = net.signer.sign(super::gossip::KEY_STATE, NodeState::Draining.as_str());
+            net.chitchat.with_chitchat(|c| c.self_node_state().set(super::gossip::KEY_STATE, v.clone())).await;
             // One more gossip round so peers hear it before the connections close.
             tokio::time::sleep(Duration::from_millis(self.config.cluster.gossip_interval_ms * 2)).await;
         }

@@ -20,7 +20,11 @@
 //!   worker's prefix cache on a bi-stream of their own (header, then raw bytes, a checksum per
 //!   block).
 //!
-//! Layering (no module here uses one above it): `tls`, `transport`, `gossip`, `frames` <
+//! - **Identity** ([`identity`]). A peer is the node its certificate names; every gossiped
+//!   value is signed by its node and checked by every reader.
+//!
+//! Layering (no module here uses one above it): `tls`, `transport`, `gossip`, `frames`,
+//! `identity` <
 //! `link` < `forward`, `migrate`, `publisher` < `accept` < `start`. Every task is owned by [`Cluster`] and stops
 //! in [`Cluster::stop`] (graceful) or [`Cluster::kill`].
 
@@ -28,6 +32,7 @@ pub mod accept;
 pub mod forward;
 pub mod frames;
 pub mod gossip;
+pub mod identity;
 pub mod link;
 pub mod migrate;
 pub mod publisher;
@@ -35,4 +40,4 @@ mod start;
 pub mod tls;
 pub mod transport;
 
-pub use link::{Cluster, LocalWorker, NodeInfo};
+pub use link::{Cluster, LinkStats, LocalWorker, NodeInfo};

@@ -3,12 +3,14 @@
 //! 1. the local workers' KV events into their exact prefix sets ([`LocalDigest`]), resyncing
 //!    from a snapshot (a message to the worker actor) if the event stream lagged;
 //! 2. local state, signals and changed digest shards into chitchat;
-//! 3. every peer's keys into the remote part of the view, through the validating decoders;
-//!    refused values are logged and skipped, and the loop keeps going.
+//! 3. every peer's keys into the remote part of the view: only the newest generation of a
+//!    node whose certificate (from the CA, naming the node) and signatures check out
+//!    ([`super::identity`]), only nodes the config admits, and every value through the
+//!    validating decoders; refused values are logged and skipped, and the loop keeps going.
 //!
 //! It holds a weak reference: when the [`Cluster`] is dropped it ends; `Cluster::kill` aborts it.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
@@ -16,8 +18,9 @@ use chitchat::{Chitchat, ChitchatId};
 use tokio::sync::broadcast;
 use zerolayer_common::KvEvent;
 
-use super::gossip::{self, Detector, Liveness, LocalDigest, RemoteDigests, KEY_HTTP, KEY_MOVING, KEY_STATE, KV_SHARDS, MAX_WORKERS_PER_NODE};
-use super::link::{Cluster, NodeInfo};
+use super::gossip::{self, Detector, Liveness, LocalDigest, RemoteDigests, KEY_HTTP, KEY_MOVING, KEY_STATE, MAX_WORKERS_PER_NODE};
+use super::identity::{Verifier, KEY_CERT};
+use super::link::{Cluster, LinkStats, NodeInfo};
 use crate::view::WorkerView;
 
 pub async fn run(cluster: Weak<Cluster>, mut kv_rx: Vec<broadcast::Receiver<KvEvent>>) {
@@ -26,7 +29,11 @@ pub async fn run(cluster: Weak<Cluster>, mut kv_rx: Vec<broadcast::Receiver<KvEv
         None => return,
     };
     let mut digests: Vec<LocalDigest> = kv_rx.iter().map(|_| LocalDigest::default()).collect();
-    let mut remote = Remote::default();
+    let mut remote = match cluster.upgrade().and_then(|c| c.net.as_ref().map(|n| n.ca.clone())) {
+        Some(ca) => Remote::new(ca),
+        None => return,
+    };
+    let mut signed = Signed::default();
     let mut described = false;
     let mut tick = tokio::time::interval(interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -41,10 +48,30 @@ pub async fn run(cluster: Weak<Cluster>, mut kv_rx: Vec<broadcast::Receiver<KvEv
         let Some(net) = &c.net else { continue };
         let handle = net.chitchat.chitchat();
         let mut chitchat = handle.lock().await;
-        publish(&c, &mut chitchat, &mut digests, !described);
+        publish(&c, &mut chitchat, &mut digests, &mut signed, !described);
         described = true;
-        let (nodes, workers) = remote.read(&c.node_id, &chitchat, Instant::now());
+        let (nodes, workers) = remote.read(&c, &chitchat, Instant::now());
+        let gossip_node_states = chitchat.node_states().len();
+        // Connections and relays only for peers chitchat still knows (it drops a dead node
+        // `dead_node_grace_secs` after its death) and the seeds.
+        let keep: HashSet<std::net::SocketAddr> = chitchat
+            .node_states()
+            .keys()
+            .map(|id| id.gossip_advertise_addr)
+            .chain(c.config.nodes.iter().filter_map(|n| n.quic.as_deref()?.parse().ok()))
+            .collect();
         drop(chitchat);
+        net.relays.retain(&keep);
+        net.peers.retain(&keep);
+        *c.stats.lock().unwrap_or_else(|e| e.into_inner()) = LinkStats {
+            gossip_node_states,
+            nodes: nodes.len(),
+            remote_workers: workers.len(),
+            digests: remote.digests.len(),
+            certificates: remote.verifier.len(),
+            relay_sockets: net.relays.len(),
+            connections: net.peers.len(),
+        };
         *c.remote.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(workers);
         *c.nodes.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(nodes);
     }
@@ -69,54 +96,108 @@ async fn drain_kv_events(c: &Cluster, i: usize, rx: &mut broadcast::Receiver<KvE
     }
 }
 
-/// Writes this node's keys (worker descriptions only the first time).
-fn publish(c: &Cluster, chitchat: &mut Chitchat, digests: &mut [LocalDigest], describe: bool) {
+/// This node's signed values, re-signed only when their payload changes (a signature is not
+/// deterministic, and chitchat re-sends a key whose value changed).
+#[derive(Default)]
+struct Signed {
+    last: HashMap<String, (String, String)>,
+}
+
+impl Signed {
+    fn set(&mut self, signer: &super::identity::Signer, me: &mut chitchat::NodeState, key: String, payload: String) {
+        if let Some((p, _)) = self.last.get(&key) {
+            if *p == payload {
+                return;
+            }
+        }
+        let v = signer.sign(&key, &payload);
+        me.set(key.clone(), v.clone());
+        self.last.insert(key, (payload, v));
+    }
+}
+
+/// Writes this node's keys (its certificate and worker descriptions only the first time).
+fn publish(c: &Cluster, chitchat: &mut Chitchat, digests: &mut [LocalDigest], signed: &mut Signed, describe: bool) {
+    let Some(net) = &c.net else { return };
+    let signer = &net.signer;
     let http = c.http.lock().unwrap_or_else(|e| e.into_inner()).clone();
     let me = chitchat.self_node_state();
-    me.set(KEY_STATE, c.state().as_str());
-    me.set(KEY_HTTP, http);
-    me.set(KEY_MOVING, c.moving.load(std::sync::atomic::Ordering::Acquire).to_string());
+    if describe {
+        me.set(KEY_CERT, signer.cert());
+    }
+    signed.set(signer, me, KEY_STATE.into(), c.state().as_str().into());
+    signed.set(signer, me, KEY_HTTP.into(), http);
+    signed.set(signer, me, KEY_MOVING.into(), c.moving.load(std::sync::atomic::Ordering::Acquire).to_string());
     for (l, digest) in c.local.iter().zip(digests) {
         let id = &l.worker.id;
         if describe {
             let d = gossip::WorkerDesc { device: l.worker.device.clone(), max_waiting: l.worker.max_waiting as u32 };
-            me.set(gossip::worker_key(id), gossip::encode_desc(&d));
+            signed.set(signer, me, gossip::worker_key(id), gossip::encode_desc(&d));
         }
-        me.set(gossip::signals_key(id), gossip::encode_signals(&l.worker.handle.signals()));
-        for (s, v) in digest.take_dirty() {
-            me.set(gossip::digest_key(id, s), v);
+        signed.set(signer, me, gossip::signals_key(id), gossip::encode_signals(&l.worker.handle.signals()));
+        let dirty = digest.take_dirty();
+        signed.set(signer, me, gossip::shard_bits_key(id), digest.bits().to_string());
+        for (s, v) in dirty {
+            signed.set(signer, me, gossip::digest_key(id, s), v);
         }
     }
 }
 
-/// What the publisher remembers about peers between rounds (bounded: both caches forget
+/// What the publisher remembers about peers between rounds (bounded: every cache forgets
 /// whatever is no longer gossiped).
-#[derive(Default)]
 struct Remote {
     liveness: Liveness,
     digests: RemoteDigests,
+    verifier: Verifier,
 }
 
 impl Remote {
-    /// Every peer (the newest generation of each node id) and its workers.
-    fn read(&mut self, self_id: &str, chitchat: &Chitchat, now: Instant) -> (Vec<NodeInfo>, Vec<WorkerView>) {
+    fn new(ca: rustls::pki_types::CertificateDer<'static>) -> Self {
+        Remote { liveness: Liveness::default(), digests: RemoteDigests::default(), verifier: Verifier::new(ca) }
+    }
+
+    /// Every peer the config admits (the newest generation of each node id whose certificate
+    /// checks out) and its workers.
+    fn read(&mut self, c: &Cluster, chitchat: &Chitchat, now: Instant) -> (Vec<NodeInfo>, Vec<WorkerView>) {
         let dead: HashSet<&ChitchatId> = chitchat.dead_nodes().collect();
         let live: HashSet<&ChitchatId> = chitchat.live_nodes().collect();
-        let mut latest: BTreeMap<&str, (&ChitchatId, &chitchat::NodeState)> = BTreeMap::new();
+        let mut by_name: BTreeMap<&str, Vec<(&ChitchatId, &chitchat::NodeState)>> = BTreeMap::new();
         for (id, ns) in chitchat.node_states() {
-            if &*id.node_id == self_id {
+            if *id.node_id == *c.node_id {
                 continue;
             }
-            let e = latest.entry(&*id.node_id).or_insert((id, ns));
-            if id.generation_id > e.0.generation_id {
-                *e = (id, ns);
+            if !c.admits(&id.node_id) {
+                tracing::debug!(node = %id.node_id, "ignored gossip about a node the config does not admit");
+                continue;
             }
+            by_name.entry(&*id.node_id).or_default().push((id, ns));
         }
         let (mut nodes, mut workers) = (Vec::new(), Vec::new());
-        let (mut seen_nodes, mut seen_workers) = (HashSet::new(), HashSet::new());
-        for (name, (id, ns)) in latest {
-            let silent = self.liveness.observe(name, id.generation_id, u64::from(ns.heartbeat()), now);
-            seen_nodes.insert((name.to_string(), id.generation_id));
+        let (mut seen_nodes, mut seen_workers, mut seen_certs) = (HashSet::new(), HashSet::new(), HashSet::new());
+        for (name, mut gens) in by_name {
+            gens.sort_by_key(|(id, _)| std::cmp::Reverse(id.generation_id));
+            for (id, _) in &gens {
+                seen_certs.insert((name.to_string(), id.generation_id));
+            }
+            // The newest generation that proves it is this node.
+            let Some(&(id, ns)) = gens.iter().find(|(id, ns)| self.verifier.accept_cert(name, id.generation_id, ns.get(KEY_CERT).unwrap_or(""))) else {
+                tracing::warn!(node = name, generations = gens.len(), "gossip about a node with no valid certificate for it: ignored");
+                metrics::counter!("zerolayer_gossip_refused_total", "node" => c.node_id.clone(), "reason" => "certificate").increment(1);
+                continue;
+            };
+            let generation = id.generation_id;
+            let verifier = &self.verifier;
+            let get = |key: &str| -> Option<&str> {
+                let v = ns.get(key)?;
+                let opened = verifier.open(name, generation, key, v);
+                if opened.is_none() {
+                    tracing::warn!(node = name, key, "a gossiped value without a valid signature: refused");
+                    metrics::counter!("zerolayer_gossip_refused_total", "node" => c.node_id.clone(), "reason" => "signature").increment(1);
+                }
+                opened
+            };
+            let silent = self.liveness.observe(name, generation, u64::from(ns.heartbeat()), now);
+            seen_nodes.insert((name.to_string(), generation));
             let detector = if dead.contains(id) {
                 Detector::Dead
             } else if live.contains(id) {
@@ -124,26 +205,27 @@ impl Remote {
             } else {
                 Detector::Unknown
             };
-            let state = Liveness::state(detector, silent, ns.get(KEY_STATE));
+            let state = Liveness::state(detector, silent, get(KEY_STATE));
             nodes.push(NodeInfo {
                 id: name.to_string(),
                 state,
-                http: ns.get(KEY_HTTP).filter(|h| h.len() <= 256).unwrap_or_default().to_string(),
+                http: get(KEY_HTTP).filter(|h| h.len() <= 256).unwrap_or_default().to_string(),
                 quic: Some(id.gossip_advertise_addr),
-                generation: id.generation_id,
+                generation,
                 local: false,
-                moving: ns.get(KEY_MOVING).and_then(|v| gossip::decode_count(v).ok()).unwrap_or(0),
+                moving: get(KEY_MOVING).and_then(|v| gossip::decode_count(v).ok()).unwrap_or(0),
             });
-            for (k, v) in ns.key_values().filter(|(k, _)| k.starts_with("w:")).take(MAX_WORKERS_PER_NODE) {
+            for (k, _) in ns.key_values().filter(|(k, _)| k.starts_with("w:")).take(MAX_WORKERS_PER_NODE) {
                 let Some(wid) = gossip::worker_of_key(k) else { continue };
-                let desc = match gossip::decode_desc(v) {
+                let Some(desc) = get(k).map(gossip::decode_desc) else { continue };
+                let desc = match desc {
                     Ok(d) => d,
                     Err(e) => {
                         tracing::warn!(node = name, worker = wid, error = %e, "refused a gossiped worker description");
                         continue;
                     }
                 };
-                let signals = match ns.get(&gossip::signals_key(wid)).map(gossip::decode_signals) {
+                let signals = match get(&gossip::signals_key(wid)).map(gossip::decode_signals) {
                     Some(Ok(s)) => s,
                     Some(Err(e)) => {
                         tracing::warn!(node = name, worker = wid, error = %e, "refused gossiped signals");
@@ -151,14 +233,13 @@ impl Remote {
                     }
                     None => Default::default(),
                 };
-                let versions: [u64; KV_SHARDS] =
-                    std::array::from_fn(|s| ns.get_versioned(&gossip::digest_key(wid, s)).map(|v| v.version).unwrap_or(0));
-                let (cached, errors) =
-                    self.digests.get(name, id.generation_id, wid, versions, |s| ns.get(&gossip::digest_key(wid, s)).map(str::to_string));
+                let bits = get(&gossip::shard_bits_key(wid)).and_then(|v| gossip::decode_shard_bits(v).ok()).unwrap_or(gossip::MIN_SHARD_BITS);
+                let versions: Vec<u64> = (0..1usize << bits).map(|s| ns.get_versioned(&gossip::digest_key(wid, s)).map(|v| v.version).unwrap_or(0)).collect();
+                let (cached, errors) = self.digests.get(name, generation, wid, bits, &versions, |s| get(&gossip::digest_key(wid, s)).map(str::to_string));
                 for e in errors {
                     tracing::warn!(node = name, worker = wid, error = %e, "refused a gossiped prefix digest shard");
                 }
-                seen_workers.insert((name.to_string(), id.generation_id, wid.to_string()));
+                seen_workers.insert((name.to_string(), generation, wid.to_string()));
                 workers.push(WorkerView {
                     node: name.to_string(),
                     worker: wid.to_string(),
@@ -173,6 +254,7 @@ impl Remote {
         }
         self.liveness.retain(&seen_nodes);
         self.digests.retain(&seen_workers);
+        self.verifier.retain(&seen_certs);
         (nodes, workers)
     }
 }

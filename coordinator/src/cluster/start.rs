@@ -11,6 +11,7 @@ use zerolayer_common::ClusterConfig;
 use super::gossip::{KEY_HTTP, KEY_STATE};
 use super::link::{Cluster, LocalWorker, Net};
 use super::transport::{Peers, QuicTransport};
+use super::identity::Signer;
 use super::{accept, publisher, tls};
 use crate::view::NodeState;
 
@@ -74,14 +75,16 @@ async fn join(config: &ClusterConfig, node_id: &str, addr: Option<&str>, socket:
             sampling_window_size: 1000,
             max_interval: Duration::from_secs(10),
             initial_interval: gossip * 2,
-            dead_node_grace_period: Duration::from_secs(3600),
+            dead_node_grace_period: Duration::from_secs(cc.dead_node_grace_secs.max(1)),
         },
-        marked_for_deletion_grace_period: Duration::from_secs(3600),
+        marked_for_deletion_grace_period: Duration::from_secs(cc.dead_node_grace_secs.max(1)),
         catchup_callback: None,
         extra_liveness_predicate: None,
         protocol_version: chitchat::ProtocolVersion::V0,
     };
     let initial = vec![(KEY_STATE.to_string(), NodeState::Joining.as_str().to_string()), (KEY_HTTP.to_string(), me.http.clone())];
     let chitchat = chitchat::spawn_chitchat(cfg, initial, &transport).await?;
-    Ok(Net { generation, endpoint, peers, addr, chitchat, relays })
+    let leaf = mat.chain.first().ok_or_else(|| anyhow::anyhow!("{node_id}.pem holds no certificate"))?;
+    let signer = Signer::new(node_id, generation, leaf, &mat.key)?;
+    Ok(Net { generation, endpoint, peers, addr, chitchat, relays, signer, ca: mat.ca.clone() })
 }

@@ -33,8 +33,10 @@ fn ca_params() -> anyhow::Result<CertificateParams> {
 
 /// Creates (or extends) a cluster CA in `out` and writes a certificate and key for each node.
 /// An existing `ca.key` is reused, so running it again with new node ids adds nodes to the same
-/// cluster. Returns the files written.
-pub fn init(out: &Path, nodes: &[String]) -> anyhow::Result<Vec<PathBuf>> {
+/// cluster. A node whose key exists already is refused unless `force` (which replaces its key
+/// and certificate). Private keys are created with mode 0600 from the start. Returns the files
+/// written.
+pub fn init(out: &Path, nodes: &[String], force: bool) -> anyhow::Result<Vec<PathBuf>> {
     if nodes.is_empty() {
         bail!("name at least one node (--nodes n1,n2,n3)");
     }
@@ -44,6 +46,12 @@ pub fn init(out: &Path, nodes: &[String]) -> anyhow::Result<Vec<PathBuf>> {
         }
     }
     std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
+    for n in nodes {
+        let key = out.join(format!("{n}.key"));
+        if key.exists() && !force {
+            bail!("{} exists: node {n} already has a key (pass --force to replace it)", key.display());
+        }
+    }
     let mut written = Vec::new();
     let ca_key_path = out.join("ca.key");
     let ca_key = if ca_key_path.exists() {
@@ -73,13 +81,22 @@ pub fn init(out: &Path, nodes: &[String]) -> anyhow::Result<Vec<PathBuf>> {
     Ok(written)
 }
 
+/// Writes a private key to a new file that only its owner can read (mode 0600 from creation,
+/// never a moment world-readable). An existing file is replaced (the caller checked `--force`).
 fn write_private(path: &Path, pem: &str) -> anyhow::Result<()> {
-    std::fs::write(path, pem)?;
+    use std::io::Write as _;
+    if path.exists() {
+        std::fs::remove_file(path).with_context(|| format!("replacing {}", path.display()))?;
+    }
+    let mut opts = std::fs::OpenOptions::new();
+    opts.write(true).create_new(true);
     #[cfg(unix)]
     {
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+        use std::os::unix::fs::OpenOptionsExt;
+        opts.mode(0o600);
     }
+    let mut f = opts.open(path).with_context(|| format!("creating {}", path.display()))?;
+    f.write_all(pem.as_bytes())?;
     Ok(())
 }
 
@@ -168,4 +185,32 @@ pub fn endpoint(socket: std::net::UdpSocket, m: &TlsMaterial, idle_timeout: Dura
     )?;
     ep.set_default_client_config(client_config(m, idle_timeout)?);
     Ok(ep)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_are_private_and_never_overwritten_without_force() {
+        let dir = std::env::temp_dir().join(format!("zl-tls-init-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        init(&dir, &["n1".into()], false).unwrap();
+        #[cfg(unix)]
+        for f in ["ca.key", "n1.key"] {
+            use std::os::unix::fs::PermissionsExt;
+            assert_eq!(std::fs::metadata(dir.join(f)).unwrap().permissions().mode() & 0o777, 0o600, "{f}");
+        }
+        let before = std::fs::read(dir.join("n1.key")).unwrap();
+        let e = init(&dir, &["n1".into()], false).unwrap_err();
+        assert!(e.to_string().contains("--force"), "{e}");
+        assert_eq!(std::fs::read(dir.join("n1.key")).unwrap(), before, "untouched");
+        // More nodes under the same CA; --force replaces an existing node's key.
+        let ca = std::fs::read(dir.join("ca.key")).unwrap();
+        init(&dir, &["n2".into()], false).unwrap();
+        init(&dir, &["n1".into()], true).unwrap();
+        assert_ne!(std::fs::read(dir.join("n1.key")).unwrap(), before);
+        assert_eq!(std::fs::read(dir.join("ca.key")).unwrap(), ca, "the CA key is reused");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

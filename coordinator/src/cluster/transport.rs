@@ -58,6 +58,25 @@ impl Peers {
         self.conns.lock().unwrap().remove(&addr);
     }
 
+    /// Forgets connections to addresses not in `keep` (peers that died or moved).
+    pub fn retain(&self, keep: &std::collections::HashSet<SocketAddr>) {
+        self.conns.lock().unwrap().retain(|a, c| {
+            let k = keep.contains(a);
+            if !k {
+                c.close(0u32.into(), b"peer gone");
+            }
+            k
+        });
+    }
+
+    pub fn len(&self) -> usize {
+        self.conns.lock().unwrap().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
     pub fn close_all(&self) {
         for (_, c) in self.conns.lock().unwrap().drain() {
             c.close(0u32.into(), b"node stopping");
@@ -157,6 +176,22 @@ impl Relays {
     pub fn clear(&self) {
         self.by_peer.lock().unwrap().clear();
         self.by_relay.lock().unwrap().clear();
+    }
+
+    /// Closes the relays of peers not in `keep` (dead nodes, old addresses): a node that
+    /// restarts many times does not leave a socket behind each time.
+    pub fn retain(&self, keep: &std::collections::HashSet<SocketAddr>) {
+        self.by_peer.lock().unwrap().retain(|a, _| keep.contains(a));
+        self.by_relay.lock().unwrap().retain(|_, p| keep.contains(p));
+    }
+
+    /// Relay sockets open now.
+    pub fn len(&self) -> usize {
+        self.by_peer.lock().unwrap().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 }
 

@@ -1,0 +1,195 @@
+//! Node identity: who a peer is, proven by its certificate, never by what it says.
+//!
+//! Every node certificate from `zerolayer cluster init` names its node id (a DNS name in the
+//! certificate) and chains to the cluster CA. So:
+//! - a QUIC connection's peer is the node its certificate names ([`cert_names`]); a frame that
+//!   claims another origin (a forwarded request, a KV transfer) is refused;
+//! - a node signs every value it gossips with its certificate's key ([`Signer`]), over its id,
+//!   its generation, the key and the value, and publishes the certificate itself (key `cert`);
+//!   a reader accepts a node's values only under a certificate that chains to the CA and names
+//!   that node, with a valid signature ([`Verifier`]). A certificate holder can relay gossip
+//!   (scuttlebutt does) but cannot write values as another node: it cannot impersonate a node,
+//!   mark it dead, or advertise a cache for it.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
+use rustls::sign::SigningKey;
+
+/// The gossip key holding a node's certificate (hex of its DER).
+pub const KEY_CERT: &str = "cert";
+
+/// Whether `cert` (a node certificate) names `node`.
+pub fn cert_names(cert: &CertificateDer<'_>, node: &str) -> bool {
+    let Ok(ee) = webpki::EndEntityCert::try_from(cert) else { return false };
+    let Ok(name) = ServerName::try_from(node) else { return false };
+    ee.verify_is_valid_for_subject_name(&name).is_ok()
+}
+
+/// What a node signs for one gossiped value.
+fn message(node: &str, generation: u64, key: &str, payload: &str) -> Vec<u8> {
+    format!("zerolayer-gossip\0{node}\0{generation}\0{key}\0{payload}").into_bytes()
+}
+
+fn hex(bytes: &[u8]) -> String {
+    use std::fmt::Write as _;
+    let mut s = String::with_capacity(bytes.len() * 2);
+    for b in bytes {
+        let _ = write!(s, "{b:02x}");
+    }
+    s
+}
+
+fn unhex(s: &str) -> Option<Vec<u8>> {
+    let b = s.as_bytes();
+    if b.len() % 2 != 0 {
+        return None;
+    }
+    let digit = |c: u8| match c {
+        b'0'..=b'9' => Some(c - b'0'),
+        b'a'..=b'f' => Some(c - b'a' + 10),
+        _ => None,
+    };
+    b.chunks_exact(2).map(|p| Some(digit(p[0])? << 4 | digit(p[1])?)).collect()
+}
+
+/// Signs this node's gossip with its certificate's key.
+pub struct Signer {
+    node: String,
+    generation: u64,
+    key: Arc<dyn SigningKey>,
+    cert_hex: String,
+}
+
+impl Signer {
+    pub fn new(node: &str, generation: u64, cert: &CertificateDer<'_>, key: &PrivateKeyDer<'_>) -> anyhow::Result<Self> {
+        let key = rustls::crypto::aws_lc_rs::sign::any_ecdsa_type(key).map_err(|e| anyhow::anyhow!("node key: {e}"))?;
+        Ok(Signer { node: node.to_string(), generation, key, cert_hex: hex(cert) })
+    }
+
+    /// The value of [`KEY_CERT`].
+    pub fn cert(&self) -> &str {
+        &self.cert_hex
+    }
+
+    /// `payload` signed for `key`: `payload|signature` (hex).
+    pub fn sign(&self, key: &str, payload: &str) -> String {
+        let signer = self.key.choose_scheme(&[rustls::SignatureScheme::ECDSA_NISTP256_SHA256]).expect("an ECDSA P-256 node key");
+        let sig = signer.sign(&message(&self.node, self.generation, key, payload)).unwrap_or_default();
+        format!("{payload}|{}", hex(&sig))
+    }
+}
+
+/// Checks other nodes' certificates and signatures. Keeps the certificates it has accepted
+/// (one per node generation, bounded by what the caller retains).
+pub struct Verifier {
+    ca: CertificateDer<'static>,
+    /// (node, generation) → the certificate offered (its hex), and the parsed certificate if
+    /// it was accepted. A different certificate offered later is checked again.
+    certs: HashMap<(String, u64), (String, Option<CertificateDer<'static>>)>,
+}
+
+impl Verifier {
+    pub fn new(ca: CertificateDer<'static>) -> Self {
+        Verifier { ca, certs: HashMap::new() }
+    }
+
+    /// Whether `cert_hex` is a certificate from the cluster CA naming `node`: the condition for
+    /// any of `node`'s values to be read. Remembered per generation.
+    pub fn accept_cert(&mut self, node: &str, generation: u64, cert_hex: &str) -> bool {
+        if cert_hex.is_empty() {
+            return false; // not gossiped yet
+        }
+        let key = (node.to_string(), generation);
+        if let Some((h, ok)) = self.certs.get(&key) {
+            if h == cert_hex {
+                return ok.is_some();
+            }
+        }
+        let ok = unhex(cert_hex).map(CertificateDer::from).filter(|c| self.chains_to_ca(c) && cert_names(c, node));
+        let accepted = ok.is_some();
+        self.certs.insert(key, (cert_hex.to_string(), ok));
+        accepted
+    }
+
+    fn chains_to_ca(&self, cert: &CertificateDer<'_>) -> bool {
+        let Ok(anchor) = webpki::anchor_from_trusted_cert(&self.ca) else { return false };
+        let Ok(ee) = webpki::EndEntityCert::try_from(cert) else { return false };
+        ee.verify_for_usage(
+            &[webpki::aws_lc_rs::ECDSA_P256_SHA256],
+            &[anchor],
+            &[],
+            UnixTime::now(),
+            webpki::KeyUsage::client_auth(),
+            None,
+            None,
+        )
+        .is_ok()
+    }
+
+    /// `node`'s value for `key`, if its signature holds under the certificate accepted for
+    /// `(node, generation)`.
+    pub fn open<'v>(&self, node: &str, generation: u64, key: &str, value: &'v str) -> Option<&'v str> {
+        let Some((_, Some(cert))) = self.certs.get(&(node.to_string(), generation)) else { return None };
+        let (payload, sig) = value.rsplit_once('|')?;
+        let sig = unhex(sig)?;
+        let ee = webpki::EndEntityCert::try_from(cert).ok()?;
+        ee.verify_signature(webpki::aws_lc_rs::ECDSA_P256_SHA256, &message(node, generation, key, payload), &sig).ok()?;
+        Some(payload)
+    }
+
+    /// Forgets every generation not in `keep`.
+    pub fn retain(&mut self, keep: &std::collections::HashSet<(String, u64)>) {
+        self.certs.retain(|k, _| keep.contains(k));
+    }
+
+    pub fn len(&self) -> usize {
+        self.certs.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.certs.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn material(dir: &std::path::Path, node: &str) -> super::super::tls::TlsMaterial {
+        super::super::tls::TlsMaterial::load(dir, node).unwrap()
+    }
+
+    #[test]
+    fn signatures_bind_node_generation_key_and_value() {
+        let dir = std::env::temp_dir().join(format!("zl-identity-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        super::super::tls::init(&dir, &["a".into(), "b".into()], false).unwrap();
+        let (a, b) = (material(&dir, "a"), material(&dir, "b"));
+        assert!(cert_names(&a.chain[0], "a") && !cert_names(&a.chain[0], "b"));
+        let signer = Signer::new("a", 7, &a.chain[0], &a.key).unwrap();
+        let mut v = Verifier::new(a.ca.clone());
+        assert!(v.accept_cert("a", 7, signer.cert()));
+        let signed = signer.sign("state", "ready");
+        assert_eq!(v.open("a", 7, "state", &signed), Some("ready"));
+        // The same signature says nothing for another key, value, node or generation.
+        assert_eq!(v.open("a", 7, "http", &signed), None);
+        assert_eq!(v.open("a", 7, "state", &signed.replacen("ready", "dead", 1)), None);
+        assert_eq!(v.open("a", 8, "state", &signed), None, "no certificate accepted for generation 8");
+        assert_eq!(v.open("a", 7, "state", "ready"), None, "unsigned");
+        assert_eq!(v.open("a", 7, "state", "ready|zz"), None, "not hex");
+        // b's certificate cannot speak for a, and a self-made certificate is not from the CA.
+        let forger = Signer::new("a", 9, &b.chain[0], &b.key).unwrap();
+        assert!(!v.accept_cert("a", 9, forger.cert()), "b's certificate does not name a");
+        assert_eq!(v.open("a", 9, "state", &forger.sign("state", "dead")), None);
+        let other = dir.join("other");
+        super::super::tls::init(&other, &["a".into()], false).unwrap();
+        let foreign = material(&other, "a");
+        assert!(!v.accept_cert("a", 10, &hex(&foreign.chain[0])), "another CA's certificate for a");
+        assert!(!v.accept_cert("a", 11, "zz"));
+        v.retain(&[("a".to_string(), 7)].into_iter().collect());
+        assert_eq!(v.len(), 1);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
