@@ -25,6 +25,8 @@ use std::time::{Duration, Instant};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use serde::Serialize;
 use zerolayer_common::StopReason;
+use futures::StreamExt;
+use zerolayer_worker::actor::Handover;
 use zerolayer_worker::migrate::KvImport;
 
 use crate::cluster::{migrate, Cluster, LocalWorker};
@@ -33,6 +35,8 @@ use crate::view::NodeState;
 
 /// How often a drain looks for sequences still on its workers.
 const RECHECK: Duration = Duration::from_millis(100);
+/// Transfers a drain runs at once.
+const MOVES_AT_ONCE: usize = 4;
 
 /// What a drain did, so far.
 #[derive(Clone, Debug, Default, Serialize)]
@@ -47,10 +51,31 @@ pub struct DrainReport {
     pub moved_without_kv: u64,
     pub kv_bytes_sent: u64,
     pub kv_blocks_moved: u64,
-    /// Milliseconds spent moving sequences (export, transfer, import).
+    /// Milliseconds spent moving sequences (transfer and import, after the export).
     pub move_ms: u64,
     /// Milliseconds from the drain's start until its workers first held no sequence.
     pub emptied_after_ms: Option<u64>,
+    /// The last moves (at most [`RECENT_MOVES`]), for benchmarks and operators.
+    pub recent: Vec<MoveRecord>,
+}
+
+/// Moves kept in a report.
+pub const RECENT_MOVES: usize = 256;
+
+/// One sequence's move.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct MoveRecord {
+    /// Tokens of the sequence (prompt and output so far).
+    pub tokens: usize,
+    /// Tokens whose KV the target now caches.
+    pub kv_tokens: u32,
+    pub bytes_sent: u64,
+    /// Waiting for the worker's current step to end before the export (milliseconds): a step
+    /// is never interrupted, so a long prefill chunk holds the move back.
+    pub wait_ms: f64,
+    /// Choosing the target, transferring the blocks and importing them (milliseconds).
+    pub ms: f64,
+    pub to: String,
 }
 
 pub enum DrainMsg {
@@ -151,9 +176,17 @@ async fn drain(ctx: DrainContext, report: Arc<Mutex<DrainReport>>) {
         for w in &ctx.workers {
             let ids = w.handle.sequences().await.unwrap_or_default();
             left += ids.len();
-            for id in ids {
-                move_one(&ctx, w, id, &report).await;
+            if ids.is_empty() || ctx.dispatch.target(&[0], 1, &[ctx.node_id.clone()]).is_none() {
+                continue; // nothing here, or nowhere to go: they finish here
             }
+            // All at one step boundary, then (a few at a time) to their targets.
+            let asked = Instant::now();
+            let Ok(handovers) = w.handle.export(ids).await else { continue };
+            let wait_ms = asked.elapsed().as_secs_f64() * 1e3;
+            futures::stream::iter(handovers.into_iter().map(|h| move_one(&ctx, w, h, &report, wait_ms)))
+                .buffer_unordered(MOVES_AT_ONCE)
+                .collect::<Vec<()>>()
+                .await;
         }
         ctx.cluster.moving.store(left as u32, std::sync::atomic::Ordering::Release);
         if left == 0 {
@@ -167,15 +200,11 @@ async fn drain(ctx: DrainContext, report: Arc<Mutex<DrainReport>>) {
     }
 }
 
-/// Moves one sequence off `w`, if another worker can take it.
-async fn move_one(ctx: &DrainContext, w: &LocalWorker, id: u64, report: &Mutex<DrainReport>) {
-    let exclude = [ctx.node_id.clone()];
-    // Is there anywhere to go? (Asked with no tokens: the real choice is made after export.)
-    if ctx.dispatch.target(&[0], 1, &exclude).is_none() {
-        return; // nowhere to move: it finishes here
-    }
+/// Moves one exported sequence to the worker placement picks (`wait_ms`: how long its export
+/// waited for the worker's step).
+async fn move_one(ctx: &DrainContext, w: &LocalWorker, handover: Handover, report: &Mutex<DrainReport>, wait_ms: f64) {
     let t0 = Instant::now();
-    let Ok(Some(handover)) = w.handle.export(id).await else { return };
+    let exclude = [ctx.node_id.clone()];
     let ex = &handover.export;
     let tokens: Vec<u32> = ex.prompt.iter().chain(&ex.generated).copied().collect();
     let remaining = ex.generated.len().max(1);
@@ -183,7 +212,7 @@ async fn move_one(ctx: &DrainContext, w: &LocalWorker, id: u64, report: &Mutex<D
         handover.finish(StopReason::Lost(format!("node {} drains and no worker could take the sequence", ctx.node_id))).await;
         return;
     };
-    let request_id = format!("drain-{}-{}-{id}", ctx.node_id, w.id);
+    let request_id = format!("drain-{}-{}-{}", ctx.node_id, w.id, ex.block_hashes.first().copied().unwrap_or(0));
     let moved = if target.local {
         match ctx.cluster.local_worker(&target.worker) {
             Some(tw) => {
@@ -200,6 +229,7 @@ async fn move_one(ctx: &DrainContext, w: &LocalWorker, id: u64, report: &Mutex<D
         match ctx.cluster.peer_addr(&target.node) {
             Some(addr) => {
                 let header = migrate::header(&request_id, &ctx.node_id, &target.worker, ex, &target.cached);
+                tracing::debug!(%request_id, header_ms = t0.elapsed().as_secs_f64() * 1e3, "KV header ready");
                 migrate::send(&ctx.cluster, &target.node, addr, header, ex).await
             }
             None => Err(anyhow::anyhow!("node {} is unreachable", target.node)),
@@ -214,8 +244,18 @@ async fn move_one(ctx: &DrainContext, w: &LocalWorker, id: u64, report: &Mutex<D
         }
     };
     tracing::debug!(%request_id, to = %format!("{}/{}", target.node, target.worker), blocks, ?moved, "moved a sequence");
+    let kv_tokens = match &reason {
+        StopReason::Moved { kv_tokens, .. } => *kv_tokens,
+        _ => 0,
+    };
+    let ms = t0.elapsed().as_secs_f64() * 1e3;
     handover.finish(reason).await;
     let mut r = report.lock().unwrap_or_else(|e| e.into_inner());
+    if r.recent.len() >= RECENT_MOVES {
+        r.recent.remove(0);
+    }
+    let bytes_sent = moved.as_ref().map(|t| t.bytes).unwrap_or(0);
+    r.recent.push(MoveRecord { tokens: tokens.len(), kv_tokens, bytes_sent, wait_ms, ms, to: format!("{}/{}", target.node, target.worker) });
     match moved {
         Ok(t) if t.blocks > 0 => {
             r.moved_with_kv += 1;

@@ -107,7 +107,12 @@ impl Node {
     pub async fn serve(self, listener: TcpListener, shutdown: impl Future<Output = ()> + Send + 'static) -> anyhow::Result<()> {
         let app = crate::api::router(self.coordinator.clone());
         if let Ok(a) = listener.local_addr() {
-            self.coordinator.cluster.set_http_addr(a.to_string());
+            // Listening on every interface (a container): peers reach it at the QUIC address's IP.
+            let reachable = match self.coordinator.cluster.quic_addr() {
+                Some(q) if a.ip().is_unspecified() => std::net::SocketAddr::new(q.ip(), a.port()),
+                _ => a,
+            };
+            self.coordinator.cluster.set_http_addr(reachable.to_string());
         }
         self.coordinator.cluster.set_state(NodeState::Ready);
         let grace = Duration::from_secs(self.coordinator.config.server.shutdown_grace_secs);

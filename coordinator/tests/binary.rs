@@ -174,3 +174,17 @@ async fn embedded_default_flags_env_and_aliases() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The cluster.toml the Kubernetes manifests ship is a valid config of three nodes addressed by
+/// their pods' DNS names.
+#[test]
+fn the_kubernetes_config_is_valid() {
+    let manifest = std::fs::read_to_string(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/kubernetes/zerolayer.yaml")).unwrap();
+    let start = manifest.find("cluster.toml: |\n").expect("the ConfigMap holds cluster.toml") + "cluster.toml: |\n".len();
+    let toml: String = manifest[start..].lines().take_while(|l| l.starts_with("    ") || l.is_empty()).map(|l| format!("{}\n", l.strip_prefix("    ").unwrap_or(l))).collect();
+    let cfg = zerolayer_common::ClusterConfig::from_toml(&toml).expect("parses");
+    cfg.validate().expect("valid");
+    let ids: Vec<&str> = cfg.nodes.iter().map(|n| n.id.as_str()).collect();
+    assert_eq!(ids, ["zerolayer-0", "zerolayer-1", "zerolayer-2"]);
+    assert!(cfg.nodes.iter().all(|n| n.quic.as_deref().is_some_and(|q| q.ends_with(".zerolayer-peers:7080"))));
+}

@@ -89,7 +89,7 @@ enum EngineCmd {
     CachedHashes { reply: oneshot::Sender<Vec<u64>> },
     SetStepHook { hook: Option<StepHook> },
     Sequences { reply: oneshot::Sender<Vec<SeqId>> },
-    Export { id: SeqId, reply: oneshot::Sender<Option<Handover>> },
+    Export { ids: Vec<SeqId>, reply: oneshot::Sender<Vec<Handover>> },
     Import { import: KvImport, reply: oneshot::Sender<Result<ImportReport>> },
     Shutdown,
 }
@@ -105,8 +105,8 @@ pub enum WorkerMsg {
     SetStepHook { hook: Option<StepHook>, done: oneshot::Sender<Result<()>> },
     /// The ids of every sequence the worker holds (a drain moves each).
     Sequences { reply: oneshot::Sender<Result<Vec<SeqId>>> },
-    /// Takes a sequence off the worker for a move (see [`Handover`]).
-    Export { id: SeqId, reply: oneshot::Sender<Result<Option<Handover>>> },
+    /// Takes sequences off the worker for a move, at one step boundary (see [`Handover`]).
+    Export { ids: Vec<SeqId>, reply: oneshot::Sender<Result<Vec<Handover>>> },
     /// Writes KV blocks into the worker's prefix cache.
     Import { import: KvImport, reply: oneshot::Sender<Result<ImportReport>> },
     /// Stop the engine after its current step, wait for its thread, then stop the actor.
@@ -161,9 +161,9 @@ impl Actor for WorkerActor {
                 let (tx, rx) = oneshot::channel();
                 answer_from_engine(state.forward(EngineCmd::Sequences { reply: tx }), rx, reply);
             }
-            WorkerMsg::Export { id, reply } => {
+            WorkerMsg::Export { ids, reply } => {
                 let (tx, rx) = oneshot::channel();
-                answer_from_engine(state.forward(EngineCmd::Export { id, reply: tx }), rx, reply);
+                answer_from_engine(state.forward(EngineCmd::Export { ids, reply: tx }), rx, reply);
             }
             WorkerMsg::Import { import, reply } => {
                 let (tx, rx) = oneshot::channel();
@@ -355,12 +355,12 @@ impl WorkerHandle {
         rx.await.map_err(|_| WorkerError::ShuttingDown)?
     }
 
-    /// Takes sequence `id` off the worker for a move (`None` if it already ended). Its blocks
-    /// stay in this worker's prefix cache; its client's events now wait for
-    /// [`Handover::finish`].
-    pub async fn export(&self, id: SeqId) -> Result<Option<Handover>> {
+    /// Takes sequences `ids` off the worker for a move, all at the same step boundary (those
+    /// that already ended are skipped). Their blocks stay in this worker's prefix cache; their
+    /// clients' events now wait for [`Handover::finish`].
+    pub async fn export(&self, ids: Vec<SeqId>) -> Result<Vec<Handover>> {
         let (reply, rx) = oneshot::channel();
-        self.actor.send_message(WorkerMsg::Export { id, reply }).map_err(|_| WorkerError::ShuttingDown)?;
+        self.actor.send_message(WorkerMsg::Export { ids, reply }).map_err(|_| WorkerError::ShuttingDown)?;
         rx.await.map_err(|_| WorkerError::ShuttingDown)?
     }
 
@@ -472,9 +472,9 @@ fn engine_loop(mut engine: Engine, rx: Receiver<EngineCmd>, sig_tx: watch::Sende
                 EngineCmd::Sequences { reply } => {
                     let _ = reply.send(engine.sequences());
                 }
-                EngineCmd::Export { id, reply } => {
-                    let handover = engine.export(id).map(|export| Handover { export, route: routes.remove(&id) });
-                    let _ = reply.send(handover);
+                EngineCmd::Export { ids, reply } => {
+                    let handovers = ids.into_iter().filter_map(|id| engine.export(id).map(|export| Handover { export, route: routes.remove(&id) })).collect();
+                    let _ = reply.send(handovers);
                 }
                 EngineCmd::Import { import, reply } => {
                     let _ = reply.send(engine.import(&import));

@@ -114,9 +114,8 @@ impl KvCache {
         let be = self.layout.block_elems();
         let r = b as usize * be..(b as usize + 1) * be;
         for (k, v) in self.k.iter().zip(&self.v) {
-            for x in k[r.clone()].iter().chain(&v[r.clone()]) {
-                out.extend_from_slice(&x.to_le_bytes());
-            }
+            out.extend_from_slice(zerolayer_kernels::f32_bytes(&k[r.clone()]));
+            out.extend_from_slice(zerolayer_kernels::f32_bytes(&v[r.clone()]));
         }
     }
 
@@ -125,11 +124,20 @@ impl KvCache {
         assert_eq!(bytes.len(), self.block_bytes(), "KV block size");
         let be = self.layout.block_elems();
         let r = b as usize * be..(b as usize + 1) * be;
-        let mut words = bytes.chunks_exact(std::mem::size_of::<KvElem>()).map(|c| KvElem::from_le_bytes(c.try_into().unwrap()));
-        for (k, v) in self.k.iter_mut().zip(self.v.iter_mut()) {
-            for x in k[r.clone()].iter_mut().chain(v[r.clone()].iter_mut()) {
-                *x = words.next().unwrap();
+        let part = be * std::mem::size_of::<KvElem>();
+        let mut parts = bytes.chunks_exact(part);
+        let put = |dst: &mut [KvElem], src: &[u8]| {
+            if (src.as_ptr() as usize).is_multiple_of(std::mem::align_of::<KvElem>()) {
+                dst.copy_from_slice(zerolayer_kernels::cast_f32(src));
+            } else {
+                for (d, c) in dst.iter_mut().zip(src.chunks_exact(4)) {
+                    *d = KvElem::from_le_bytes([c[0], c[1], c[2], c[3]]);
+                }
             }
+        };
+        for (k, v) in self.k.iter_mut().zip(self.v.iter_mut()) {
+            put(&mut k[r.clone()], parts.next().unwrap());
+            put(&mut v[r.clone()], parts.next().unwrap());
         }
     }
 
@@ -508,6 +516,47 @@ fn dense_vec(t: &Tensor) -> Result<Vec<f32>> {
 mod tests {
     use super::*;
     use candle_core::Module;
+
+    #[test]
+    fn kv_blocks_round_trip_through_bytes() {
+        let cfg = ModelConfig {
+            arch: "llama".into(),
+            n_layers: 3,
+            dim: 16,
+            ffn_dim: 32,
+            n_heads: 4,
+            n_kv_heads: 2,
+            head_dim: 4,
+            vocab_size: 10,
+            rope_base: 1e4,
+            rms_eps: 1e-5,
+            context_length: 64,
+            rope_style: RopeStyle::Interleaved,
+        };
+        let mut a = KvCache::new(&cfg, 4, 8);
+        for (l, (k, v)) in a.k.iter_mut().zip(a.v.iter_mut()).enumerate() {
+            for (i, x) in k.iter_mut().enumerate() {
+                *x = (l * 1000 + i) as f32 * 0.5;
+            }
+            for (i, x) in v.iter_mut().enumerate() {
+                *x = -((l * 1000 + i) as f32);
+            }
+        }
+        let mut bytes = Vec::new();
+        a.read_block(5, &mut bytes);
+        assert_eq!(bytes.len(), a.block_bytes());
+        let mut b = KvCache::new(&cfg, 4, 8);
+        b.write_block(2, &bytes);
+        // Unaligned bytes take the slow path to the same values.
+        let mut shifted = vec![0u8; 1];
+        shifted.extend_from_slice(&bytes);
+        b.write_block(3, &shifted[1..]);
+        let be = a.layout.block_elems();
+        for l in 0..3 {
+            assert_eq!(b.k[l][2 * be..3 * be], a.k[l][5 * be..6 * be]);
+            assert_eq!(b.v[l][3 * be..4 * be], a.v[l][5 * be..6 * be]);
+        }
+    }
 
     #[test]
     fn recycle_keeps_the_allocation() {

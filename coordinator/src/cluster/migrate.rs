@@ -75,7 +75,9 @@ pub async fn send(cluster: &Cluster, node: &str, addr: SocketAddr, header: Impor
             }
         }
         send.finish()?;
+        let sent_at = std::time::Instant::now();
         let body = read_frame(&mut recv).await?.ok_or_else(|| anyhow::anyhow!("node {node} closed the stream without an answer"))?;
+        tracing::debug!(node, bytes, answer_ms = sent_at.elapsed().as_secs_f64() * 1e3, "KV sent; the target answered");
         match wire::decode_reply(&body)? {
             Reply::Imported { blocks } => anyhow::Ok(Transferred { blocks, bytes }),
             Reply::Refused { message, .. } => anyhow::bail!("node {node} refused the KV: {message}"),
@@ -140,12 +142,16 @@ pub async fn serve(cluster: Arc<Cluster>, h: ImportHeader, mut send: quinn::Send
             }
             import.blocks.push((b.hash, Some(bytes)));
         }
+        let received = std::time::Instant::now();
         if let Some(i) = bad {
             tracing::warn!(%peer, request_id = %h.request_id, block = i, "a KV block failed its checksum; importing the chain before it");
             import.blocks.truncate(i);
         }
         let report = w.handle.import(import).await?;
-        tracing::debug!(request_id = %h.request_id, from = %h.origin_node, imported = report.imported, cached = report.already_cached, "KV imported");
+        tracing::debug!(
+            request_id = %h.request_id, from = %h.origin_node, imported = report.imported, cached = report.already_cached,
+            import_ms = received.elapsed().as_secs_f64() * 1e3, "KV imported"
+        );
         write_reply(&mut send, &Reply::Imported { blocks: report.usable() as u32 }).await?;
         let _ = send.finish();
         anyhow::Ok(())

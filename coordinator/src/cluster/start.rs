@@ -40,22 +40,50 @@ impl Cluster {
     }
 }
 
+/// A node's own `quic` address: an IP address is bound as it is; a `host:port` (a Kubernetes
+/// pod's DNS name) binds every interface on that port and is resolved for peers to dial (retried
+/// for a while: a pod's DNS record appears shortly after the pod).
+async fn quic_addresses(addr: &str) -> anyhow::Result<(SocketAddr, SocketAddr)> {
+    if let Ok(a) = addr.parse::<SocketAddr>() {
+        return Ok((a, a));
+    }
+    let (_, port) = addr.rsplit_once(':').ok_or_else(|| anyhow::anyhow!("quic address {addr:?}: expected host:port"))?;
+    let port: u16 = port.parse().map_err(|e| anyhow::anyhow!("quic address {addr:?}: port: {e}"))?;
+    let mut last = None;
+    for _ in 0..60 {
+        match tokio::net::lookup_host(addr).await {
+            Ok(mut found) => {
+                if let Some(a) = found.next() {
+                    return Ok((SocketAddr::from(([0, 0, 0, 0], port)), a));
+                }
+            }
+            Err(e) => last = Some(e),
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    anyhow::bail!("quic address {addr:?} did not resolve: {last:?}")
+}
+
 /// Binds the endpoint and starts chitchat on it.
 async fn join(config: &ClusterConfig, node_id: &str, addr: Option<&str>, socket: Option<std::net::UdpSocket>) -> anyhow::Result<Net> {
     let cc = &config.cluster;
     let me = config.node(node_id).ok_or_else(|| anyhow::anyhow!("node {node_id:?} is not in the config"))?;
-    let socket = match socket {
-        Some(s) => s,
+    let (socket, advertise) = match socket {
+        Some(s) => (s, None),
         None => {
-            let a: SocketAddr = addr.unwrap_or_default().parse().map_err(|e| anyhow::anyhow!("quic address {addr:?}: {e}"))?;
-            std::net::UdpSocket::bind(a).map_err(|e| anyhow::anyhow!("binding QUIC on {a}: {e}"))?
+            let (bind, advertise) = quic_addresses(addr.unwrap_or_default()).await?;
+            (std::net::UdpSocket::bind(bind).map_err(|e| anyhow::anyhow!("binding QUIC on {bind}: {e}"))?, Some(advertise))
         }
     };
     let dir = cc.tls_dir.clone().ok_or_else(|| anyhow::anyhow!("[cluster] tls_dir is required for QUIC"))?;
     let mat = tls::TlsMaterial::load(&dir, node_id)?;
     let idle = Duration::from_millis(cc.idle_timeout_ms);
     let endpoint = tls::endpoint(socket, &mat, idle)?;
-    let addr = endpoint.local_addr()?;
+    // What peers dial: the configured address (resolved), or the bound one (port 0 in tests).
+    let addr = match advertise {
+        Some(a) if a.port() != 0 => a,
+        _ => endpoint.local_addr()?,
+    };
     let peers = Arc::new(Peers::new(endpoint.clone(), idle));
     let (transport, relays) = QuicTransport::new(peers.clone(), addr).await?;
     let generation = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);

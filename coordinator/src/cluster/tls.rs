@@ -147,6 +147,11 @@ pub fn transport_config(idle_timeout: Duration) -> Arc<quinn::TransportConfig> {
     // a stream credit), and gossip messages in flight.
     t.max_concurrent_bidi_streams(1024u32.into());
     t.max_concurrent_uni_streams(256u32.into());
+    // A KV transfer is tens of MB on one stream: windows large enough that flow control does
+    // not pace it (the memory is bounded: at most this much is buffered per stream/connection).
+    t.stream_receive_window((16u32 << 20).into());
+    t.receive_window((64u32 << 20).into());
+    t.send_window(64 << 20);
     Arc::new(t)
 }
 
