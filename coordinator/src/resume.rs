@@ -78,6 +78,7 @@ impl LiveSequence {
                     self.finished = true;
                     if self.moves > 0 {
                         tracing::info!(request_id = %self.job.request_id, moves = self.moves, served_by = %self.served_by(), "request finished after moving");
+                        metrics::histogram!("zerolayer_request_moves", "node" => self.dispatch.node_id.clone()).record(self.moves as f64);
                     }
                     return Some(SeqEvent::Finished { reason, usage: self.usage(usage) });
                 }
