@@ -5,12 +5,13 @@
 //! 1. marks the node `draining`: `/ready` turns 503, the node gossips it, and placement (here
 //!    at once, elsewhere within a gossip round) stops choosing its workers; a request that
 //!    still arrives here is placed on other nodes;
-//! 2. moves every sequence off its workers, one at a time, running or waiting, prefilling or
-//!    decoding (`WorkerHandle::export`, which pauses only that sequence): placement picks the
-//!    target; the blocks the target does not cache travel to its prefix cache (in process for a
-//!    worker of this node, over QUIC for another node, `cluster::migrate`); then the sequence's
-//!    stream here ends with `Moved`, and the coordinator holding its client continues it there by
-//!    exact replay, computing only the last partial block. A transfer that fails ends it with
+//! 2. moves every sequence off its workers, running or waiting, prefilling or decoding: a
+//!    worker exports all of its sequences at one step boundary (`WorkerHandle::export`), then
+//!    [`MOVES_AT_ONCE`] of them travel at a time: placement picks each one's target; the blocks
+//!    the target does not cache travel to its prefix cache (in process for a worker of this
+//!    node, over QUIC for another node, `cluster::migrate`); then the sequence's stream here
+//!    ends with `Moved`, and the coordinator holding its client continues it there by exact
+//!    replay, computing only the last partial block. A transfer that fails ends it with
 //!    `Lost` instead: the continuation recomputes;
 //! 3. keeps checking until the workers hold no sequence (and stays draining until `undrain`).
 //!

@@ -13,6 +13,34 @@ fn model_path() -> std::path::PathBuf {
     p.canonicalize().unwrap()
 }
 
+/// Starts `zerolayer` (already given its arguments) with its logs on stdout, and waits for its
+/// one ready line, which carries the bound address. Returns the process, that line and the
+/// node's base URL.
+fn start(cmd: &mut Command) -> (std::process::Child, String, String) {
+    let mut child = cmd
+        .env("RUST_LOG", "info")
+        .env("NO_COLOR", "1")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start zerolayer");
+    let stdout = child.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel::<String>();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let line = rx.recv_timeout(deadline.saturating_duration_since(Instant::now())).expect("zerolayer logs its ready line");
+        if let Some(i) = line.find("zerolayer ready:") {
+            let url = line[i..].split_whitespace().find(|w| w.starts_with("http://")).expect("address in the ready line").to_string();
+            return (child, line, url);
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn up_serves_and_sigterm_drains_active_streams() {
     let dir = std::env::temp_dir().join(format!("zerolayer-bin-{}", std::process::id()));
@@ -27,31 +55,7 @@ async fn up_serves_and_sigterm_drains_active_streams() {
         ),
     )
     .unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_zerolayer"))
-        .args(["up", "--config"])
-        .arg(&cfg)
-        .env("RUST_LOG", "info")
-        .env("NO_COLOR", "1")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("start zerolayer");
-    // The one ready line carries the bound address.
-    let stdout = child.stdout.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel::<String>();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
-    let deadline = Instant::now() + Duration::from_secs(120);
-    let base = loop {
-        let line = rx.recv_timeout(deadline.saturating_duration_since(Instant::now())).expect("zerolayer logs its ready line");
-        if let Some(i) = line.find("zerolayer ready:") {
-            let url = line[i..].split_whitespace().find(|w| w.starts_with("http://")).expect("address in the ready line");
-            break url.to_string();
-        }
-    };
+    let (mut child, _, base) = start(Command::new(env!("CARGO_BIN_EXE_zerolayer")).args(["up", "--config"]).arg(&cfg));
     let c = reqwest::Client::builder().timeout(Duration::from_secs(180)).build().unwrap();
     assert_eq!(c.get(format!("{base}/ready")).send().await.unwrap().status(), 200);
 
@@ -127,33 +131,15 @@ async fn embedded_default_flags_env_and_aliases() {
     let bad = Command::new(env!("CARGO_BIN_EXE_zerolayer")).args(["up", "--node", "n9"]).current_dir(&dir).output().unwrap();
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("\"n9\" is not in the config"), "{}", String::from_utf8_lossy(&bad.stderr));
-    let mut child = Command::new(env!("CARGO_BIN_EXE_zerolayer"))
-        .args(["up", "--node", "n1", "--http", "127.0.0.1:0", "--model"])
-        .arg(model_path())
-        .current_dir(&dir)
-        .env("ZEROLAYER_MODEL__ID", "zl-renamed")
-        .env("ZEROLAYER_MODEL__DISPLAY_NAME", "Renamed by the environment")
-        .env("RUST_LOG", "info")
-        .env("NO_COLOR", "1")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("start zerolayer");
-    let stdout = child.stdout.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel::<String>();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
-    let deadline = Instant::now() + Duration::from_secs(120);
-    let base = loop {
-        let line = rx.recv_timeout(deadline.saturating_duration_since(Instant::now())).expect("zerolayer logs its ready line");
-        if let Some(i) = line.find("zerolayer ready:") {
-            assert!(line.contains("node n1 serving zl-renamed"), "{line}");
-            break line[i..].split_whitespace().find(|w| w.starts_with("http://")).unwrap().to_string();
-        }
-    };
+    let (mut child, ready, base) = start(
+        Command::new(env!("CARGO_BIN_EXE_zerolayer"))
+            .args(["up", "--node", "n1", "--http", "127.0.0.1:0", "--model"])
+            .arg(model_path())
+            .current_dir(&dir)
+            .env("ZEROLAYER_MODEL__ID", "zl-renamed")
+            .env("ZEROLAYER_MODEL__DISPLAY_NAME", "Renamed by the environment"),
+    );
+    assert!(ready.contains("node n1 serving zl-renamed"), "{ready}");
     assert!(!base.ends_with(":8080"), "--http replaced the default address: {base}");
     let c = reqwest::Client::builder().timeout(Duration::from_secs(120)).build().unwrap();
     let models: serde_json::Value = c.get(format!("{base}/v1/models")).send().await.unwrap().json().await.unwrap();

@@ -95,7 +95,7 @@ enum EngineCmd {
 }
 
 /// Every command to the worker: the actor receives them all and is the only sender into the
-/// engine thread. Migration export and import will be two more variants.
+/// engine thread.
 pub enum WorkerMsg {
     Submit { id: SeqId, req: SubmitRequest, reply: mpsc::Sender<SeqEvent>, ack: oneshot::Sender<Result<()>> },
     Cancel { id: SeqId },

@@ -86,6 +86,13 @@ impl TestServer {
     pub fn url(&self, path: &str) -> String {
         format!("{}{}", self.base, path)
     }
+
+    /// Holds the (only) worker's engine at its next step until the returned gate opens.
+    pub async fn hold_steps(&self) -> StepGate {
+        let gate = StepGate::default();
+        self.coordinator.workers[0].handle.set_step_hook(Some(gate.hook())).await.unwrap();
+        gate
+    }
 }
 
 impl Drop for TestServer {

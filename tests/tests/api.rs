@@ -330,8 +330,7 @@ async fn sixteen_concurrent_streams_and_early_disconnects_free_every_block() {
 async fn idle_streams_get_pings_after_message_start() {
     let _g = heavy();
     let s = TestServer::start(|c| c.server.ping_interval_ms = 100).await;
-    let gate = StepGate::default();
-    s.coordinator.workers[0].handle.set_step_hook(Some(gate.hook())).await.unwrap();
+    let gate = s.hold_steps().await;
     let body = json!({"model": "smollm2-135m-instruct", "max_tokens": 4, "stream": true, "temperature": 0,
                       "messages": [{"role": "user", "content": format!("{}\nSummarize.", LOREM)}]});
     let resp = client().post(s.url("/v1/messages")).json(&body).send().await.unwrap();
@@ -452,9 +451,8 @@ async fn openai_usage_finish_reasons_errors_and_seeds() {
 async fn no_new_work_while_draining() {
     let _g = heavy();
     let s = TestServer::start(|c| c.server.shutdown_grace_secs = 60).await;
-    let gate = StepGate::default();
+    let gate = s.hold_steps().await;
     let coordinator = s.coordinator.clone();
-    coordinator.workers[0].handle.set_step_hook(Some(gate.hook())).await.unwrap();
     let c = client();
     let resp = c.post(s.url("/v1/messages")).json(&msg_body("Count to five.", 8, true)).send().await.unwrap();
     let mut stream = resp.bytes_stream();

@@ -265,7 +265,7 @@ mod mtls {
     use super::*;
     use zerolayer_coordinator::cluster::{tls, Cluster};
 
-    fn config(ids: &[(&str, std::net::SocketAddr)], tls_dir: &std::path::Path) -> zerolayer_common::ClusterConfig {
+    pub(super) fn config(ids: &[(&str, std::net::SocketAddr)], tls_dir: &std::path::Path) -> zerolayer_common::ClusterConfig {
         let mut c = zerolayer_common::ClusterConfig::default();
         c.cluster.tls_dir = Some(tls_dir.to_path_buf());
         let template = c.nodes[0].clone();
@@ -281,7 +281,7 @@ mod mtls {
         c
     }
 
-    fn sock() -> (std::net::UdpSocket, std::net::SocketAddr) {
+    pub(super) fn sock() -> (std::net::UdpSocket, std::net::SocketAddr) {
         let s = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
         let a = s.local_addr().unwrap();
         (s, a)
@@ -394,28 +394,7 @@ mod identity {
     use super::*;
     use zerolayer_coordinator::cluster::{tls, Cluster};
     use zerolayer_coordinator::view::NodeState;
-
-    fn sock() -> (std::net::UdpSocket, std::net::SocketAddr) {
-        let s = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
-        let a = s.local_addr().unwrap();
-        (s, a)
-    }
-
-    fn config(ids: &[(&str, std::net::SocketAddr)], tls_dir: &std::path::Path) -> zerolayer_common::ClusterConfig {
-        let mut c = zerolayer_common::ClusterConfig::default();
-        c.cluster.tls_dir = Some(tls_dir.to_path_buf());
-        let template = c.nodes[0].clone();
-        c.nodes = ids
-            .iter()
-            .map(|(id, addr)| {
-                let mut n = template.clone();
-                n.id = id.to_string();
-                n.quic = Some(addr.to_string());
-                n
-            })
-            .collect();
-        c
-    }
+    use super::mtls::{config, sock};
 
     async fn until(what: &str, within: Duration, mut ok: impl FnMut() -> bool) {
         let deadline = Instant::now() + within;

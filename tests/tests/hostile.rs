@@ -143,8 +143,7 @@ async fn overload_gets_fast_529_and_admitted_streams_complete() {
     // The peak is this test's own: reset the high-water mark other tests in this binary left.
     std::fs::write("/proc/self/clear_refs", "5").expect("reset VmHWM");
     let s = TestServer::start(|c| c.server.max_inflight = 4).await;
-    let gate = StepGate::default();
-    s.coordinator.workers[0].handle.set_step_hook(Some(gate.hook())).await.unwrap();
+    let gate = s.hold_steps().await;
     let c = client();
     let stream_body = |i: usize| {
         json!({"model": MODEL, "max_tokens": 24, "stream": true, "temperature": 0,
@@ -320,8 +319,7 @@ async fn streams_past_the_grace_period_end_with_an_error_event() {
         c.server.ping_interval_ms = 200;
     })
     .await;
-    let gate = StepGate::default();
-    s.coordinator.workers[0].handle.set_step_hook(Some(gate.hook())).await.unwrap();
+    let gate = s.hold_steps().await;
     let c = client();
     let body = json!({"model": MODEL, "max_tokens": 16, "stream": true, "temperature": 0,
                       "messages": [{"role": "user", "content": "Tell me a story."}]});

@@ -77,7 +77,7 @@ pub async fn send(cluster: &Cluster, node: &str, addr: SocketAddr, header: Impor
         send.finish()?;
         let sent_at = std::time::Instant::now();
         let body = read_frame(&mut recv).await?.ok_or_else(|| anyhow::anyhow!("node {node} closed the stream without an answer"))?;
-        tracing::debug!(node, bytes, answer_ms = sent_at.elapsed().as_secs_f64() * 1e3, "KV sent; the target answered");
+        tracing::debug!(node, bytes, answer_ms = sent_at.elapsed().as_secs_f64() * 1e3, path = ?conn.stats().path, "KV sent; the target answered");
         match wire::decode_reply(&body)? {
             Reply::Imported { blocks } => anyhow::Ok(Transferred { blocks, bytes }),
             Reply::Refused { message, .. } => anyhow::bail!("node {node} refused the KV: {message}"),
