@@ -245,6 +245,16 @@ pub struct WorkerConfig {
     pub max_running: usize,
     /// Most sequences waiting for admission; more are refused (529 upstream).
     pub max_waiting: usize,
+    /// Stall-free batching: a step that carries decodes may take this many times what its
+    /// decodes alone would take, and prefill chunks get what fits in the difference (the step
+    /// time is learnt from the worker's own steps). 0 turns it off: every step gives prefill
+    /// the whole `max_batch_tokens`, and a long prompt freezes every stream for its chunks.
+    pub step_stretch: f64,
+    /// ...but a step may always take this long, so cheap decode steps still leave prefill
+    /// chunks large enough to be efficient.
+    pub min_step_ms: f64,
+    /// Prefill tokens every step may take whatever the decode load, so prompts keep moving.
+    pub min_prefill_chunk: usize,
 }
 
 impl Default for WorkerConfig {
@@ -258,6 +268,9 @@ impl Default for WorkerConfig {
             max_batch_tokens: 512,
             max_running: 32,
             max_waiting: 256,
+            step_stretch: 3.0,
+            min_step_ms: 40.0,
+            min_prefill_chunk: 32,
         }
     }
 }
@@ -344,6 +357,9 @@ impl ClusterConfig {
                 }
                 if w.max_batch_tokens == 0 || w.max_running == 0 {
                     return bad(format!("worker {}/{}: max_batch_tokens and max_running must be > 0", n.id, w.id));
+                }
+                if !(w.step_stretch == 0.0 || (1.0..=100.0).contains(&w.step_stretch)) || !(0.0..=10_000.0).contains(&w.min_step_ms) {
+                    return bad(format!("worker {}/{}: step_stretch must be 0 (off) or 1 to 100, min_step_ms 0 to 10000", n.id, w.id));
                 }
                 if w.kv_cache_mb == 0 {
                     return bad(format!("worker {}/{}: kv_cache_mb must be > 0", n.id, w.id));

@@ -62,6 +62,9 @@ impl Node {
                 max_batch_tokens: wc.max_batch_tokens,
                 max_running: wc.max_running,
                 max_waiting: wc.max_waiting,
+                step_stretch: wc.step_stretch,
+                min_step_ms: wc.min_step_ms,
+                min_prefill_chunk: wc.min_prefill_chunk,
             };
             if front.is_none() {
                 front = Some((loaded.tokenizer.clone(), loaded.template.clone()));

@@ -13,6 +13,7 @@ use crate::migrate::{Export, ImportReport, KvImport};
 use crate::model::{recycle, ForwardItem, KvCache, Model};
 use crate::sampler::Sampler;
 use crate::scheduler::{Plan, Scheduler, SchedulerConfig, SeqId};
+use crate::step_time::{StallFree, StepShape, StepTimeModel};
 use crate::stop::StopChecker;
 use crate::tokenizer::{IncrementalDecoder, Tokenizer};
 
@@ -24,11 +25,27 @@ pub struct EngineConfig {
     pub max_batch_tokens: usize,
     pub max_running: usize,
     pub max_waiting: usize,
+    /// Stall-free batching (`step_time`): a step carrying decodes may take this many times
+    /// what its decodes alone take (0: off, prefill always gets the whole budget).
+    pub step_stretch: f64,
+    /// ...and may always take this long.
+    pub min_step_ms: f64,
+    /// Prefill tokens every step may take, whatever the decode load.
+    pub min_prefill_chunk: usize,
 }
 
 impl Default for EngineConfig {
     fn default() -> Self {
-        EngineConfig { block_size: 16, kv_cache_bytes: 512 << 20, max_batch_tokens: 512, max_running: 32, max_waiting: 256 }
+        EngineConfig {
+            block_size: 16,
+            kv_cache_bytes: 512 << 20,
+            max_batch_tokens: 512,
+            max_running: 32,
+            max_waiting: 256,
+            step_stretch: 0.0,
+            min_step_ms: 0.0,
+            min_prefill_chunk: 32,
+        }
     }
 }
 
@@ -98,6 +115,9 @@ pub struct Engine {
     /// The step's plan and per-item buffers, reused (empty between steps).
     bufs: StepBufs,
     hook: Option<StepHook>,
+    /// The learnt step time and the policy that sizes each step's prefill from it.
+    step_time: StepTimeModel,
+    stall_free: StallFree,
     /// Events decided outside a step (a resumed sequence that had already ended), sent with
     /// the next step's.
     pending: Vec<(SeqId, SeqEvent)>,
@@ -141,6 +161,13 @@ impl Engine {
             logits: Vec::new(),
             bufs: StepBufs::default(),
             hook: None,
+            step_time: StepTimeModel::default(),
+            stall_free: StallFree {
+                stretch: cfg.step_stretch,
+                min_step: cfg.min_step_ms / 1e3,
+                min_chunk: cfg.min_prefill_chunk,
+                max_batch_tokens: cfg.max_batch_tokens,
+            },
             pending: Vec::new(),
         })
     }
@@ -290,7 +317,8 @@ impl Engine {
     }
 
     fn step_with(&mut self, bufs: &mut StepBufs) -> Result<StepOutput> {
-        self.sched.schedule_into(&mut bufs.plan);
+        let prefill = self.stall_free.prefill_budget(&self.step_time, &self.sched.outlook());
+        self.sched.schedule_into(&mut bufs.plan, prefill);
         let plan = &bufs.plan;
         let mut out = StepOutput { events: std::mem::take(&mut self.pending), ..Default::default() };
         for &id in &plan.started {
@@ -310,6 +338,11 @@ impl Engine {
                 self.fail(&ids, &e, &mut out);
                 return Ok(out);
             }
+        }
+        let t0 = Instant::now();
+        let mut shape = StepShape::default();
+        for it in &plan.items {
+            shape.add(it.start, it.len);
         }
         // Sequences with max_tokens == 0 only prefill; they need no logits.
         let want = &mut bufs.want;
@@ -363,7 +396,17 @@ impl Engine {
             }
         }
         self.logits = logits_buf;
+        let took = t0.elapsed().as_secs_f64();
+        tracing::debug!(target: "zerolayer_worker::step_time", tokens = shape.tokens, attended = shape.attended, prefill_budget = prefill,
+            decodes = plan.items.iter().filter(|it| it.len == 1).count(), predicted_ms = self.step_time.predict(&shape) * 1e3,
+            took_ms = took * 1e3, warm = self.step_time.is_warm(), coefficients = ?self.step_time.coefficients(), "step");
+        self.step_time.observe(shape, took);
         Ok(out)
+    }
+
+    /// The learnt step time (for signals, logs and benchmarks).
+    pub fn step_time(&self) -> &StepTimeModel {
+        &self.step_time
     }
 
     /// Ends `ids` with an error (their step failed); every other sequence goes on.

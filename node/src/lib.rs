@@ -23,6 +23,7 @@ pub mod migrate;
 pub mod model;
 pub mod sampler;
 pub mod scheduler;
+pub mod step_time;
 pub mod stop;
 pub mod tokenizer;
 

@@ -1,10 +1,12 @@
 //! The continuous-batching scheduler. Sans-IO: a plain struct, driven by the engine and by tests.
 //!
-//! Each [`Scheduler::schedule`] call plans one engine step under a token budget:
-//! 1. Running sequences, oldest first: a decode needs one token; a prompt being prefilled gets
-//!    its next chunk (chunked prefill), so a long prompt never stalls running decodes for more
-//!    than one step's budget.
-//! 2. Then waiting sequences are admitted in arrival order while the budget, the running-batch
+//! Each [`Scheduler::schedule_into`] call plans one engine step under a token budget and a
+//! prefill budget (which the engine sizes so that a step carrying decodes stays short:
+//! `step_time`):
+//! 1. Running sequences: every decode first (one token each), then the next chunk of each
+//!    prompt being prefilled (chunked prefill), each group oldest first. A prompt never holds a
+//!    decode back, and the prefill budget bounds how long the decodes' step takes.
+//! 2. Then waiting sequences are admitted in arrival order while the budgets, the running-batch
 //!    limit and free blocks allow. Admission reuses every cached full block of the prompt's
 //!    prefix (automatic prefix caching), so only the uncached tail is computed.
 //!
@@ -15,7 +17,8 @@
 //! because the oldest sequence is never preempted for a younger one.
 //!
 //! Bounds: at most `max_waiting` queued sequences, `max_running` running, and
-//! `max_batch_tokens` tokens per step.
+//! `max_batch_tokens` tokens per step, of which prefill takes at most its budget (at least one
+//! token, so prompts always move).
 
 use std::collections::{HashMap, VecDeque};
 
@@ -23,6 +26,7 @@ use zerolayer_common::chain_hash;
 
 use crate::block_pool::{BlockId, BlockPool};
 use crate::error::{WorkerError, Result};
+use crate::step_time::Outlook;
 
 pub type SeqId = u64;
 
@@ -117,6 +121,8 @@ pub struct Scheduler {
     waiting: VecDeque<SeqId>,
     /// In arrival order (oldest first).
     running: Vec<SeqId>,
+    /// The order of step 1 of a schedule (kept to reuse its allocation).
+    order: Vec<SeqId>,
     next_arrival: u64,
     pub stats: SchedulerStats,
 }
@@ -125,7 +131,7 @@ impl Scheduler {
     pub fn new(cfg: SchedulerConfig) -> Self {
         assert!(cfg.block_size > 0 && cfg.max_batch_tokens > 0 && cfg.max_running > 0);
         let pool = BlockPool::new(cfg.num_blocks, cfg.block_size);
-        Scheduler { cfg, pool, seqs: HashMap::new(), waiting: VecDeque::new(), running: Vec::new(), next_arrival: 0, stats: Default::default() }
+        Scheduler { cfg, pool, seqs: HashMap::new(), waiting: VecDeque::new(), running: Vec::new(), order: Vec::new(), next_arrival: 0, stats: Default::default() }
     }
 
     pub fn config(&self) -> &SchedulerConfig {
@@ -261,32 +267,63 @@ impl Scheduler {
         &self.running
     }
 
-    /// Plans the next step.
+    /// Plans the next step, with the whole token budget open to prefill.
     pub fn schedule(&mut self) -> Plan {
         let mut plan = Plan::default();
-        self.schedule_into(&mut plan);
+        self.schedule_into(&mut plan, self.cfg.max_batch_tokens);
         plan
     }
 
+    /// What the next step holds before prefill: its decodes, and where the oldest prompt being
+    /// prefilled (or the next to be admitted) stands. The engine sizes the prefill budget from it.
+    pub fn outlook(&self) -> Outlook {
+        let mut o = Outlook::default();
+        let mut prefill_start = None;
+        for s in self.running.iter().map(|r| &self.seqs[r]) {
+            if s.tokens.len() - s.num_computed == 1 {
+                o.decodes.add(s.num_computed, 1);
+            } else if prefill_start.is_none() {
+                prefill_start = Some(s.num_computed);
+            }
+        }
+        o.prefill_start = prefill_start.unwrap_or(0);
+        o
+    }
+
     /// [`Scheduler::schedule`] into a reused plan (its vectors are cleared first), so the step
-    /// loop does not allocate.
-    pub fn schedule_into(&mut self, plan: &mut Plan) {
+    /// loop does not allocate, giving prompts at most `prefill_budget` tokens (at least one).
+    pub fn schedule_into(&mut self, plan: &mut Plan, prefill_budget: usize) {
         plan.items.clear();
         plan.started.clear();
         plan.preempted.clear();
         let mut budget = self.cfg.max_batch_tokens;
+        let mut prefill_left = prefill_budget.max(1);
         let bs = self.cfg.block_size;
 
-        // 1. Running sequences, oldest first.
-        let mut i = 0;
-        while i < self.running.len() && budget > 0 {
-            let id = self.running[i];
+        // 1. Running sequences: every decode first (one token each), then the next chunks of
+        //    prompts being prefilled, each group oldest first. So a prompt never holds a decode
+        //    back, and the prefill budget bounds how long the decodes' step takes.
+        let mut order = std::mem::take(&mut self.order);
+        order.clear();
+        let need = |s: &Sequence| s.tokens.len() - s.num_computed;
+        order.extend(self.running.iter().copied().filter(|r| need(&self.seqs[r]) == 1));
+        order.extend(self.running.iter().copied().filter(|r| need(&self.seqs[r]) > 1));
+        for &id in &order {
+            if budget == 0 {
+                break;
+            }
+            if !self.running.contains(&id) {
+                continue; // preempted earlier in this step
+            }
             let (need, computed, have_blocks) = {
                 let s = &self.seqs[&id];
                 (s.tokens.len() - s.num_computed, s.num_computed, s.blocks.len())
             };
             debug_assert!(need > 0, "running sequence {id} has nothing to compute");
-            let mut n = need.min(budget);
+            let mut n = if need == 1 { 1 } else { need.min(budget).min(prefill_left) };
+            if n == 0 {
+                continue;
+            }
             // Make room: shrink a prefill chunk to what fits, else preempt the youngest.
             loop {
                 let capacity = (have_blocks + self.pool.num_free()) * bs - computed;
@@ -304,7 +341,7 @@ impl Scheduler {
                 }
             }
             if !self.running.contains(&id) {
-                break; // preempted itself: it was the youngest
+                continue; // preempted itself: it was the youngest
             }
             let want_blocks = self.blocks_for(computed + n);
             let s = self.seqs.get_mut(&id).unwrap();
@@ -313,11 +350,14 @@ impl Scheduler {
             }
             plan.items.push(ScheduledItem { seq: id, start: computed, len: n, completes: computed + n == s.tokens.len() });
             budget -= n;
-            i += 1;
+            if need > 1 {
+                prefill_left -= n;
+            }
         }
+        self.order = order;
 
         // 2. Admit waiting sequences in order.
-        while budget > 0 && self.running.len() < self.cfg.max_running {
+        while budget > 0 && prefill_left > 0 && self.running.len() < self.cfg.max_running {
             let Some(&id) = self.waiting.front() else { break };
             if plan.preempted.contains(&id) {
                 break; // don't re-admit in the step that preempted it
@@ -344,7 +384,7 @@ impl Scheduler {
             // Largest chunk that fits the budget and the free blocks.
             let partial_slots = 0; // matched blocks are full
             let cap_tokens = free_after_match * bs + partial_slots;
-            let n = remaining.min(budget).min(cap_tokens);
+            let n = remaining.min(budget).min(prefill_left).min(cap_tokens);
             if n == 0 {
                 break;
             }
@@ -367,6 +407,7 @@ impl Scheduler {
             }
             plan.items.push(ScheduledItem { seq: id, start: matched_tokens, len: n, completes: matched_tokens + n == s.tokens.len() });
             budget -= n;
+            prefill_left -= n;
             self.waiting.pop_front();
             // Keep `running` in arrival order.
             let arrival = s.arrival;
@@ -462,107 +503,4 @@ fn extend_hashes(s: &mut Sequence, bs: usize) {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn cfg(num_blocks: usize, budget: usize) -> SchedulerConfig {
-        SchedulerConfig { block_size: 4, num_blocks, max_batch_tokens: budget, max_running: 8, max_waiting: 4, max_model_len: 1000 }
-    }
-
-    /// Runs the plan as if computed, sampling token 7 for every completing item.
-    fn step(s: &mut Scheduler) -> Plan {
-        let p = s.schedule();
-        s.on_computed(&p);
-        for it in &p.items {
-            if it.completes {
-                s.append_token(it.seq, 7);
-            }
-        }
-        s.check_invariants();
-        p
-    }
-
-    #[test]
-    fn chunked_prefill_shares_the_budget_with_decodes() {
-        let mut s = Scheduler::new(cfg(64, 8));
-        s.add(1, vec![1, 2, 3], 10).unwrap();
-        let p = step(&mut s);
-        assert_eq!(p.items, vec![ScheduledItem { seq: 1, start: 0, len: 3, completes: true }]);
-        s.add(2, (0..20).collect(), 10).unwrap();
-        let p = step(&mut s);
-        // The decode goes first, the long prompt gets the rest of the budget.
-        assert_eq!(p.items[0], ScheduledItem { seq: 1, start: 3, len: 1, completes: true });
-        assert_eq!(p.items[1], ScheduledItem { seq: 2, start: 0, len: 7, completes: false });
-        let p = step(&mut s);
-        assert_eq!(p.items[1], ScheduledItem { seq: 2, start: 7, len: 7, completes: false });
-    }
-
-    #[test]
-    fn prefix_blocks_are_reused() {
-        let mut s = Scheduler::new(cfg(64, 64));
-        let prompt: Vec<u32> = (0..13).collect();
-        s.add(1, prompt.clone(), 2).unwrap();
-        step(&mut s);
-        s.remove(1);
-        let mut p2 = prompt.clone();
-        p2.extend([100, 101]);
-        s.add(2, p2, 2).unwrap();
-        let p = step(&mut s);
-        // 3 full blocks (12 tokens) cached; 3 tokens computed.
-        assert_eq!(p.items, vec![ScheduledItem { seq: 2, start: 12, len: 3, completes: true }]);
-        assert_eq!(s.get(2).unwrap().cached_prompt_tokens, 12);
-        // A fully cached prompt still computes its last token.
-        s.remove(2);
-        s.add(3, (0..12).collect(), 2).unwrap();
-        let p = step(&mut s);
-        assert_eq!(p.items, vec![ScheduledItem { seq: 3, start: 8, len: 4, completes: true }]);
-    }
-
-    #[test]
-    fn preempts_the_youngest_and_everything_finishes() {
-        // 6 blocks of 4 tokens; each sequence needs up to 3 blocks (8 prompt + 4 out).
-        let mut s = Scheduler::new(cfg(6, 64));
-        for id in 0..4 {
-            s.add(id, (0..8).map(|t| t + 100 * id as u32).collect(), 4).unwrap();
-        }
-        let mut done = vec![];
-        let mut preempted = 0;
-        for _ in 0..200 {
-            let before = s.running_ids().to_vec();
-            let p = step(&mut s);
-            // Each victim is the youngest running sequence at that moment (the one admitted
-            // last), never an older one.
-            for (k, victim) in p.preempted.iter().enumerate() {
-                assert_eq!(Some(victim), before.iter().rev().nth(k), "preempted {victim} while running (oldest first) {before:?}");
-                preempted += 1;
-            }
-            for id in 0..4u64 {
-                if let Some(q) = s.get(id) {
-                    if q.generated() >= q.max_tokens {
-                        s.remove(id);
-                        done.push(id);
-                    }
-                }
-            }
-            if s.is_idle() {
-                break;
-            }
-        }
-        assert_eq!(done.len(), 4, "all finish");
-        assert!(preempted > 0, "the pool was too small, so something was preempted");
-        assert_eq!(s.stats.preemptions_total, preempted);
-        assert_eq!(s.kv_blocks().free, 6);
-        s.check_invariants();
-    }
-
-    #[test]
-    fn refuses_only_what_cannot_fit_alone_and_bounds_the_queue() {
-        let mut s = Scheduler::new(cfg(4, 64));
-        assert!(matches!(s.add(1, vec![1; 10], 7), Err(WorkerError::TooLong { .. })));
-        s.add(1, vec![1; 10], 6).unwrap();
-        for id in 2..5 {
-            s.add(id, vec![1], 1).unwrap();
-        }
-        assert!(matches!(s.add(9, vec![1], 1), Err(WorkerError::QueueFull(4))));
-    }
-}
+mod tests;

@@ -374,3 +374,64 @@ fn tokenizer_matches_llama_cpp_fixtures() {
     assert_eq!(tok.encode("<|im_start|>").unwrap(), vec![1]);
     assert!(tok.is_end_token(2));
 }
+
+/// Stall-free batching: once the engine has learnt its step time, a step that carries a decode
+/// gives a long prompt only a small chunk (instead of the whole 512-token budget), the prompt
+/// still finishes its prefill in a bounded number of steps, and every output is the one the
+/// sequences produce without it (chunking never changes a token).
+#[test]
+fn stall_free_steps_keep_decodes_moving_and_change_no_output() {
+    let _g = heavy();
+    let greedy = |n: u32| SamplingParams { max_tokens: n, temperature: 0.0, ignore_eos: true, ..Default::default() };
+    let stall_free = EngineConfig { block_size: 4, max_batch_tokens: 512, step_stretch: 2.5, min_step_ms: 0.0, min_prefill_chunk: 16, ..Default::default() };
+    let mut on = engine(stall_free.clone());
+    let mut off = engine(EngineConfig { step_stretch: 0.0, ..stall_free });
+    let short = prompt_tokens(&on, 20, 1);
+    let long = prompt_tokens(&on, 1400, 2);
+    assert_eq!(long.len(), 1400);
+
+    // Warm-up: decodes alone and with prompts of several sizes, so the step time is learnt.
+    for (i, n) in [40usize, 120, 300, 500].into_iter().enumerate() {
+        on.add(10 + i as u64, prompt_tokens(&on, 10 + i, 100 + i), greedy(24)).unwrap();
+        on.step().unwrap();
+        on.add(20 + i as u64, prompt_tokens(&on, n, 200 + i), greedy(4)).unwrap();
+        run_all(&mut on);
+    }
+    assert!(on.step_time().is_warm(), "learnt from {} steps: {:?}", on.step_time().steps(), on.step_time().coefficients());
+
+    // A decodes; B's 1,400-token prompt arrives.
+    let mut outputs = vec![];
+    for e in [&mut on, &mut off] {
+        e.add(1, short.clone(), greedy(400)).unwrap();
+        e.step().unwrap();
+        e.add(2, long.clone(), greedy(8)).unwrap();
+        let mut chunks = vec![];
+        let mut got: HashMap<u64, Vec<u32>> = HashMap::new();
+        let mut b_prefilled = false;
+        while e.has_work() {
+            let out = e.step().unwrap();
+            let a_decoded = out.events.iter().any(|(id, ev)| *id == 1 && matches!(ev, SeqEvent::Delta { .. }));
+            if !b_prefilled && a_decoded {
+                chunks.push(out.tokens_computed - 1);
+            }
+            for (id, ev) in out.events {
+                if let SeqEvent::Delta { tokens, .. } = ev {
+                    if id == 2 {
+                        b_prefilled = true;
+                    }
+                    got.entry(id).or_default().extend(tokens);
+                }
+            }
+        }
+        outputs.push((chunks, got));
+    }
+    let (chunks_on, got_on) = &outputs[0];
+    let (chunks_off, got_off) = &outputs[1];
+    assert_eq!(got_on, got_off, "stall-free chunking changed an output");
+    assert_eq!(got_on[&2].len(), 8);
+    assert!(chunks_off.iter().any(|&c| c >= 500), "without it, a step carries a full chunk beside the decode: {chunks_off:?}");
+    let largest = chunks_on.iter().copied().max().unwrap_or(0);
+    assert!(largest < 256, "with it, the chunks beside a decode stay small: {chunks_on:?}");
+    assert!(chunks_on.len() <= 1400 / 16 + 1, "the prompt moves at least 16 tokens a step: {} steps", chunks_on.len());
+    eprintln!("chunks beside a decode: on {chunks_on:?}; off {chunks_off:?}; step time {:?}", on.step_time().coefficients());
+}
