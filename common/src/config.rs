@@ -171,6 +171,10 @@ pub struct ModelSection {
     /// Other names accepted for the same model.
     pub aliases: Vec<String>,
     pub display_name: String,
+    /// Whether special-token strings that clients write (`<|im_start|>` in a message) become
+    /// control tokens. Off (the default): what clients write is text, and only the chat
+    /// template's own scaffolding yields control tokens, so no one can forge a turn.
+    pub special_tokens_in_content: bool,
 }
 
 impl Default for ModelSection {
@@ -181,6 +185,7 @@ impl Default for ModelSection {
             id: "smollm2-135m-instruct".into(),
             aliases: vec!["SmolLM2-135M-Instruct".into()],
             display_name: "SmolLM2 135M Instruct (Q4_1)".into(),
+            special_tokens_in_content: false,
         }
     }
 }

@@ -128,9 +128,9 @@ impl Coordinator {
         self.tokenizer.encode(text).map_err(|e| ApiError::Internal(e.to_string()))
     }
 
-    /// The prompt's token ids, rendered through the model's chat template.
+    /// The prompt's token ids (`prompt::prompt_ids`: what the client wrote stays text).
     pub fn prompt_ids(&self, req: &GenerationRequest) -> Result<Vec<u32>, ApiError> {
-        self.tokenize(&req.render(&self.template)?)
+        crate::prompt::prompt_ids(req, &self.template, &self.tokenizer, self.config.model.special_tokens_in_content)
     }
 
     /// Validates length, takes an in-flight slot, places and submits. A draining node still

@@ -20,7 +20,7 @@ pub fn exercise(data: &[u8], tokenizer: &Tokenizer, template: &ChatTemplate) -> 
         }
     };
     let prompt = req.generation.render(template)?;
-    let ids = tokenizer.encode(&prompt).map_err(|e| ApiError::Internal(e.to_string()))?;
+    let ids = crate::prompt::prompt_ids(&req.generation, template, tokenizer, false)?;
     // The rendered prompt round-trips through the tokenizer whenever the vocabulary has a token
     // for each of its bytes (bytes without one are dropped, as llama.cpp does).
     if tokenizer.covers(&prompt) {

@@ -4,8 +4,10 @@
 //! config); "worker" means one device's engine inside it.
 //!
 //! Modules, lowest layer first (a module uses only those before it; `module_graph` tests it):
-//! - [`error`], [`clock`], [`view`] (the cluster as placement reads it), [`request`] (the
-//!   neutral generation request), [`metrics`], [`status`] (the CLI's table);
+//! - [`error`], [`clock`], [`view`] (the cluster as placement reads it), [`tools`] (offered
+//!   functions, calls, and finding calls in generated text), [`request`] (the neutral
+//!   generation request), [`prompt`] (it through the chat template, and where the client's
+//!   words land), [`metrics`], [`status`] (the CLI's table);
 //! - [`placement`] (a pure function over a view), [`tracker`] (staleness correction), [`auth`];
 //! - [`cluster`]: QUIC with mutual TLS, chitchat membership and gossip, forwarding;
 //! - [`dispatch`]: placement and submission (local or one QUIC hop); [`resume`]: a sequence
@@ -29,8 +31,10 @@ pub mod fuzzing;
 pub mod metrics;
 pub mod node;
 pub mod placement;
+pub mod prompt;
 pub mod request;
 pub mod resume;
 pub mod status;
+pub mod tools;
 pub mod tracker;
 pub mod view;

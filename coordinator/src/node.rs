@@ -45,7 +45,9 @@ impl Node {
         crate::metrics::handle();
         let mut workers = Vec::new();
         let mut front = None;
-        let mut context_length = 0;
+        // The context a request may use: the model's, or less where a worker's KV cache holds
+        // fewer tokens (max_tokens is clamped to it).
+        let mut context_length = usize::MAX;
         for wc in &node.workers {
             let path = config.model.path.clone();
             let tok = config.model.tokenizer.clone();
@@ -55,7 +57,6 @@ impl Node {
                 let mut p = |d: usize, t: usize| progress(&wid, d, t);
                 loader::load(&path, tok.as_deref(), threads, &mut p)?
             };
-            context_length = loaded.model.cfg.context_length;
             let ecfg = EngineConfig {
                 block_size: wc.block_size,
                 kv_cache_bytes: wc.kv_cache_mb << 20,
@@ -70,6 +71,7 @@ impl Node {
                 front = Some((loaded.tokenizer.clone(), loaded.template.clone()));
             }
             let engine = Engine::new(loaded.model, loaded.tokenizer, &ecfg)?;
+            context_length = context_length.min(engine.max_sequence_tokens());
             let handle = WorkerHandle::spawn(engine, &format!("{node_id}-{}", wc.id)).await?;
             workers.push(LocalWorker { id: wc.id.clone(), handle, max_waiting: wc.max_waiting, device: wc.device.clone() });
         }

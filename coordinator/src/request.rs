@@ -1,14 +1,14 @@
 //! The neutral generation request: what the Anthropic and OpenAI parsers both return, and what
-//! the [`crate::coordinator::Coordinator`] runs. Also the rendering of a conversation through the
-//! model's chat template, and the `max_tokens` rule against the context.
+//! the [`crate::coordinator::Coordinator`] runs (rendered through the chat template by
+//! `prompt`), and the `max_tokens` rule against the context (clamped to the room left).
 //!
 //! API-specific fields stay with their parser (`api::anthropic`, `api::openai`); everything that
 //! decides what the worker generates is here, once.
 
 use zerolayer_common::SamplingParams;
-use zerolayer_worker::chat::{ChatMessage, ChatTemplate};
 
 use crate::error::ApiError;
+use crate::tools::{Tool, ToolCall, ToolChoice};
 
 /// `max_tokens` when a request does not set one (OpenAI's default is "as many as fit").
 pub const DEFAULT_MAX_TOKENS: usize = 4096;
@@ -22,6 +22,11 @@ pub const MAX_STOP_SEQUENCE_BYTES: usize = 256;
 pub enum Role {
     User,
     Assistant,
+    /// A system message in the middle of the conversation (Anthropic's mid-conversation system
+    /// messages, OpenAI's system messages after the first turn): rendered as a system turn.
+    System,
+    /// A function's result, answering the call `Turn::tool_call_id`.
+    Tool,
 }
 
 impl Role {
@@ -29,15 +34,49 @@ impl Role {
         match self {
             Role::User => "user",
             Role::Assistant => "assistant",
+            Role::System => "system",
+            Role::Tool => "tool",
         }
     }
 }
 
-/// One turn after combining consecutive same-role messages.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// One turn after combining consecutive same-role messages (tool results are never combined).
+#[derive(Clone, Debug, PartialEq)]
 pub struct Turn {
     pub role: Role,
     pub text: String,
+    /// An assistant turn's calls.
+    pub tool_calls: Vec<ToolCall>,
+    /// A tool turn: the call it answers.
+    pub tool_call_id: Option<String>,
+}
+
+impl Turn {
+    pub fn new(role: Role, text: impl Into<String>) -> Self {
+        Turn { role, text: text.into(), tool_calls: Vec::new(), tool_call_id: None }
+    }
+
+    /// A function's result.
+    pub fn tool_result(call_id: impl Into<String>, text: impl Into<String>) -> Self {
+        Turn { role: Role::Tool, text: text.into(), tool_calls: Vec::new(), tool_call_id: Some(call_id.into()) }
+    }
+}
+
+/// Appends `turn`, combining it with the last one when both are the same role (tool results
+/// excepted), as the official APIs do.
+pub fn push_turn(turns: &mut Vec<Turn>, turn: Turn) {
+    match turns.last_mut() {
+        Some(last) if last.role == turn.role && turn.role != Role::Tool => {
+            if !turn.text.is_empty() {
+                if !last.text.is_empty() {
+                    last.text.push_str("\n\n");
+                }
+                last.text.push_str(&turn.text);
+            }
+            last.tool_calls.extend(turn.tool_calls);
+        }
+        _ => turns.push(turn),
+    }
 }
 
 /// A validated request to generate, whichever API it came from.
@@ -53,40 +92,34 @@ pub struct GenerationRequest {
     /// prompt's length is known.
     pub params: SamplingParams,
     pub stream: bool,
+    /// The functions the model may call, and whether it may.
+    pub tools: Vec<Tool>,
+    pub tool_choice: ToolChoice,
 }
 
 impl GenerationRequest {
-    /// Renders the conversation with a chat template. A final assistant turn is a prefill: the
-    /// prompt ends with its text, so generation continues it.
-    pub fn render(&self, template: &ChatTemplate) -> Result<String, ApiError> {
-        let mut msgs = Vec::with_capacity(self.turns.len() + 1);
-        if let Some(s) = &self.system {
-            msgs.push(ChatMessage::new("system", s));
+    /// The tools the model is shown (none when `tool_choice` is `none`).
+    pub fn offered_tools(&self) -> &[Tool] {
+        match self.tool_choice {
+            ToolChoice::Auto => &self.tools,
+            ToolChoice::None => &[],
         }
-        msgs.extend(self.turns.iter().map(|t| ChatMessage::new(t.role.as_str(), t.text.clone())));
-        let prompt = if self.turns.last().is_some_and(|t| t.role == Role::Assistant) {
-            template.render_for_generation(&msgs)
-        } else {
-            template.render(&msgs, true)
-        };
-        prompt.map_err(|e| ApiError::invalid(e.to_string()))
     }
 }
 
 /// The `max_tokens` a prompt of `prompt_tokens` may generate in a context of `context` tokens:
-/// the request's own (refused if it does not fit), or what fits, capped at
-/// [`DEFAULT_MAX_TOKENS`].
+/// the request's own, clamped to the room the context leaves (agents such as Claude Code always
+/// send 32000), or what fits, capped at [`DEFAULT_MAX_TOKENS`]. Only a prompt that leaves no
+/// room at all is refused.
 pub fn resolve_max_tokens(requested: Option<u32>, prompt_tokens: usize, context: usize) -> Result<u32, ApiError> {
     if prompt_tokens >= context {
         return Err(ApiError::invalid(format!("prompt is too long: {prompt_tokens} tokens > {} maximum", context.saturating_sub(1))));
     }
-    match requested {
-        Some(m) if prompt_tokens + m as usize > context => Err(ApiError::invalid(format!(
-            "max_tokens: prompt ({prompt_tokens} tokens) + max_tokens ({m}) exceeds the model's context of {context} tokens"
-        ))),
-        Some(m) => Ok(m),
-        None => Ok((context - prompt_tokens).min(DEFAULT_MAX_TOKENS) as u32),
-    }
+    let room = context - prompt_tokens;
+    Ok(match requested {
+        Some(m) => (m as usize).min(room) as u32,
+        None => room.min(DEFAULT_MAX_TOKENS) as u32,
+    })
 }
 
 #[cfg(test)]
@@ -96,7 +129,8 @@ mod tests {
     #[test]
     fn max_tokens_against_the_context() {
         assert_eq!(resolve_max_tokens(Some(10), 90, 100).unwrap(), 10);
-        assert_eq!(resolve_max_tokens(Some(11), 90, 100).unwrap_err().status(), 400);
+        assert_eq!(resolve_max_tokens(Some(11), 90, 100).unwrap(), 10, "clamped to the room left");
+        assert_eq!(resolve_max_tokens(Some(32_000), 20_000, 32_768).unwrap(), 12_768);
         assert_eq!(resolve_max_tokens(None, 90, 100).unwrap(), 10);
         assert_eq!(resolve_max_tokens(None, 10, 10_000).unwrap(), DEFAULT_MAX_TOKENS as u32);
         assert_eq!(resolve_max_tokens(Some(0), 100, 100).unwrap_err().status(), 400, "a prompt filling the context is refused");

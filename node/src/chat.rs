@@ -10,16 +10,85 @@ use crate::error::{WorkerError, Result};
 /// The template used when a model ships none.
 pub const CHATML_TEMPLATE: &str = "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
 
-/// One turn of a conversation.
-#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+/// One turn of a conversation, in the shape Hugging Face chat templates read: an assistant
+/// turn may carry `tool_calls` (`[{"id", "type": "function", "function": {"name",
+/// "arguments": {...}}}]`), and a `tool` turn answers one by `tool_call_id`.
+#[derive(Clone, Debug, Serialize, PartialEq)]
 pub struct ChatMessage {
     pub role: String,
     pub content: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<serde_json::Value>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
 }
 
 impl ChatMessage {
     pub fn new(role: &str, content: impl Into<String>) -> Self {
-        ChatMessage { role: role.into(), content: content.into() }
+        ChatMessage { role: role.into(), content: content.into(), tool_calls: None, tool_call_id: None }
+    }
+}
+
+/// Python's `json.dumps(v, ensure_ascii=False)`, as Hugging Face's templates get it from their
+/// `tojson` (minijinja's own escapes `<`, `>`, `&` and `'` for HTML, which the models never saw).
+fn py_json(v: &minijinja::Value, out: &mut String) {
+    use minijinja::value::ValueKind;
+    use std::fmt::Write;
+    match v.kind() {
+        ValueKind::Undefined | ValueKind::None => out.push_str("null"),
+        ValueKind::Bool => out.push_str(if v.is_true() { "true" } else { "false" }),
+        ValueKind::Number => match (i64::try_from(v.clone()), f64::try_from(v.clone())) {
+            (Ok(i), _) if v.is_integer() => {
+                let _ = write!(out, "{i}");
+            }
+            (_, Ok(f)) if f.is_finite() && f.fract() == 0.0 && f.abs() < 1e16 => {
+                let _ = write!(out, "{f:.1}");
+            }
+            (_, Ok(f)) => {
+                let _ = write!(out, "{f}");
+            }
+            _ => out.push_str("null"),
+        },
+        ValueKind::String => {
+            out.push('"');
+            for c in v.as_str().unwrap_or_default().chars() {
+                match c {
+                    '"' => out.push_str("\\\""),
+                    '\\' => out.push_str("\\\\"),
+                    '\n' => out.push_str("\\n"),
+                    '\r' => out.push_str("\\r"),
+                    '\t' => out.push_str("\\t"),
+                    c if (c as u32) < 0x20 => {
+                        let _ = write!(out, "\\u{:04x}", c as u32);
+                    }
+                    c => out.push(c),
+                }
+            }
+            out.push('"');
+        }
+        ValueKind::Seq | ValueKind::Iterable => {
+            out.push('[');
+            for (i, item) in v.try_iter().into_iter().flatten().enumerate() {
+                if i > 0 {
+                    out.push_str(", ");
+                }
+                py_json(&item, out);
+            }
+            out.push(']');
+        }
+        ValueKind::Map => {
+            out.push('{');
+            for (i, k) in v.try_iter().into_iter().flatten().enumerate() {
+                if i > 0 {
+                    out.push_str(", ");
+                }
+                py_json(&minijinja::Value::from(k.to_string()), out);
+                out.push_str(": ");
+                py_json(&v.get_item(&k).unwrap_or_default(), out);
+            }
+            out.push('}');
+        }
+        _ => py_json(&minijinja::Value::from(v.to_string()), out),
     }
 }
 
@@ -28,6 +97,11 @@ pub struct ChatTemplate {
     env: Environment<'static>,
     bos_token: String,
     eos_token: String,
+    supports_tools: bool,
+}
+
+fn src_mentions_tools(source: Option<&str>) -> bool {
+    source.is_some_and(|s| s.contains("tools") && s.contains("tool_call"))
 }
 
 impl ChatTemplate {
@@ -45,17 +119,35 @@ impl ChatTemplate {
             .build()
             .map_err(|e| WorkerError::Template(e.to_string()))?;
         env.set_syntax(syntax);
+        env.add_filter("tojson", |v: minijinja::Value| -> String {
+            let mut out = String::new();
+            py_json(&v, &mut out);
+            out
+        });
         let src = source.unwrap_or(CHATML_TEMPLATE).to_string();
         env.add_template_owned("chat", src).map_err(|e| WorkerError::Template(e.to_string()))?;
-        Ok(ChatTemplate { env, bos_token: bos_token.into(), eos_token: eos_token.into() })
+        let supports_tools = src_mentions_tools(source);
+        Ok(ChatTemplate { env, bos_token: bos_token.into(), eos_token: eos_token.into(), supports_tools })
+    }
+
+    /// Whether the template renders a `tools` list (the model was taught to call functions).
+    pub fn supports_tools(&self) -> bool {
+        self.supports_tools
     }
 
     /// Renders `messages`. With `add_generation_prompt`, the text ends where the assistant's
     /// reply begins.
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
+        self.render_with_tools(messages, None, add_generation_prompt)
+    }
+
+    /// As [`ChatTemplate::render`], with the functions the model may call (`tools`: Hugging
+    /// Face's `[{"type": "function", "function": {"name", "description", "parameters"}}]`).
+    pub fn render_with_tools(&self, messages: &[ChatMessage], tools: Option<&[serde_json::Value]>, add_generation_prompt: bool) -> Result<String> {
         let t = self.env.get_template("chat").map_err(|e| WorkerError::Template(e.to_string()))?;
         t.render(context! {
             messages => minijinja::Value::from(minijinja::value::Serde(messages)),
+            tools => tools.map(|t| minijinja::Value::from(minijinja::value::Serde(t))),
             add_generation_prompt => add_generation_prompt,
             bos_token => &self.bos_token,
             eos_token => &self.eos_token,
@@ -66,13 +158,18 @@ impl ChatTemplate {
     /// Renders a conversation for generation. When the last message is from the assistant it
     /// is a *prefill*: the prompt ends with its text (no end-of-turn), so generation continues it.
     pub fn render_for_generation(&self, messages: &[ChatMessage]) -> Result<String> {
+        self.render_for_generation_with_tools(messages, None)
+    }
+
+    /// As [`ChatTemplate::render_for_generation`], with `tools` (see [`ChatTemplate::render_with_tools`]).
+    pub fn render_for_generation_with_tools(&self, messages: &[ChatMessage], tools: Option<&[serde_json::Value]>) -> Result<String> {
         match messages.last() {
-            Some(last) if last.role == "assistant" => {
-                let mut s = self.render(&messages[..messages.len() - 1], true)?;
+            Some(last) if last.role == "assistant" && last.tool_calls.is_none() => {
+                let mut s = self.render_with_tools(&messages[..messages.len() - 1], tools, true)?;
                 s.push_str(&last.content);
                 Ok(s)
             }
-            _ => self.render(messages, true),
+            _ => self.render_with_tools(messages, tools, true),
         }
     }
 }
@@ -92,6 +189,19 @@ mod tests {
         let mut with_prefill = msgs.clone();
         with_prefill.push(ChatMessage::new("assistant", "Hello"));
         assert!(t.render_for_generation(&with_prefill).unwrap().ends_with("<|im_start|>assistant\nHello"));
+    }
+
+    #[test]
+    fn tojson_is_pythons_json_dumps() {
+        let t = ChatTemplate::new(Some("{{ messages[0].tool_calls[0] | tojson }}"), "", "").unwrap();
+        let mut m = ChatMessage::new("assistant", "");
+        m.tool_calls = Some(vec![serde_json::json!({"name": "f<x>", "arguments": {"n": 3, "x": 1.0, "s": "a\"b\né", "l": [true, null]}})]);
+        // Keys in order, Python's separators, nothing HTML-escaped, non-ASCII kept.
+        let out = t.render(&[m], false).unwrap();
+        assert!(out.starts_with("{\"arguments\": {") || out.starts_with("{\"name\": "), "{out}");
+        assert!(out.contains("\"name\": \"f<x>\""), "{out}");
+        assert!(out.contains("\"s\": \"a\\\"b\\né\""), "{out}");
+        assert!(out.contains("\"n\": 3") && out.contains("\"x\": 1.0") && out.contains("\"l\": [true, null]"), "{out}");
     }
 
     #[test]

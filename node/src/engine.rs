@@ -185,6 +185,12 @@ impl Engine {
         self.cache.num_blocks
     }
 
+    /// The longest sequence (prompt and output) this engine can hold: the model's context, or
+    /// its whole KV cache if that is smaller.
+    pub fn max_sequence_tokens(&self) -> usize {
+        self.model.cfg.context_length.min(self.cache.num_blocks * self.cache.layout.block_size)
+    }
+
     /// Queues a request. Errors: too long for the model or the cache, or the queue is full.
     pub fn add(&mut self, id: SeqId, prompt: Vec<u32>, params: SamplingParams) -> Result<()> {
         self.add_resumed(id, prompt, Vec::new(), params)

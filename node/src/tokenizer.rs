@@ -23,6 +23,10 @@ use crate::error::{WorkerError, Result};
 /// A tokenizer plus the ids that end a turn.
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
+    /// The same tokenizer with special tokens read as plain text: for what users wrote.
+    text_only: tokenizers::Tokenizer,
+    /// The special (control) tokens' strings and ids, longest first.
+    specials: Vec<(String, u32)>,
     /// Token ids that end generation (the model's EOS and the chat end-of-turn tokens).
     pub end_tokens: Vec<u32>,
     pub bos_token: Option<u32>,
@@ -55,6 +59,9 @@ const END_TOKEN_NAMES: &[&str] = &["<|im_end|>", "<|endoftext|>", "<|eot_id|>", 
 
 // llama.cpp's `llama-bpe` / Llama 3 pattern.
 const LLAMA3_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+// llama.cpp's `qwen2` pattern: Llama 3's, with digits split one by one.
+const QWEN2_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 impl Tokenizer {
     /// Builds the tokenizer from GGUF metadata.
@@ -97,8 +104,9 @@ impl Tokenizer {
         let byte_level = ByteLevel::new(false, true, true);
         let pre_tok: PreTokenizerWrapper = match pre.as_str() {
             "smollm" => Sequence::new(vec![Digits::new(true).into(), byte_level.into()]).into(),
-            "llama-bpe" | "llama3" | "dbrx" | "smaug-bpe" => {
-                let split = Split::new(SplitPattern::Regex(LLAMA3_PATTERN.into()), SplitDelimiterBehavior::Isolated, false)
+            "llama-bpe" | "llama3" | "dbrx" | "smaug-bpe" | "qwen2" => {
+                let pattern = if pre == "qwen2" { QWEN2_PATTERN } else { LLAMA3_PATTERN };
+                let split = Split::new(SplitPattern::Regex(pattern.into()), SplitDelimiterBehavior::Isolated, false)
                     .map_err(|e| WorkerError::Model(format!("pre-tokenizer regex: {e}")))?;
                 Sequence::new(vec![split.into(), ByteLevel::new(false, true, false).into()]).into()
             }
@@ -110,14 +118,14 @@ impl Tokenizer {
         };
         inner.with_pre_tokenizer(Some(pre_tok));
         inner.with_decoder(Some(ByteLevelDecoder::default()));
-        // Control (3) and user-defined (4) tokens are matched before pre-tokenization.
-        let specials: Vec<AddedToken> = tokens
-            .iter()
-            .zip(&types)
-            .filter(|(_, &t)| t == 3 || t == 4)
-            .map(|(s, &t)| AddedToken::from(s.clone(), t == 3).normalized(false))
-            .collect();
-        inner.add_special_tokens(specials).map_err(|e| WorkerError::Model(format!("registering special tokens: {e}")))?;
+        // Control (3) and user-defined (4) tokens are matched before pre-tokenization. Control
+        // tokens are special (never shown in output text); user-defined ones (Qwen's
+        // `<tool_call>`) are ordinary text the model writes.
+        let added = |kind: i32| -> Vec<AddedToken> {
+            tokens.iter().zip(&types).filter(|(_, &t)| t == kind).map(|(s, &t)| AddedToken::from(s.clone(), t == 3).normalized(false)).collect()
+        };
+        inner.add_special_tokens(added(3)).map_err(|e| WorkerError::Model(format!("registering special tokens: {e}")))?;
+        inner.add_tokens(added(4)).map_err(|e| WorkerError::Model(format!("registering user-defined tokens: {e}")))?;
 
         let mut end_tokens = Vec::new();
         if let Some(eos) = md.get("tokenizer.ggml.eos_token_id").and_then(|v| v.to_u32().ok()) {
@@ -134,8 +142,7 @@ impl Tokenizer {
         end_tokens.sort_unstable();
         end_tokens.dedup();
         let bos_token = md.get("tokenizer.ggml.bos_token_id").and_then(|v| v.to_u32().ok());
-        let byte_covered = coverage(|s| inner.token_to_id(s).is_some());
-        Ok(Tokenizer { inner, end_tokens, bos_token, vocab_size: tokens.len(), byte_covered })
+        Ok(Tokenizer::assemble(inner, end_tokens, bos_token, tokens.len()))
     }
 
     /// Loads a Hugging Face `tokenizer.json`; end tokens come from the vocabulary's well-known names
@@ -148,8 +155,70 @@ impl Tokenizer {
         end_tokens.sort_unstable();
         end_tokens.dedup();
         let vocab_size = inner.get_vocab_size(true);
+        Ok(Tokenizer::assemble(inner, end_tokens, None, vocab_size))
+    }
+
+    fn assemble(inner: tokenizers::Tokenizer, end_tokens: Vec<u32>, bos_token: Option<u32>, vocab_size: usize) -> Self {
         let byte_covered = coverage(|s| inner.token_to_id(s).is_some());
-        Ok(Tokenizer { inner, end_tokens, bos_token: None, vocab_size, byte_covered })
+        let mut text_only = inner.clone();
+        text_only.set_encode_special_tokens(true);
+        let mut specials: Vec<(String, u32)> =
+            inner.get_added_tokens_decoder().into_iter().filter(|(_, t)| t.special).map(|(id, t)| (t.content, id)).collect();
+        specials.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then(a.1.cmp(&b.1)));
+        Tokenizer { inner, text_only, specials, end_tokens, bos_token, vocab_size, byte_covered }
+    }
+
+    /// Encodes text with special-token strings read as plain text.
+    pub fn encode_text(&self, text: &str) -> Result<Vec<u32>> {
+        let enc = self.text_only.encode_fast(text, false).map_err(|e| WorkerError::Tokenizer(e.to_string()))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// The first special-token string written in `text`, if any.
+    pub fn special_in<'a>(&'a self, text: &str) -> Option<&'a str> {
+        self.specials.iter().map(|(s, _)| s.as_str()).find(|s| text.contains(s))
+    }
+
+    /// Encodes a rendered prompt in which `user` (sorted, disjoint byte ranges) is text that
+    /// users wrote: special-token strings there are plain text, and only the rest (the chat
+    /// template's scaffolding) yields control tokens. Where no user range holds a special-token
+    /// string, this is exactly [`Tokenizer::encode`]. Elsewhere the prompt is split at the
+    /// scaffolding's special tokens, as `encode` splits it, and the pieces between are encoded
+    /// with special tokens read as text.
+    pub fn encode_prompt(&self, text: &str, user: &[std::ops::Range<usize>]) -> Result<Vec<u32>> {
+        if !user.iter().any(|r| self.special_in(&text[r.clone()]).is_some()) {
+            return self.encode(text);
+        }
+        let mut ids = Vec::new();
+        let piece = |ids: &mut Vec<u32>, s: &str| -> Result<()> {
+            if !s.is_empty() {
+                ids.extend(self.encode_text(s)?);
+            }
+            Ok(())
+        };
+        let (mut at, mut from, mut next_user) = (0, 0, 0);
+        while at < text.len() {
+            while next_user < user.len() && user[next_user].end <= at {
+                next_user += 1;
+            }
+            if let Some(r) = user.get(next_user).filter(|r| r.start <= at) {
+                at = r.end;
+                continue;
+            }
+            let limit = user.get(next_user).map_or(text.len(), |r| r.start);
+            let rest = &text[at..];
+            match self.specials.iter().find(|(s, _)| rest.starts_with(s.as_str()) && at + s.len() <= limit) {
+                Some((s, id)) => {
+                    piece(&mut ids, &text[from..at])?;
+                    ids.push(*id);
+                    at += s.len();
+                    from = at;
+                }
+                None => at += rest.chars().next().map_or(1, char::len_utf8),
+            }
+        }
+        piece(&mut ids, &text[from..])?;
+        Ok(ids)
     }
 
     /// Encodes text; special tokens written in the text (e.g. `<|im_start|>`) become their ids.

@@ -3,9 +3,11 @@
 
 pub mod bench;
 
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Mutex, MutexGuard};
 
+use zerolayer_common::SeqEvent;
 use zerolayer_worker::engine::{Engine, EngineConfig};
 use zerolayer_worker::loader::{load, Loaded};
 
@@ -34,6 +36,36 @@ pub fn load_default() -> Loaded {
 pub fn engine(cfg: EngineConfig) -> Engine {
     let l = load_default();
     Engine::new(l.model, l.tokenizer, &cfg).expect("engine")
+}
+
+/// Runs the engine until every listed sequence finishes; returns generated tokens and final events.
+pub fn run_all(engine: &mut Engine) -> HashMap<u64, (Vec<u32>, String, SeqEvent)> {
+    let mut out: HashMap<u64, (Vec<u32>, String, SeqEvent)> = HashMap::new();
+    let mut steps = 0;
+    while engine.has_work() {
+        steps += 1;
+        assert!(steps < 20_000, "engine did not finish");
+        for (id, ev) in engine.step().expect("step").events {
+            let e = out.entry(id).or_insert_with(|| (vec![], String::new(), SeqEvent::Delta { tokens: vec![], text: String::new() }));
+            match &ev {
+                SeqEvent::Delta { tokens, text } => {
+                    e.0.extend(tokens);
+                    e.1.push_str(text);
+                }
+                SeqEvent::Finished { .. } => e.2 = ev.clone(),
+                SeqEvent::Started { .. } => {}
+            }
+        }
+    }
+    out
+}
+
+/// Qwen2.5-Coder-0.5B-Instruct (Q4_K_M, 32k context), fetched by `scripts/fetch-model
+/// qwen2.5-coder-0.5b` (the test script does). Tests never skip without it.
+pub fn qwen_model_path() -> PathBuf {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf");
+    assert!(p.exists(), "the Qwen model is required at {}: run scripts/fetch-model qwen2.5-coder-0.5b", p.display());
+    p
 }
 
 /// A long, varied English text for building prompts of a given token length.

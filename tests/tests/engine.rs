@@ -11,28 +11,6 @@ use zerolayer_worker::model::{ForwardItem, KvCache};
 use zerolayer_worker::sampler::argmax;
 use zerolayer_tests::*;
 
-/// Runs the engine until every listed sequence finishes; returns generated tokens and final events.
-fn run_all(engine: &mut Engine) -> HashMap<u64, (Vec<u32>, String, SeqEvent)> {
-    let mut out: HashMap<u64, (Vec<u32>, String, SeqEvent)> = HashMap::new();
-    let mut steps = 0;
-    while engine.has_work() {
-        steps += 1;
-        assert!(steps < 20_000, "engine did not finish");
-        for (id, ev) in engine.step().expect("step").events {
-            let e = out.entry(id).or_insert_with(|| (vec![], String::new(), SeqEvent::Delta { tokens: vec![], text: String::new() }));
-            match &ev {
-                SeqEvent::Delta { tokens, text } => {
-                    e.0.extend(tokens);
-                    e.1.push_str(text);
-                }
-                SeqEvent::Finished { .. } => e.2 = ev.clone(),
-                SeqEvent::Started { .. } => {}
-            }
-        }
-    }
-    out
-}
-
 fn prompt_tokens(engine: &Engine, n: usize, salt: usize) -> Vec<u32> {
     let text = format!("Document {salt}. {}", LOREM.repeat(1 + n / 150));
     let mut t = engine.tokenizer.encode(&text).unwrap();

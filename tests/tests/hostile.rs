@@ -50,7 +50,9 @@ async fn forty_plus_bad_requests_get_precise_errors_and_the_node_keeps_serving()
     j("fractional max_tokens", with(ok_body(), |b| b["max_tokens"] = json!(1.5)), 400, "invalid_request_error");
     j("string max_tokens", with(ok_body(), |b| b["max_tokens"] = json!("5")), 400, "invalid_request_error");
     j("astronomical max_tokens", with(ok_body(), |b| b["max_tokens"] = json!(1_000_000_000_000u64)), 400, "invalid_request_error");
-    j("max_tokens beyond the context", with(ok_body(), |b| b["max_tokens"] = json!(100_000)), 400, "invalid_request_error");
+    // max_tokens beyond the context is clamped to the room left (agents send 32000), but a
+    // prompt that leaves no room is refused.
+    j("prompt beyond the context", with(ok_body(), |b| b["messages"][0]["content"] = json!("word ".repeat(9000))), 400, "invalid_request_error");
     j("missing messages", with(ok_body(), |b| drop(b.as_object_mut().unwrap().remove("messages"))), 400, "invalid_request_error");
     j("messages is an object", with(ok_body(), |b| b["messages"] = json!({"role": "user"})), 400, "invalid_request_error");
     j("messages is empty", with(ok_body(), |b| b["messages"] = json!([])), 400, "invalid_request_error");

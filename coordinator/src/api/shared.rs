@@ -135,7 +135,14 @@ impl Following {
                 match &ev {
                     SeqEvent::Delta { tokens, .. } => self.timer.on_tokens(tokens.len()),
                     SeqEvent::Finished { usage, reason } if !matches!(reason, StopReason::Error(_)) => {
-                        metrics::tokens(&self.c.node_id, usage.prompt_tokens_uncached as u64, usage.prompt_tokens_cached as u64, usage.output_tokens as u64)
+                        metrics::tokens(&self.c.node_id, usage.prompt_tokens_uncached as u64, usage.prompt_tokens_cached as u64, usage.output_tokens as u64);
+                        tracing::info!(
+                            target: "zerolayer_coordinator::usage",
+                            input_tokens = usage.prompt_tokens_uncached,
+                            cache_read_input_tokens = usage.prompt_tokens_cached,
+                            output_tokens = usage.output_tokens,
+                            "request finished"
+                        );
                     }
                     _ => {}
                 }

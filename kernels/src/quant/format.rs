@@ -140,6 +140,30 @@ impl Weight {
         w
     }
 
+    /// A weight from GGUF `Q5_0` bytes (`rows × cols / 32` blocks of 22 bytes: f16 `d`, 32 high
+    /// bits, 16 bytes of low nibbles), stored as [`WeightFormat::Q8_0`] with the same `d`: a
+    /// 5-bit quant (`-16..=15`) is an 8-bit one, so the dequantized values, and the integer dot
+    /// products with 8-bit activations, are exactly ggml's `q5_0 × q8_0`.
+    pub fn from_q5_0(rows: usize, cols: usize, bytes: &[u8]) -> Self {
+        assert!(cols.is_multiple_of(QK), "Q5_0 needs cols a multiple of {QK}, got {cols}");
+        assert_eq!(bytes.len(), rows * cols / QK * 22, "Q5_0 data size for {rows}x{cols}");
+        let nb = cols / QK;
+        let mut w = Weight::empty(WeightFormat::Q8_0, rows, cols);
+        for (i, b) in bytes.chunks_exact(22).enumerate() {
+            let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+            let qs = &b[6..22];
+            // ggml's dequantize_row_q5_0: element l < 16 is the low nibble of qs[l] with bit l of
+            // qh; element l + 16 the high nibble with bit l + 16.
+            let codes: [u8; QK] = std::array::from_fn(|l| {
+                let (nib, bit) = if l < 16 { (qs[l] & 0xF, (qh >> l) & 1) } else { (qs[l - 16] >> 4, (qh >> l) & 1) };
+                // Quant (nib | bit << 4) - 16, stored offset by 128 as Q8_0 codes are.
+                ((nib as u32 | bit << 4) + 112) as u8
+            });
+            w.set_block(i / nb, i % nb, &b[0..2], &[0, 0], &codes);
+        }
+        w
+    }
+
     /// A weight from GGUF `Q4_K` bytes (`rows × cols / 256` super-blocks of 144 bytes: f16 `d`,
     /// f16 `dmin`, 12 bytes of 6-bit scales and mins, 128 bytes of 4-bit quants), repacked as
     /// [`WeightFormat::Q4K`]. Dequantized values are bit-identical to ggml's.

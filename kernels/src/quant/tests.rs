@@ -332,3 +332,47 @@ fn matmul_matches_reference_and_is_batch_invariant() {
         }
     }
 }
+
+/// GGUF `Q5_0` loads as `Q8_0` with the same scales: every value is ggml's
+/// `dequantize_row_q5_0` bit for bit, so every Q8_0 kernel computes ggml's `q5_0 × q8_0` dot.
+#[test]
+fn q5_0_loads_exactly_as_q8_0() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(17);
+    let (rows, cols) = (11usize, 96usize);
+    let mut bytes: Vec<u8> = (0..rows * cols / QK * 22).map(|_| rng.random()).collect();
+    for b in bytes.chunks_exact_mut(22) {
+        let d = f16::from_f32(rng.random_range(-0.01f32..0.01));
+        b[..2].copy_from_slice(&d.to_bits().to_le_bytes());
+    }
+    let w = Weight::from_q5_0(rows, cols, &bytes);
+    assert_eq!(w.format, WeightFormat::Q8_0);
+    let mut row = vec![0f32; cols];
+    for r in 0..rows {
+        w.dequantize_row(r, &mut row);
+        for j in 0..cols / QK {
+            let b = &bytes[(r * cols / QK + j) * 22..][..22];
+            let (d, qh, qs) = (f16_at(b, 0), u32::from_le_bytes([b[2], b[3], b[4], b[5]]), &b[6..22]);
+            // ggml's dequantize_row_q5_0, as written there.
+            for l in 0..16 {
+                let xh0 = ((qh >> l) << 4) & 0x10;
+                let xh1 = (qh >> (l + 12)) & 0x10;
+                let x0 = ((qs[l] as u32 & 0x0F) | xh0) as i32 - 16;
+                let x1 = ((qs[l] as u32 >> 4) | xh1) as i32 - 16;
+                assert_eq!(row[j * QK + l].to_bits(), (x0 as f32 * d).to_bits(), "row {r} block {j} elem {l}");
+                assert_eq!(row[j * QK + l + 16].to_bits(), (x1 as f32 * d).to_bits(), "row {r} block {j} elem {}", l + 16);
+            }
+        }
+    }
+    // And the kernels agree with the scalar Q8_0 dot on those values.
+    let gguf = w.to_gguf();
+    let nb = cols / QK;
+    let rb = nb * WeightFormat::Q8_0.block_bytes();
+    for b in [1usize, 3, 9] {
+        let x = rand_vec(&mut rng, b * cols);
+        let act = quantize_rows(&x, cols);
+        let want: Vec<u32> = (0..b * rows)
+            .map(|o| gguf_dot(WeightFormat::Q8_0, &gguf[(o % rows) * rb..(o % rows + 1) * rb], &act[(o / rows) * nb..(o / rows + 1) * nb]).to_bits())
+            .collect();
+        assert_every_kernel_gives(&w, &x, &act, b, &want, &format!("Q5_0 {rows}x{cols} b {b}"));
+    }
+}

@@ -8,7 +8,8 @@ use serde_json::Value;
 use zerolayer_common::SamplingParams;
 
 use crate::error::ApiError;
-use crate::request::{GenerationRequest, Role, Turn, MAX_STOP_SEQUENCES, MAX_STOP_SEQUENCE_BYTES};
+use crate::request::{push_turn, GenerationRequest, Role, Turn, MAX_STOP_SEQUENCES, MAX_STOP_SEQUENCE_BYTES};
+use crate::tools::{valid_name, Tool, ToolCall, ToolChoice, MAX_TOOLS};
 
 /// A validated Messages API request: the neutral generation request, and what only this API
 /// has.
@@ -16,6 +17,29 @@ use crate::request::{GenerationRequest, Role, Turn, MAX_STOP_SEQUENCES, MAX_STOP
 pub struct MessagesRequest {
     pub generation: GenerationRequest,
     pub wants_diagnostics: bool,
+    /// The request carried `context_management`: the response reports the edits applied
+    /// (none: the edits Claude Code sends clear thinking blocks, which our models never make).
+    pub context_management: bool,
+}
+
+/// What the request's `anthropic-beta` header turns on.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Betas {
+    /// `mid-conversation-system-2026-04-07`: `role: "system"` messages inside `messages`.
+    pub mid_conversation_system: bool,
+}
+
+impl Betas {
+    /// From the comma-separated `anthropic-beta` header values (unknown betas are ignored).
+    pub fn from_header<'a>(values: impl IntoIterator<Item = &'a str>) -> Betas {
+        let mut b = Betas::default();
+        for name in values.into_iter().flat_map(|v| v.split(',')).map(str::trim) {
+            if name.starts_with("mid-conversation-system-") {
+                b.mid_conversation_system = true;
+            }
+        }
+        b
+    }
 }
 
 /// Which endpoint the body is for.
@@ -25,7 +49,7 @@ pub enum Endpoint {
     CountTokens,
 }
 
-const IGNORED: &[&str] = &["service_tier", "speed", "inference_geo", "container", "user_profile_id", "workspace_id", "mcp_servers", "context_management"];
+const IGNORED: &[&str] = &["service_tier", "speed", "inference_geo", "container", "user_profile_id", "workspace_id", "mcp_servers"];
 
 fn bad<T>(msg: impl Into<String>) -> Result<T, ApiError> {
     Err(ApiError::invalid(msg))
@@ -43,7 +67,7 @@ fn type_name(v: &Value) -> &'static str {
 }
 
 /// Parses and validates a request body.
-pub fn parse(body: &Value, endpoint: Endpoint) -> Result<MessagesRequest, ApiError> {
+pub fn parse(body: &Value, endpoint: Endpoint, betas: Betas) -> Result<MessagesRequest, ApiError> {
     let Some(obj) = body.as_object() else {
         return bad(format!("request body must be a JSON object, not {}", type_name(body)));
     };
@@ -52,6 +76,7 @@ pub fn parse(body: &Value, endpoint: Endpoint) -> Result<MessagesRequest, ApiErr
             k.as_str(),
             "model" | "max_tokens" | "messages" | "system" | "stop_sequences" | "temperature" | "top_p" | "top_k" | "stream"
                 | "tools" | "tool_choice" | "metadata" | "cache_control" | "output_config" | "diagnostics" | "thinking"
+                | "context_management"
         ) || IGNORED.contains(&k.as_str());
         if !known {
             return bad(format!("{k}: Extra inputs are not permitted"));
@@ -90,7 +115,7 @@ pub fn parse(body: &Value, endpoint: Endpoint) -> Result<MessagesRequest, ApiErr
         Some(v) => return bad(format!("system: expected a string or an array of text blocks, got {}", type_name(v))),
     };
 
-    let turns = parse_messages(obj.get("messages"))?;
+    let turns = parse_messages(obj.get("messages"), betas)?;
 
     let stop_sequences = match obj.get("stop_sequences") {
         None | Some(Value::Null) => vec![],
@@ -147,19 +172,27 @@ pub fn parse(body: &Value, endpoint: Endpoint) -> Result<MessagesRequest, ApiErr
         Some(v) => return bad(format!("stream: expected a boolean, got {}", type_name(v))),
     };
 
-    match obj.get("tools") {
-        None | Some(Value::Null) => {}
-        Some(Value::Array(a)) if a.is_empty() => {}
-        Some(Value::Array(_)) => return bad("tools: tool use is not supported by this server yet"),
-        Some(v) => return bad(format!("tools: expected an array, got {}", type_name(v))),
-    }
-    if let Some(tc) = obj.get("tool_choice") {
-        match tc.get("type").and_then(Value::as_str) {
-            Some("auto") | Some("none") => {}
-            Some("any") | Some("tool") => return bad("tool_choice: tool use is not supported by this server yet"),
-            _ => return bad("tool_choice: expected {\"type\": \"auto\" | \"any\" | \"tool\" | \"none\"}"),
+    let tools = parse_tools(obj.get("tools"))?;
+    let tool_choice = match obj.get("tool_choice") {
+        None | Some(Value::Null) => ToolChoice::Auto,
+        Some(tc) => {
+            let Some(o) = tc.as_object() else { return bad("tool_choice: expected an object") };
+            for (k, v) in o {
+                match (k.as_str(), v) {
+                    ("type", Value::String(_)) | ("name", Value::String(_)) | ("disable_parallel_tool_use", Value::Bool(_)) => {}
+                    (k, _) => return bad(format!("tool_choice.{k}: unexpected field or type")),
+                }
+            }
+            match o.get("type").and_then(Value::as_str) {
+                Some("auto") => ToolChoice::Auto,
+                Some("none") => ToolChoice::None,
+                Some("any") | Some("tool") => {
+                    return bad("tool_choice: a forced call (\"any\" or \"tool\") needs constrained decoding, which this server does not do yet; use \"auto\"")
+                }
+                _ => return bad("tool_choice.type: expected \"auto\", \"any\", \"tool\" or \"none\""),
+            }
         }
-    }
+    };
     each_field(obj, "metadata", |k, v| match (k, v) {
         ("user_id", Value::String(s)) if s.len() <= 256 => Ok(()),
         ("user_id", Value::Null) => Ok(()),
@@ -172,9 +205,11 @@ pub fn parse(body: &Value, endpoint: Endpoint) -> Result<MessagesRequest, ApiErr
     match obj.get("thinking") {
         None | Some(Value::Null) => {}
         Some(t) => match t.get("type").and_then(Value::as_str) {
-            Some("disabled") => {}
-            Some("enabled") | Some("adaptive") => return bad("thinking: this model cannot think; extended thinking is not supported"),
-            _ => return bad("thinking: expected {\"type\": \"enabled\" | \"disabled\"}"),
+            // Adaptive: the model decides whether to think; ours never do, and answer without
+            // thinking blocks.
+            Some("disabled") | Some("adaptive") => {}
+            Some("enabled") => return bad("thinking: this model cannot think; extended thinking is not supported"),
+            _ => return bad("thinking: expected {\"type\": \"enabled\" | \"adaptive\" | \"disabled\"}"),
         },
     }
     each_field(obj, "output_config", |k, v| match k {
@@ -192,8 +227,115 @@ pub fn parse(body: &Value, endpoint: Endpoint) -> Result<MessagesRequest, ApiErr
         Some(v) => return bad(format!("diagnostics: expected an object, got {}", type_name(v))),
     };
 
+    let context_management = match obj.get("context_management") {
+        None | Some(Value::Null) => false,
+        Some(cm) => {
+            context_edits(cm)?;
+            true
+        }
+    };
+
     let params = SamplingParams { temperature, top_k, top_p, seed: None, max_tokens: 0, stop_sequences, ignore_eos: false };
-    Ok(MessagesRequest { generation: GenerationRequest { model, system, turns, max_tokens, params, stream }, wants_diagnostics })
+    Ok(MessagesRequest {
+        generation: GenerationRequest { model, system, turns, max_tokens, params, stream, tools, tool_choice },
+        wants_diagnostics,
+        context_management,
+    })
+}
+
+/// `tools: [{name, description?, input_schema, cache_control?, type?: "custom"}]`.
+fn parse_tools(v: Option<&Value>) -> Result<Vec<Tool>, ApiError> {
+    let arr = match v {
+        None | Some(Value::Null) => return Ok(vec![]),
+        Some(Value::Array(a)) => a,
+        Some(v) => return bad(format!("tools: expected an array, got {}", type_name(v))),
+    };
+    if arr.len() > MAX_TOOLS {
+        return bad(format!("tools: at most {MAX_TOOLS} tools, got {}", arr.len()));
+    }
+    let mut tools: Vec<Tool> = Vec::with_capacity(arr.len());
+    for (i, t) in arr.iter().enumerate() {
+        let at = format!("tools[{i}]");
+        let Some(o) = t.as_object() else { return bad(format!("{at}: expected an object, got {}", type_name(t))) };
+        match o.get("type").and_then(Value::as_str) {
+            None | Some("custom") => {}
+            Some(ty) => return bad(format!("{at}.type: server tool \"{ty}\" is not supported by this server")),
+        }
+        let mut tool = Tool { name: String::new(), description: None, parameters: Value::Null };
+        for (k, v) in o {
+            match (k.as_str(), v) {
+                ("name", Value::String(n)) if valid_name(n) => tool.name = n.clone(),
+                ("name", _) => return bad(format!("{at}.name: must match ^[a-zA-Z0-9_-]{{1,64}}$")),
+                ("description", Value::String(d)) => tool.description = Some(d.clone()),
+                ("description", Value::Null) => {}
+                ("input_schema", Value::Object(schema)) if schema.get("type").and_then(Value::as_str) == Some("object") => tool.parameters = v.clone(),
+                ("input_schema", _) => return bad(format!("{at}.input_schema: expected a JSON schema object with \"type\": \"object\"")),
+                ("cache_control", v) => cache_control(v, &format!("{at}.cache_control"))?,
+                ("type", _) | ("eager_input_streaming", Value::Bool(_)) | ("strict", Value::Bool(_)) => {}
+                (k, _) => return bad(format!("{at}.{k}: Extra inputs are not permitted")),
+            }
+        }
+        if tool.name.is_empty() {
+            return bad(format!("{at}.name: Field required"));
+        }
+        if tool.parameters.is_null() {
+            return bad(format!("{at}.input_schema: Field required"));
+        }
+        if tools.iter().any(|t| t.name == tool.name) {
+            return bad(format!("{at}.name: tool names must be unique, {:?} is repeated", tool.name));
+        }
+        tools.push(tool);
+    }
+    Ok(tools)
+}
+
+/// A `tool_use` block of an assistant message.
+fn tool_use_block(o: &serde_json::Map<String, Value>, at: &str) -> Result<ToolCall, ApiError> {
+    let mut call = ToolCall { id: String::new(), name: String::new(), arguments: Value::Null };
+    for (k, v) in o {
+        match (k.as_str(), v) {
+            ("type", _) => {}
+            ("id", Value::String(id)) if !id.is_empty() && id.len() <= 256 => call.id = id.clone(),
+            ("name", Value::String(n)) if valid_name(n) => call.name = n.clone(),
+            ("input", Value::Object(_)) => call.arguments = v.clone(),
+            ("cache_control", v) => cache_control(v, &format!("{at}.cache_control"))?,
+            ("id" | "name" | "input", _) => return bad(format!("{at}.{k}: invalid value")),
+            (k, _) => return bad(format!("{at}.{k}: Extra inputs are not permitted")),
+        }
+    }
+    if call.id.is_empty() || call.name.is_empty() || call.arguments.is_null() {
+        return bad(format!("{at}: a tool_use block needs id, name and input"));
+    }
+    Ok(call)
+}
+
+/// A `tool_result` block of a user message: the call it answers, and its text.
+fn tool_result_block(o: &serde_json::Map<String, Value>, at: &str) -> Result<Turn, ApiError> {
+    let (mut id, mut text, mut is_error) = (None, String::new(), false);
+    for (k, v) in o {
+        match (k.as_str(), v) {
+            ("type", _) => {}
+            ("tool_use_id", Value::String(s)) if !s.is_empty() => id = Some(s.clone()),
+            ("content", Value::String(s)) => text = s.clone(),
+            ("content", Value::Array(parts)) => {
+                let mut out = vec![];
+                for (j, p) in parts.iter().enumerate() {
+                    out.push(text_block(p, &format!("{at}.content[{j}]"), true)?);
+                }
+                text = out.join("\n\n");
+            }
+            ("content", Value::Null) => {}
+            ("is_error", Value::Bool(b)) => is_error = *b,
+            ("cache_control", v) => cache_control(v, &format!("{at}.cache_control"))?,
+            ("tool_use_id" | "content" | "is_error", _) => return bad(format!("{at}.{k}: invalid value")),
+            (k, _) => return bad(format!("{at}.{k}: Extra inputs are not permitted")),
+        }
+    }
+    let Some(id) = id else { return bad(format!("{at}.tool_use_id: Field required")) };
+    if is_error {
+        text = format!("Error: {text}");
+    }
+    Ok(Turn::tool_result(id, text))
 }
 
 /// Checks each field of the optional object `obj[key]` with `check`.
@@ -203,6 +345,29 @@ fn each_field(obj: &serde_json::Map<String, Value>, key: &str, mut check: impl F
         Some(Value::Object(m)) => m.iter().try_for_each(|(k, v)| check(k, v)),
         Some(v) => bad(format!("{key}: expected an object, got {}", type_name(v))),
     }
+}
+
+/// `context_management: {edits: [{type: "clear_thinking_20251015" | "clear_tool_uses_20250919", ...}]}`.
+/// The edits are checked and none is applied: thinking blocks never reach our models, and tool
+/// results are kept whole (the prompt cache makes them cheap to keep).
+fn context_edits(cm: &Value) -> Result<(), ApiError> {
+    let Some(o) = cm.as_object() else { return bad(format!("context_management: expected an object, got {}", type_name(cm))) };
+    for (k, v) in o {
+        match (k.as_str(), v) {
+            ("edits", Value::Array(edits)) => {
+                for (i, e) in edits.iter().enumerate() {
+                    match e.get("type").and_then(Value::as_str) {
+                        Some(t) if t.starts_with("clear_thinking_") || t.starts_with("clear_tool_uses_") => {}
+                        Some(t) => return bad(format!("context_management.edits[{i}].type: unknown edit type \"{t}\"")),
+                        None => return bad(format!("context_management.edits[{i}].type: Field required")),
+                    }
+                }
+            }
+            ("edits", v) => return bad(format!("context_management.edits: expected an array, got {}", type_name(v))),
+            (k, _) => return bad(format!("context_management.{k}: Extra inputs are not permitted")),
+        }
+    }
+    Ok(())
 }
 
 fn describe(v: &Value) -> String {
@@ -238,9 +403,8 @@ fn text_block(b: &Value, at: &str, allow_empty: bool) -> Result<String, ApiError
         "image" | "document" | "thinking" | "redacted_thinking" | "search_result" | "container_upload" => {
             return bad(format!("{at}: content block type \"{ty}\" is not supported by this model"))
         }
-        "tool_use" | "tool_result" | "server_tool_use" | "web_search_tool_result" => {
-            return bad(format!("{at}: content block type \"{ty}\" (tool use) is not supported by this server yet"))
-        }
+        "tool_use" | "tool_result" => return bad(format!("{at}: a {ty} block cannot stand here")),
+        "server_tool_use" | "web_search_tool_result" => return bad(format!("{at}: content block type \"{ty}\" (server tools) is not supported by this server")),
         other => return bad(format!("{at}.type: unknown content block type \"{other}\"")),
     }
     for (k, v) in o {
@@ -259,7 +423,7 @@ fn text_block(b: &Value, at: &str, allow_empty: bool) -> Result<String, ApiError
     }
 }
 
-fn parse_messages(v: Option<&Value>) -> Result<Vec<Turn>, ApiError> {
+fn parse_messages(v: Option<&Value>, betas: Betas) -> Result<Vec<Turn>, ApiError> {
     let arr = match v {
         Some(Value::Array(a)) => a,
         Some(v) => return bad(format!("messages: expected an array, got {}", type_name(v))),
@@ -281,42 +445,52 @@ fn parse_messages(v: Option<&Value>) -> Result<Vec<Turn>, ApiError> {
         let role = match o.get("role") {
             Some(Value::String(r)) if r == "user" => Role::User,
             Some(Value::String(r)) if r == "assistant" => Role::Assistant,
+            Some(Value::String(r)) if r == "system" && betas.mid_conversation_system => Role::System,
             Some(Value::String(r)) => {
-                return bad(format!("{at}.role: must be \"user\" or \"assistant\", got \"{r}\" (use the top-level system parameter for system prompts)"))
+                return bad(format!(
+                    "{at}.role: must be \"user\" or \"assistant\", got \"{r}\" (use the top-level system parameter for system prompts, \
+                     or the mid-conversation-system-2026-04-07 beta)"
+                ))
             }
             Some(v) => return bad(format!("{at}.role: expected a string, got {}", type_name(v))),
             None => return bad(format!("{at}.role: Field required")),
         };
         let is_final_assistant = i + 1 == n && role == Role::Assistant;
-        let text = match o.get("content") {
-            Some(Value::String(s)) => s.clone(),
+        // One message may become several turns: a user message's tool results come first.
+        let mut msg_turns: Vec<Turn> = vec![];
+        let mut text_parts: Vec<String> = vec![];
+        let mut calls: Vec<ToolCall> = vec![];
+        match o.get("content") {
+            Some(Value::String(s)) => text_parts.push(s.clone()),
             Some(Value::Array(blocks)) => {
-                let mut parts = vec![];
                 for (j, b) in blocks.iter().enumerate() {
-                    parts.push(text_block(b, &format!("{at}.content[{j}]"), is_final_assistant)?);
+                    let bat = format!("{at}.content[{j}]");
+                    match (b.get("type").and_then(Value::as_str), b.as_object(), role) {
+                        (Some("tool_use"), Some(bo), Role::Assistant) => calls.push(tool_use_block(bo, &bat)?),
+                        (Some("tool_result"), Some(bo), Role::User) => msg_turns.push(tool_result_block(bo, &bat)?),
+                        (Some(ty @ ("tool_use" | "tool_result")), _, _) => {
+                            return bad(format!("{bat}: a {ty} block belongs in {} messages", if ty == "tool_use" { "assistant" } else { "user" }))
+                        }
+                        _ => text_parts.push(text_block(b, &bat, is_final_assistant)?),
+                    }
                 }
-                parts.join("\n\n")
             }
             Some(v) => return bad(format!("{at}.content: expected a string or an array of content blocks, got {}", type_name(v))),
             None => return bad(format!("{at}.content: Field required")),
         };
-        if text.is_empty() && !is_final_assistant {
+        let text = text_parts.join("\n\n");
+        if text.is_empty() && msg_turns.is_empty() && calls.is_empty() && !is_final_assistant {
             return bad(format!("{at}: all messages must have non-empty content except for the optional final assistant message"));
         }
-        if is_final_assistant && text != text.trim_end() {
+        if is_final_assistant && calls.is_empty() && text != text.trim_end() {
             return bad(format!("{at}: final assistant content cannot end with trailing whitespace"));
         }
-        match turns.last_mut() {
+        if !text.is_empty() || !calls.is_empty() || msg_turns.is_empty() {
+            msg_turns.push(Turn { role, text, tool_calls: calls, tool_call_id: None });
+        }
+        for t in msg_turns {
             // Consecutive turns of the same role are combined, as the official API does.
-            Some(last) if last.role == role => {
-                if !text.is_empty() {
-                    if !last.text.is_empty() {
-                        last.text.push_str("\n\n");
-                    }
-                    last.text.push_str(&text);
-                }
-            }
-            _ => turns.push(Turn { role, text }),
+            push_turn(&mut turns, t);
         }
     }
     Ok(turns)
@@ -325,7 +499,7 @@ fn parse_messages(v: Option<&Value>) -> Result<Vec<Turn>, ApiError> {
 /// Helper for tests and fuzzing: parse raw bytes the way the handler does.
 pub fn parse_bytes(bytes: &[u8], endpoint: Endpoint) -> Result<MessagesRequest, ApiError> {
     let v: Value = serde_json::from_slice(bytes).map_err(|e| ApiError::invalid(format!("invalid JSON body: {e}")))?;
-    parse(&v, endpoint)
+    parse(&v, endpoint, Betas { mid_conversation_system: true })
 }
 
 #[cfg(test)]
@@ -340,11 +514,12 @@ mod tests {
                 {"role": "user", "content": "a"}, {"role": "user", "content": [{"type": "text", "text": "b"}]},
                 {"role": "assistant", "content": "The answer is"}]}),
             Endpoint::Messages,
+            Betas::default(),
         )
         .unwrap();
         let g = r.generation;
         assert_eq!(g.system.as_deref(), Some("sys"));
-        assert_eq!(g.turns, vec![Turn { role: Role::User, text: "a\n\nb".into() }, Turn { role: Role::Assistant, text: "The answer is".into() }]);
+        assert_eq!(g.turns, vec![Turn::new(Role::User, "a\n\nb"), Turn::new(Role::Assistant, "The answer is")]);
         assert_eq!(g.params.temperature, 1.0);
     }
 
@@ -361,10 +536,40 @@ mod tests {
             (json!({"model": "m", "max_tokens": 1, "bogus": 1, "messages": [{"role": "user", "content": "x"}]}), "bogus"),
         ];
         for (body, needle) in cases {
-            let e = parse(&body, Endpoint::Messages).unwrap_err();
+            let e = parse(&body, Endpoint::Messages, Betas::default()).unwrap_err();
             assert_eq!(e.status(), 400);
             assert!(e.to_string().contains(needle), "{e} lacks {needle}");
         }
-        assert!(parse(&json!({"model": "m", "messages": [{"role": "user", "content": "x"}]}), Endpoint::CountTokens).is_ok());
+        assert!(parse(&json!({"model": "m", "messages": [{"role": "user", "content": "x"}]}), Endpoint::CountTokens, Betas::default()).is_ok());
+    }
+
+    /// What Claude Code sends on its first request is accepted, with the official meaning.
+    #[test]
+    fn claude_code_shapes_are_accepted() {
+        let body = json!({"model": "m", "max_tokens": 32000, "stream": true,
+            "system": [{"type": "text", "text": "a"}, {"type": "text", "text": "b", "cache_control": {"type": "ephemeral"}}],
+            "messages": [
+                {"role": "user", "content": [{"type": "text", "text": "<system-reminder>x</system-reminder>", "cache_control": {"type": "ephemeral"}}]},
+                {"role": "system", "content": "mid"},
+                {"role": "user", "content": "go"}],
+            "thinking": {"type": "adaptive"},
+            "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+            "output_config": {"effort": "high"},
+            "metadata": {"user_id": "{\"device_id\":\"abc\",\"session_id\":\"s\"}"}});
+        let betas = Betas::from_header(["claude-code-20250219, interleaved-thinking-2025-05-14", "mid-conversation-system-2026-04-07,effort-2025-11-24"]);
+        assert!(betas.mid_conversation_system);
+        let r = parse(&body, Endpoint::Messages, betas).unwrap();
+        assert!(r.context_management);
+        assert_eq!(r.generation.max_tokens, Some(32000));
+        let roles: Vec<Role> = r.generation.turns.iter().map(|t| t.role).collect();
+        assert_eq!(roles, vec![Role::User, Role::System, Role::User]);
+        // Without the beta a system role stays an error; enabled thinking too; unknown edits.
+        assert!(parse(&body, Endpoint::Messages, Betas::default()).unwrap_err().to_string().contains("messages[1].role"));
+        let mut b = body.clone();
+        b["thinking"] = json!({"type": "enabled", "budget_tokens": 1024});
+        assert!(parse(&b, Endpoint::Messages, betas).unwrap_err().to_string().contains("cannot think"));
+        let mut b = body.clone();
+        b["context_management"] = json!({"edits": [{"type": "summarize"}]});
+        assert!(parse(&b, Endpoint::Messages, betas).unwrap_err().to_string().contains("context_management.edits[0].type"));
     }
 }

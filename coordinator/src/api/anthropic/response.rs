@@ -15,11 +15,12 @@ use axum::{Extension, Json};
 use serde_json::{json, Value};
 use zerolayer_common::{SeqEvent, StopReason, Usage};
 
-use super::request::{self, Endpoint, MessagesRequest};
+use super::request::{self, Betas, Endpoint, MessagesRequest};
 use crate::api::shared::{self, collect, failed, finish, json_body, named_event, new_id, shut_down, AppState, Following, Next, RequestId, SseStep};
 use crate::auth::Caller;
 use crate::coordinator::{Accepted, Coordinator};
 use crate::error::ApiError;
+use crate::tools::{split_calls, CallParser, Piece, Tool};
 
 fn check_headers(h: &HeaderMap) -> Result<(), ApiError> {
     if let Some(v) = h.get("anthropic-version") {
@@ -36,7 +37,8 @@ fn check_headers(h: &HeaderMap) -> Result<(), ApiError> {
 fn parse(c: &Coordinator, headers: &HeaderMap, body: Result<Bytes, BytesRejection>, endpoint: Endpoint) -> Result<MessagesRequest, ApiError> {
     check_headers(headers)?;
     let v = json_body(body, c.config.server.max_body_bytes)?;
-    let req = request::parse(&v, endpoint)?;
+    let betas = Betas::from_header(headers.get_all("anthropic-beta").iter().filter_map(|v| v.to_str().ok()));
+    let req = request::parse(&v, endpoint, betas)?;
     if !c.model.matches(&req.generation.model) {
         return Err(ApiError::NotFound(format!("model: {}", req.generation.model)));
     }
@@ -62,11 +64,35 @@ fn usage_json(u: &Usage) -> Value {
     })
 }
 
-fn stop_fields(reason: &StopReason) -> (Value, Value) {
+/// `stop_reason` and `stop_sequence`: a generation that made calls and was not cut short by
+/// `max_tokens` ends in `tool_use`.
+fn stop_fields(reason: &StopReason, calls: usize) -> (Value, Value) {
     match reason {
+        StopReason::MaxTokens => (json!(reason.as_anthropic()), Value::Null),
+        _ if calls > 0 => (json!("tool_use"), Value::Null),
         StopReason::StopSequence(s) => (json!("stop_sequence"), json!(s)),
         r => (json!(r.as_anthropic()), Value::Null),
     }
+}
+
+fn tool_use_block(name: &str, input: Value) -> Value {
+    json!({"type": "tool_use", "id": new_id("toolu_"), "name": name, "input": input})
+}
+
+/// The message's content blocks from the generated text, and how many calls it holds.
+fn content_blocks(tools: &[Tool], text: String) -> (Value, usize) {
+    if tools.is_empty() {
+        return (if text.is_empty() { json!([]) } else { json!([{"type": "text", "text": text}]) }, 0);
+    }
+    let (pieces, calls) = split_calls(tools, &text);
+    let blocks: Vec<Value> = pieces
+        .into_iter()
+        .map(|p| match p {
+            Piece::Text(t) => json!({"type": "text", "text": t}),
+            Piece::Call { name, arguments } => tool_use_block(&name, arguments),
+        })
+        .collect();
+    (Value::Array(blocks), calls)
 }
 
 pub async fn messages(
@@ -82,6 +108,7 @@ pub async fn messages(
     };
     let model = req.generation.model.clone();
     let stream = req.generation.stream;
+    let tools = req.generation.offered_tools().to_vec();
     let acc = match c.start(&caller, req.generation, &rid.0).await {
         Ok(a) => a,
         Err(e) => return finish(&c, "messages", e.into_anthropic(&rid.0), None),
@@ -89,19 +116,22 @@ pub async fn messages(
     let served_by = acc.served_by.clone();
     let msg_id = new_id("msg_");
     if stream {
-        let s = MessageStream::new(c.clone(), acc, msg_id, model);
+        let s = MessageStream::new(c.clone(), acc, msg_id, model, req.context_management, &tools);
         return finish(&c, "messages", shared::sse_response(s, MessageStream::step), Some(&served_by));
     }
     let resp = match collect(&c, acc).await {
         Ok((text, reason, usage)) => {
-            let (stop_reason, stop_sequence) = stop_fields(&reason);
-            let content = if text.is_empty() { json!([]) } else { json!([{"type": "text", "text": text}]) };
+            let (content, calls) = content_blocks(&tools, text);
+            let (stop_reason, stop_sequence) = stop_fields(&reason, calls);
             let mut body = json!({
                 "id": msg_id, "type": "message", "role": "assistant", "content": content, "model": model,
                 "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": usage_json(&usage),
             });
             if req.wants_diagnostics {
                 body["diagnostics"] = json!({"cache_miss_reason": {"type": "unavailable"}});
+            }
+            if req.context_management {
+                body["context_management"] = json!({"applied_edits": []});
             }
             Json(body).into_response()
         }
@@ -117,14 +147,76 @@ struct MessageStream {
     model: String,
     ping_every: Duration,
     started: bool,
-    block_open: bool,
+    /// The index of the open text block, if one is open.
+    text_open: Option<usize>,
+    /// The index the next content block gets.
+    next_index: usize,
+    /// Finds calls in the text when the request offered tools.
+    parser: Option<CallParser>,
     output_tokens: u32,
+    /// Report `context_management.applied_edits` in `message_delta`.
+    context_management: bool,
 }
 
 impl MessageStream {
-    fn new(c: AppState, acc: Accepted, msg_id: String, model: String) -> Self {
+    fn new(c: AppState, acc: Accepted, msg_id: String, model: String, context_management: bool, tools: &[Tool]) -> Self {
         let ping_every = Duration::from_millis(c.config.server.ping_interval_ms.max(100));
-        MessageStream { seq: Following::new(c, acc), msg_id, model, ping_every, started: false, block_open: false, output_tokens: 0 }
+        let parser = (!tools.is_empty()).then(|| CallParser::new(tools));
+        MessageStream {
+            seq: Following::new(c, acc),
+            msg_id,
+            model,
+            ping_every,
+            started: false,
+            text_open: None,
+            next_index: 0,
+            parser,
+            output_tokens: 0,
+            context_management,
+        }
+    }
+
+    /// The events for generated text: text deltas in an open text block; each complete call as
+    /// a `tool_use` block of its own (start, one `input_json_delta`, stop).
+    fn pieces(&mut self, pieces: Vec<Piece>, out: &mut Vec<Event>) {
+        for p in pieces {
+            match p {
+                Piece::Text(t) if t.is_empty() => {}
+                Piece::Text(t) => {
+                    let index = match self.text_open {
+                        Some(i) => i,
+                        // With tools, whitespace between calls opens no block.
+                        None if self.parser.is_some() && t.trim().is_empty() => continue,
+                        None => {
+                            let i = self.next_index;
+                            self.next_index += 1;
+                            self.text_open = Some(i);
+                            out.push(named_event("content_block_start", json!({"type": "content_block_start", "index": i, "content_block": {"type": "text", "text": ""}})));
+                            i
+                        }
+                    };
+                    out.push(named_event("content_block_delta", json!({"type": "content_block_delta", "index": index, "delta": {"type": "text_delta", "text": t}})));
+                }
+                Piece::Call { name, arguments } => {
+                    self.close_text(out);
+                    let i = self.next_index;
+                    self.next_index += 1;
+                    let mut block = tool_use_block(&name, json!({}));
+                    out.push(named_event("content_block_start", json!({"type": "content_block_start", "index": i, "content_block": block.take()})));
+                    out.push(named_event(
+                        "content_block_delta",
+                        json!({"type": "content_block_delta", "index": i, "delta": {"type": "input_json_delta", "partial_json": arguments.to_string()}}),
+                    ));
+                    out.push(named_event("content_block_stop", json!({"type": "content_block_stop", "index": i})));
+                }
+            }
+        }
+    }
+
+    fn close_text(&mut self, out: &mut Vec<Event>) {
+        if let Some(i) = self.text_open.take() {
+            out.push(named_event("content_block_stop", json!({"type": "content_block_stop", "index": i})));
+        }
     }
 
     fn message_start(&self, usage: &Usage) -> Event {
@@ -166,12 +258,15 @@ impl MessageStream {
                     if text.is_empty() {
                         continue;
                     }
+                    let pieces = match &mut self.parser {
+                        Some(p) => p.push(&text),
+                        None => vec![Piece::Text(text)],
+                    };
                     let mut out = Vec::with_capacity(2);
-                    if !self.block_open {
-                        self.block_open = true;
-                        out.push(named_event("content_block_start", json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}})));
+                    self.pieces(pieces, &mut out);
+                    if out.is_empty() {
+                        continue;
                     }
-                    out.push(named_event("content_block_delta", json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": text}})));
                     return (out, Some(self));
                 }
                 SeqEvent::Finished { reason, usage } => {
@@ -183,15 +278,17 @@ impl MessageStream {
                         out.push(Self::error(failed(Some(e))));
                         return (out, None);
                     }
-                    if self.block_open {
-                        out.push(named_event("content_block_stop", json!({"type": "content_block_stop", "index": 0})));
+                    let rest = self.parser.as_mut().map(CallParser::finish).unwrap_or_default();
+                    self.pieces(rest, &mut out);
+                    self.close_text(&mut out);
+                    let calls = self.parser.as_ref().map_or(0, |p| p.calls);
+                    let (stop_reason, stop_sequence) = stop_fields(&reason, calls);
+                    let mut delta = json!({"type": "message_delta", "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                               "usage": {"output_tokens": usage.output_tokens.max(self.output_tokens)}});
+                    if self.context_management {
+                        delta["context_management"] = json!({"applied_edits": []});
                     }
-                    let (stop_reason, stop_sequence) = stop_fields(&reason);
-                    out.push(named_event(
-                        "message_delta",
-                        json!({"type": "message_delta", "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                               "usage": {"output_tokens": usage.output_tokens.max(self.output_tokens)}}),
-                    ));
+                    out.push(named_event("message_delta", delta));
                     out.push(named_event("message_stop", json!({"type": "message_stop"})));
                     return (out, None);
                 }

@@ -6,7 +6,8 @@ use serde_json::Value;
 use zerolayer_common::SamplingParams;
 
 use crate::error::ApiError;
-use crate::request::{GenerationRequest, Role, Turn, MAX_STOP_SEQUENCES, MAX_STOP_SEQUENCE_BYTES};
+use crate::request::{push_turn, GenerationRequest, Role, Turn, MAX_STOP_SEQUENCES, MAX_STOP_SEQUENCE_BYTES};
+use crate::tools::{valid_name, Tool, ToolCall, ToolChoice, MAX_TOOLS};
 
 /// A validated Chat Completions request: the neutral generation request, and what only this
 /// API has.
@@ -43,6 +44,73 @@ fn content_text(v: Option<&Value>, at: &str) -> Result<String, ApiError> {
     }
 }
 
+/// `tools: [{type: "function", function: {name, description?, parameters?, strict?}}]`.
+fn parse_tools(v: Option<&Value>) -> Result<Vec<Tool>, ApiError> {
+    let arr = match v {
+        None | Some(Value::Null) => return Ok(vec![]),
+        Some(Value::Array(a)) => a,
+        Some(_) => return bad("tools: expected an array"),
+    };
+    if arr.len() > MAX_TOOLS {
+        return bad(format!("tools: at most {MAX_TOOLS} tools, got {}", arr.len()));
+    }
+    let mut tools: Vec<Tool> = Vec::with_capacity(arr.len());
+    for (i, t) in arr.iter().enumerate() {
+        let at = format!("tools[{i}]");
+        if t.get("type").and_then(Value::as_str) != Some("function") {
+            return bad(format!("{at}.type: only \"function\" tools are supported"));
+        }
+        let Some(f) = t.get("function").and_then(Value::as_object) else { return bad(format!("{at}.function: expected an object")) };
+        let name = match f.get("name").and_then(Value::as_str) {
+            Some(n) if valid_name(n) => n.to_string(),
+            _ => return bad(format!("{at}.function.name: must match ^[a-zA-Z0-9_-]{{1,64}}$")),
+        };
+        let description = match f.get("description") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(d)) => Some(d.clone()),
+            Some(_) => return bad(format!("{at}.function.description: expected a string")),
+        };
+        let parameters = match f.get("parameters") {
+            None | Some(Value::Null) => serde_json::json!({"type": "object", "properties": {}}),
+            Some(p @ Value::Object(_)) => p.clone(),
+            Some(_) => return bad(format!("{at}.function.parameters: expected a JSON schema object")),
+        };
+        if tools.iter().any(|t| t.name == name) {
+            return bad(format!("{at}.function.name: tool names must be unique, {name:?} is repeated"));
+        }
+        tools.push(Tool { name, description, parameters });
+    }
+    Ok(tools)
+}
+
+/// An assistant message's `tool_calls: [{id, type: "function", function: {name, arguments}}]`
+/// (the arguments a JSON string).
+fn assistant_calls(v: Option<&Value>, at: &str) -> Result<Vec<ToolCall>, ApiError> {
+    let arr = match v {
+        None | Some(Value::Null) => return Ok(vec![]),
+        Some(Value::Array(a)) => a,
+        Some(_) => return bad(format!("{at}.tool_calls: expected an array")),
+    };
+    arr.iter()
+        .enumerate()
+        .map(|(j, c)| {
+            let cat = format!("{at}.tool_calls[{j}]");
+            let id = c.get("id").and_then(Value::as_str).filter(|s| !s.is_empty()).ok_or_else(|| ApiError::invalid(format!("{cat}.id: Field required")))?;
+            let f = c.get("function").ok_or_else(|| ApiError::invalid(format!("{cat}.function: Field required")))?;
+            let name = f.get("name").and_then(Value::as_str).filter(|n| valid_name(n)).ok_or_else(|| ApiError::invalid(format!("{cat}.function.name: invalid")))?;
+            let arguments = match f.get("arguments") {
+                Some(Value::String(s)) => serde_json::from_str::<Value>(s)
+                    .ok()
+                    .filter(Value::is_object)
+                    .ok_or_else(|| ApiError::invalid(format!("{cat}.function.arguments: expected a JSON object in a string")))?,
+                Some(o @ Value::Object(_)) => o.clone(),
+                _ => return bad(format!("{cat}.function.arguments: Field required")),
+            };
+            Ok(ToolCall { id: id.to_string(), name: name.to_string(), arguments })
+        })
+        .collect()
+}
+
 pub fn parse(body: &Value) -> Result<ChatRequest, ApiError> {
     let Some(obj) = body.as_object() else { return bad("request body must be a JSON object") };
     let model = match obj.get("model") {
@@ -61,22 +129,28 @@ pub fn parse(body: &Value) -> Result<ChatRequest, ApiError> {
         let role = m.get("role").and_then(Value::as_str).ok_or_else(|| ApiError::invalid(format!("{at}.role: Field required")))?;
         let text = content_text(m.get("content"), &at)?;
         let role = match role {
-            "system" | "developer" => {
+            // System messages before the conversation are its system prompt; later ones stay
+            // where they are, as system turns.
+            "system" | "developer" if turns.is_empty() => {
                 system.push(text);
                 continue;
             }
+            "system" | "developer" => Role::System,
             "user" => Role::User,
             "assistant" => Role::Assistant,
-            "tool" | "function" => return bad(format!("{at}.role: tool messages are not supported by this server yet")),
+            "tool" => {
+                let Some(id) = m.get("tool_call_id").and_then(Value::as_str) else { return bad(format!("{at}.tool_call_id: Field required")) };
+                push_turn(&mut turns, Turn::tool_result(id, text));
+                continue;
+            }
+            "function" => return bad(format!("{at}.role: \"function\" messages are deprecated; use \"tool\"")),
             other => return bad(format!("{at}.role: unknown role \"{other}\"")),
         };
-        match turns.last_mut() {
-            Some(last) if last.role == role => {
-                last.text.push_str("\n\n");
-                last.text.push_str(&text);
-            }
-            _ => turns.push(Turn { role, text }),
+        let mut turn = Turn::new(role, text);
+        if role == Role::Assistant {
+            turn.tool_calls = assistant_calls(m.get("tool_calls"), &at)?;
         }
+        push_turn(&mut turns, turn);
     }
     if turns.is_empty() {
         return bad("messages: at least one user message is required");
@@ -131,9 +205,17 @@ pub fn parse(body: &Value) -> Result<ChatRequest, ApiError> {
             return bad("n: only n = 1 is supported");
         }
     }
-    if obj.get("tools").and_then(Value::as_array).is_some_and(|a| !a.is_empty()) {
-        return bad("tools: tool use is not supported by this server yet");
-    }
+    let tools = parse_tools(obj.get("tools"))?;
+    let tool_choice = match obj.get("tool_choice") {
+        None | Some(Value::Null) => ToolChoice::Auto,
+        Some(Value::String(s)) if s == "auto" => ToolChoice::Auto,
+        Some(Value::String(s)) if s == "none" => ToolChoice::None,
+        Some(Value::String(s)) if s == "required" => {
+            return bad("tool_choice: a forced call (\"required\" or a named function) needs constrained decoding, which this server does not do yet; use \"auto\"")
+        }
+        Some(Value::Object(_)) => return bad("tool_choice: a forced call (a named function) needs constrained decoding, which this server does not do yet; use \"auto\""),
+        Some(_) => return bad("tool_choice: expected \"auto\", \"none\", \"required\" or a named function"),
+    };
     if let Some(rf) = obj.get("response_format") {
         if rf.get("type").and_then(Value::as_str).is_some_and(|t| t != "text") {
             return bad("response_format: structured output is not supported by this server yet");
@@ -142,5 +224,5 @@ pub fn parse(body: &Value) -> Result<ChatRequest, ApiError> {
     let system = if system.is_empty() { None } else { Some(system.join("\n\n")) };
     // `ignore_eos` is vLLM's extension: keep generating past end tokens (benchmarks).
     let params = SamplingParams { temperature, top_k: None, top_p, seed, max_tokens: 0, stop_sequences: stop, ignore_eos };
-    Ok(ChatRequest { generation: GenerationRequest { model, system, turns, max_tokens, params, stream }, include_usage })
+    Ok(ChatRequest { generation: GenerationRequest { model, system, turns, max_tokens, params, stream, tools, tool_choice }, include_usage })
 }

@@ -17,12 +17,41 @@ use crate::auth::Caller;
 use crate::clock::unix_now;
 use crate::coordinator::{Accepted, Coordinator};
 use crate::error::ApiError;
+use crate::tools::{split_calls, CallParser, Piece, Tool};
 
-fn finish_reason(r: &StopReason) -> &'static str {
+fn finish_reason(r: &StopReason, calls: usize) -> &'static str {
     match r {
         StopReason::MaxTokens => "length",
+        _ if calls > 0 => "tool_calls",
         _ => "stop",
     }
+}
+
+/// One call in OpenAI's shape (the arguments a JSON string).
+fn tool_call(name: &str, arguments: &Value) -> Value {
+    json!({"id": new_id("call_"), "type": "function", "function": {"name": name, "arguments": arguments.to_string()}})
+}
+
+/// The message from the generated text: its `content` and `tool_calls`, and how many calls.
+fn message(tools: &[Tool], text: String) -> (Value, usize) {
+    if tools.is_empty() {
+        return (json!({"role": "assistant", "content": text}), 0);
+    }
+    let (pieces, calls) = split_calls(tools, &text);
+    let mut content = Vec::new();
+    let mut tool_calls = Vec::new();
+    for p in pieces {
+        match p {
+            Piece::Text(t) => content.push(t),
+            Piece::Call { name, arguments } => tool_calls.push(tool_call(&name, &arguments)),
+        }
+    }
+    let content = if content.is_empty() && !tool_calls.is_empty() { Value::Null } else { json!(content.join("\n\n")) };
+    let mut m = json!({"role": "assistant", "content": content});
+    if !tool_calls.is_empty() {
+        m["tool_calls"] = Value::Array(tool_calls);
+    }
+    (m, calls)
 }
 
 fn usage_json(u: &Usage) -> Value {
@@ -54,6 +83,7 @@ pub async fn chat_completions(
     };
     let model = req.generation.model.clone();
     let stream = req.generation.stream;
+    let tools = req.generation.offered_tools().to_vec();
     let acc = match c.start(&caller, req.generation, &rid.0).await {
         Ok(a) => a,
         Err(e) => return finish(&c, "chat_completions", e.into_openai(), None),
@@ -62,16 +92,19 @@ pub async fn chat_completions(
     let id = new_id("chatcmpl-");
     let created = unix_now();
     if stream {
-        let s = ChunkStream::new(c.clone(), acc, id, model, created, req.include_usage);
+        let s = ChunkStream::new(c.clone(), acc, id, model, created, req.include_usage, &tools);
         return finish(&c, "chat_completions", shared::sse_response(s, ChunkStream::step), Some(&served_by));
     }
     let resp = match collect(&c, acc).await {
-        Ok((text, reason, usage)) => Json(json!({
-            "id": id, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason(&reason), "logprobs": null}],
-            "usage": usage_json(&usage),
-        }))
-        .into_response(),
+        Ok((text, reason, usage)) => {
+            let (message, calls) = message(&tools, text);
+            Json(json!({
+                "id": id, "object": "chat.completion", "created": created, "model": model,
+                "choices": [{"index": 0, "message": message, "finish_reason": finish_reason(&reason, calls), "logprobs": null}],
+                "usage": usage_json(&usage),
+            }))
+            .into_response()
+        }
         Err(e) => e.into_openai(),
     };
     finish(&c, "chat_completions", resp, Some(&served_by))
@@ -85,11 +118,34 @@ struct ChunkStream {
     created: i64,
     include_usage: bool,
     opened: bool,
+    /// Finds calls in the text when the request offered tools.
+    parser: Option<CallParser>,
 }
 
 impl ChunkStream {
-    fn new(c: AppState, acc: Accepted, id: String, model: String, created: i64, include_usage: bool) -> Self {
-        ChunkStream { seq: Following::new(c, acc), id, model, created, include_usage, opened: false }
+    fn new(c: AppState, acc: Accepted, id: String, model: String, created: i64, include_usage: bool, tools: &[Tool]) -> Self {
+        let parser = (!tools.is_empty()).then(|| CallParser::new(tools));
+        ChunkStream { seq: Following::new(c, acc), id, model, created, include_usage, opened: false, parser }
+    }
+
+    /// Chunks for generated text: content deltas, and each complete call as one `tool_calls`
+    /// delta (id, name and the whole arguments).
+    fn pieces(&self, pieces: Vec<Piece>, out: &mut Vec<Event>) {
+        let done = self.parser.as_ref().map_or(0, |p| p.calls);
+        let first_call = done - pieces.iter().filter(|p| matches!(p, Piece::Call { .. })).count();
+        let mut index = first_call;
+        for p in pieces {
+            match p {
+                Piece::Text(t) if t.is_empty() || (self.parser.is_some() && t.trim().is_empty()) => {}
+                Piece::Text(t) => out.push(self.chunk(json!({"content": t}), Value::Null)),
+                Piece::Call { name, arguments } => {
+                    let mut call = tool_call(&name, &arguments);
+                    call["index"] = json!(index);
+                    index += 1;
+                    out.push(self.chunk(json!({"tool_calls": [call]}), Value::Null));
+                }
+            }
+        }
     }
 
     fn chunk(&self, delta: Value, finish: Value) -> Event {
@@ -120,14 +176,26 @@ impl ChunkStream {
             match ev {
                 SeqEvent::Started { .. } => {}
                 SeqEvent::Delta { text, .. } => {
-                    if !text.is_empty() {
-                        let e = self.chunk(json!({"content": text}), Value::Null);
-                        return (vec![e], Some(self));
+                    if text.is_empty() {
+                        continue;
+                    }
+                    let pieces = match &mut self.parser {
+                        Some(p) => p.push(&text),
+                        None => vec![Piece::Text(text)],
+                    };
+                    let mut out = Vec::new();
+                    self.pieces(pieces, &mut out);
+                    if !out.is_empty() {
+                        return (out, Some(self));
                     }
                 }
                 SeqEvent::Finished { reason: StopReason::Error(e), .. } => return (vec![Self::error(failed(Some(&e)))], None),
                 SeqEvent::Finished { reason, usage } => {
-                    let mut out = vec![self.chunk(json!({}), json!(finish_reason(&reason)))];
+                    let rest = self.parser.as_mut().map(CallParser::finish).unwrap_or_default();
+                    let mut out = Vec::new();
+                    self.pieces(rest, &mut out);
+                    let calls = self.parser.as_ref().map_or(0, |p| p.calls);
+                    out.push(self.chunk(json!({}), json!(finish_reason(&reason, calls))));
                     if self.include_usage {
                         out.push(Event::default().data(
                             json!({"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,

@@ -1,0 +1,271 @@
+//! Loading a [`Model`] from a GGUF file or a Hugging Face safetensors checkpoint: the
+//! architecture from metadata, each tensor into the kernels' weight formats (Q4_0, Q4_1 and
+//! Q8_0 keep their blocks, Q5_0 becomes Q8_0 exactly, Q4_K and Q6_K are repacked exactly, the
+//! rest is dequantized to F32).
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
+use candle_core::{DType, Device, Tensor};
+use zerolayer_kernels::ops::RopeStyle;
+use zerolayer_kernels::quant::{Weight, WeightFormat};
+
+use super::{Layer, Model, ModelConfig};
+use crate::error::{Result, WorkerError};
+
+impl Model {
+    /// Loads a GGUF file (llama-family architectures).
+    pub fn from_gguf(path: &Path, threads: usize, mut progress: impl FnMut(usize, usize)) -> Result<(Self, HashMap<String, gguf_file::Value>)> {
+        let mut file = std::fs::File::open(path).map_err(|e| WorkerError::Model(format!("opening {}: {e}", path.display())))?;
+        let content = gguf_file::Content::read(&mut file).map_err(|e| WorkerError::Model(format!("reading GGUF {}: {e}", path.display())))?;
+        let md = &content.metadata;
+        let arch = md.get("general.architecture").and_then(|v| v.to_string().ok()).cloned().unwrap_or_else(|| "llama".into());
+        // llama.cpp permutes Q and K of Llama-family GGUFs for interleaved RoPE; Qwen2's are not
+        // permuted and rotate by halves ("NEOX" style), and carry Q/K/V biases.
+        let rope_style = match arch.as_str() {
+            "llama" | "mistral" | "granite" | "smollm" => RopeStyle::Interleaved,
+            "qwen2" => RopeStyle::HalfSplit,
+            _ => return Err(WorkerError::Model(format!("GGUF architecture {arch:?} is not one this engine runs (Llama family, Qwen2)"))),
+        };
+        let u = |k: &str| -> Result<usize> {
+            md.get(&format!("{arch}.{k}"))
+                .ok_or_else(|| WorkerError::Model(format!("GGUF metadata lacks {arch}.{k}")))?
+                .to_u64()
+                .map(|v| v as usize)
+                .or_else(|_| md[&format!("{arch}.{k}")].to_u32().map(|v| v as usize))
+                .map_err(WorkerError::candle)
+        };
+        let f = |k: &str, default: f32| -> f32 { md.get(&format!("{arch}.{k}")).and_then(|v| v.to_f32().ok()).unwrap_or(default) };
+        let n_heads = u("attention.head_count")?;
+        let dim = u("embedding_length")?;
+        let n_layers = u("block_count")?;
+        let mut get = |name: &str| -> Result<QTensor> {
+            content.tensor(&mut file, name, &Device::Cpu).map_err(|e| WorkerError::Model(format!("tensor {name}: {e}")))
+        };
+        let embed = to_weight(get("token_embd.weight")?)?;
+        let cfg = ModelConfig {
+            arch: arch.clone(),
+            n_layers,
+            dim,
+            ffn_dim: u("feed_forward_length")?,
+            n_heads,
+            n_kv_heads: u("attention.head_count_kv").unwrap_or(n_heads),
+            head_dim: u("rope.dimension_count").unwrap_or(dim / n_heads),
+            vocab_size: embed.rows,
+            rope_base: f("rope.freq_base", 10000.0),
+            rms_eps: f("attention.layer_norm_rms_epsilon", 1e-5),
+            context_length: u("context_length").unwrap_or(4096),
+            rope_style,
+        };
+        if cfg.head_dim * cfg.n_heads != dim {
+            return Err(WorkerError::Model(format!("head_dim {} × heads {} != dim {dim}", cfg.head_dim, cfg.n_heads)));
+        }
+        let output = if content.tensor_infos.contains_key("output.weight") { Some(to_weight(get("output.weight")?)?) } else { None };
+        let norm = to_vec(get("output_norm.weight")?)?;
+        let mut layers = Vec::with_capacity(n_layers);
+        for i in 0..n_layers {
+            let p = |s: &str| format!("blk.{i}.{s}.weight");
+            let wq = to_weight(get(&p("attn_q"))?)?;
+            let wk = to_weight(get(&p("attn_k"))?)?;
+            let wv = to_weight(get(&p("attn_v"))?)?;
+            let wg = to_weight(get(&p("ffn_gate"))?)?;
+            let wu = to_weight(get(&p("ffn_up"))?)?;
+            let bias = |s: &str| format!("blk.{i}.{s}.bias");
+            let bqkv = if content.tensor_infos.contains_key(&bias("attn_q")) {
+                let mut b = to_vec(get(&bias("attn_q"))?)?;
+                b.extend(to_vec(get(&bias("attn_k"))?)?);
+                b.extend(to_vec(get(&bias("attn_v"))?)?);
+                if b.len() != wq.rows + wk.rows + wv.rows {
+                    return Err(WorkerError::Model(format!("layer {i}: Q/K/V biases have {} values for {} rows", b.len(), wq.rows + wk.rows + wv.rows)));
+                }
+                Some(b)
+            } else {
+                None
+            };
+            layers.push(Layer {
+                attn_norm: to_vec(get(&p("attn_norm"))?)?,
+                wqkv: stack(&[&wq, &wk, &wv]),
+                bqkv,
+                wo: to_weight(get(&p("attn_output"))?)?,
+                ffn_norm: to_vec(get(&p("ffn_norm"))?)?,
+                wgate_up: stack(&[&wg, &wu]),
+                wdown: to_weight(get(&p("ffn_down"))?)?,
+            });
+            progress(i + 1, n_layers);
+        }
+        let md = content.metadata.clone();
+        Ok((Self::assemble(cfg, embed, output, norm, layers, threads)?, md))
+    }
+
+    /// Loads a Hugging Face checkpoint: a directory with `config.json` and `*.safetensors`
+    /// (F32, F16 or BF16).
+    pub fn from_safetensors(dir: &Path, threads: usize, mut progress: impl FnMut(usize, usize)) -> Result<(Self, serde_json::Value)> {
+        let cfg_json: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.join("config.json"))?)
+            .map_err(|e| WorkerError::Model(format!("config.json: {e}")))?;
+        let gu = |k: &str| cfg_json.get(k).and_then(|v| v.as_u64()).map(|v| v as usize);
+        let need = |k: &str| gu(k).ok_or_else(|| WorkerError::Model(format!("config.json lacks {k}")));
+        let dim = need("hidden_size")?;
+        let n_heads = need("num_attention_heads")?;
+        let vocab_size = need("vocab_size")?;
+        let cfg = ModelConfig {
+            arch: cfg_json.get("model_type").and_then(|v| v.as_str()).unwrap_or("llama").to_string(),
+            n_layers: need("num_hidden_layers")?,
+            dim,
+            ffn_dim: need("intermediate_size")?,
+            n_heads,
+            n_kv_heads: gu("num_key_value_heads").unwrap_or(n_heads),
+            head_dim: gu("head_dim").unwrap_or(dim / n_heads),
+            vocab_size,
+            rope_base: cfg_json.get("rope_theta").and_then(|v| v.as_f64()).unwrap_or(10000.0) as f32,
+            rms_eps: cfg_json.get("rms_norm_eps").and_then(|v| v.as_f64()).unwrap_or(1e-5) as f32,
+            context_length: gu("max_position_embeddings").unwrap_or(4096),
+            rope_style: RopeStyle::HalfSplit,
+        };
+        let mut files: Vec<_> = std::fs::read_dir(dir)?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+            .collect();
+        files.sort();
+        if files.is_empty() {
+            return Err(WorkerError::Model(format!("no *.safetensors in {}", dir.display())));
+        }
+        let mut tensors: HashMap<String, Tensor> = HashMap::new();
+        for f in &files {
+            tensors.extend(candle_core::safetensors::load(f, &Device::Cpu).map_err(WorkerError::candle)?);
+        }
+        let mut take = |name: &str| tensors.remove(name).ok_or_else(|| WorkerError::Model(format!("safetensors lack {name}")));
+        let embed = dense_weight(&take("model.embed_tokens.weight")?)?;
+        let output = match take("lm_head.weight") {
+            Ok(t) => Some(dense_weight(&t)?),
+            Err(_) => None,
+        };
+        let norm = dense_vec(&take("model.norm.weight")?)?;
+        let mut layers = Vec::with_capacity(cfg.n_layers);
+        for i in 0..cfg.n_layers {
+            let p = |s: &str| format!("model.layers.{i}.{s}.weight");
+            let wq = dense_weight(&take(&p("self_attn.q_proj"))?)?;
+            let wk = dense_weight(&take(&p("self_attn.k_proj"))?)?;
+            let wv = dense_weight(&take(&p("self_attn.v_proj"))?)?;
+            let wg = dense_weight(&take(&p("mlp.gate_proj"))?)?;
+            let wu = dense_weight(&take(&p("mlp.up_proj"))?)?;
+            let bias = |s: &str| format!("model.layers.{i}.{s}.bias");
+            let bqkv = match take(&bias("self_attn.q_proj")) {
+                Ok(bq) => {
+                    let mut b = dense_vec(&bq)?;
+                    b.extend(dense_vec(&take(&bias("self_attn.k_proj"))?)?);
+                    b.extend(dense_vec(&take(&bias("self_attn.v_proj"))?)?);
+                    Some(b)
+                }
+                Err(_) => None,
+            };
+            layers.push(Layer {
+                attn_norm: dense_vec(&take(&p("input_layernorm"))?)?,
+                wqkv: stack(&[&wq, &wk, &wv]),
+                bqkv,
+                wo: dense_weight(&take(&p("self_attn.o_proj"))?)?,
+                ffn_norm: dense_vec(&take(&p("post_attention_layernorm"))?)?,
+                wgate_up: stack(&[&wg, &wu]),
+                wdown: dense_weight(&take(&p("mlp.down_proj"))?)?,
+            });
+            progress(i + 1, cfg.n_layers);
+        }
+        Ok((Self::assemble(cfg, embed, output, norm, layers, threads)?, cfg_json))
+    }
+
+}
+
+fn stack(parts: &[&Weight]) -> Weight {
+    Weight::concat_rows(parts).unwrap_or_else(|| {
+        // Mixed formats: fall back to F32 for the stacked weight.
+        let cols = parts[0].cols;
+        let mut vals = Vec::new();
+        let mut row = vec![0f32; cols];
+        for p in parts {
+            for r in 0..p.rows {
+                p.dequantize_row(r, &mut row);
+                vals.extend_from_slice(&row);
+            }
+        }
+        Weight::from_f32(vals.len() / cols, cols, &vals)
+    })
+}
+
+fn to_vec(qt: QTensor) -> Result<Vec<f32>> {
+    qt.dequantize(&Device::Cpu).and_then(|t| t.flatten_all()).and_then(|t| t.to_vec1::<f32>()).map_err(WorkerError::candle)
+}
+
+/// Converts a GGUF tensor to a kernel weight: Q4_0/Q4_1/Q8_0 keep their blocks, Q5_0 becomes
+/// Q8_0, Q4_K/Q6_K are repacked (exactly), everything else is dequantized through candle to F32.
+fn to_weight(qt: QTensor) -> Result<Weight> {
+    let (rows, cols) = qt.shape().dims2().map_err(WorkerError::candle)?;
+    let fmt = match qt.dtype() {
+        GgmlDType::Q4_0 => Some(WeightFormat::Q4_0),
+        GgmlDType::Q4_1 => Some(WeightFormat::Q4_1),
+        GgmlDType::Q8_0 => Some(WeightFormat::Q8_0),
+        GgmlDType::F32 => Some(WeightFormat::F32),
+        _ => None,
+    };
+    match (qt.dtype(), fmt) {
+        // K-quants are repacked into our 32-element panels (exact scales, no precision lost).
+        (GgmlDType::Q4K, _) if cols % 256 == 0 => Ok(Weight::from_q4_k(rows, cols, &qt.data().map_err(WorkerError::candle)?)),
+        (GgmlDType::Q6K, _) if cols % 256 == 0 => Ok(Weight::from_q6_k(rows, cols, &qt.data().map_err(WorkerError::candle)?)),
+        // Q5_0 quants fit Q8_0's bytes: same scales, exact values, the Q8_0 kernels.
+        (GgmlDType::Q5_0, _) => Ok(Weight::from_q5_0(rows, cols, &qt.data().map_err(WorkerError::candle)?)),
+        (_, Some(f)) => Ok(Weight::new(f, rows, cols, qt.data().map_err(WorkerError::candle)?.into_owned())),
+        (_, None) => {
+            let t = qt.dequantize(&Device::Cpu).map_err(WorkerError::candle)?;
+            dense_weight(&t)
+        }
+    }
+}
+
+fn dense_weight(t: &Tensor) -> Result<Weight> {
+    let (rows, cols) = t.dims2().map_err(WorkerError::candle)?;
+    let v = dense_vec(t)?;
+    Ok(Weight::from_f32(rows, cols, &v))
+}
+
+fn dense_vec(t: &Tensor) -> Result<Vec<f32>> {
+    t.to_dtype(DType::F32).and_then(|t| t.flatten_all()).and_then(|t| t.to_vec1::<f32>()).map_err(WorkerError::candle)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Module;
+    use zerolayer_kernels::pool::ThreadPool;
+    use zerolayer_kernels::quant::{matmul, MatmulScratch};
+
+    /// Our view of candle's block formats agrees with candle's own dequantization and matmul.
+    #[test]
+    fn native_formats_match_candle() {
+        let (rows, cols) = (48, 256);
+        let vals: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919 % 1013) as f32 / 1013.0 - 0.5) * (1.0 + (i % 13) as f32)).collect();
+        let t = Tensor::from_vec(vals, (rows, cols), &Device::Cpu).unwrap();
+        let x: Vec<f32> = (0..3 * cols).map(|i| (i * 31 % 97) as f32 / 97.0 - 0.5).collect();
+        let xt = Tensor::from_vec(x.clone(), (3, cols), &Device::Cpu).unwrap();
+        let pool = ThreadPool::new(2);
+        for dt in [GgmlDType::Q4_0, GgmlDType::Q4_1, GgmlDType::Q5_0, GgmlDType::Q8_0, GgmlDType::F32, GgmlDType::Q4K, GgmlDType::Q6K, GgmlDType::F16] {
+            let q = QTensor::quantize(&t, dt).unwrap();
+            let want = q.dequantize(&Device::Cpu).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let q2 = QTensor::quantize(&t, dt).unwrap();
+            let w = to_weight(q2).unwrap();
+            let mut row = vec![0f32; cols];
+            for r in 0..rows {
+                w.dequantize_row(r, &mut row);
+                assert_eq!(&row[..], &want[r * cols..(r + 1) * cols], "{dt:?} row {r}");
+            }
+            let qm = candle_core::quantized::QMatMul::from_qtensor(QTensor::quantize(&t, dt).unwrap()).unwrap();
+            let cand = qm.forward(&xt).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let mut ours = vec![0f32; 3 * rows];
+            matmul(&pool, &w, &x, &mut ours, &mut MatmulScratch::default());
+            let err = ours.iter().zip(&cand).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            let scale = cand.iter().map(|v| v.abs()).fold(0f32, f32::max);
+            // Float weights multiply in f32 on both sides (only the summation order differs);
+            // quantized ones go through int8 activations here and candle's own quantized dots.
+            let tolerance = if matches!(dt, GgmlDType::F32 | GgmlDType::F16) { 1e-5 } else { 2e-2 };
+            assert!(err <= tolerance * scale, "{dt:?}: matmul differs from candle by {err} (scale {scale}, tolerance {tolerance})");
+        }
+    }
+}
