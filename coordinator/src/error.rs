@@ -87,6 +87,7 @@ impl ApiError {
 
     /// Anthropic-shaped response.
     pub fn into_anthropic(self, request_id: &str) -> Response {
+        self.log();
         let mut r = (self.status(), axum::Json(self.anthropic_body(request_id))).into_response();
         self.add_headers(&mut r);
         r
@@ -94,9 +95,20 @@ impl ApiError {
 
     /// OpenAI-shaped response.
     pub fn into_openai(self) -> Response {
+        self.log();
         let mut r = (self.status(), axum::Json(self.openai_body())).into_response();
         self.add_headers(&mut r);
         r
+    }
+
+    /// One line per refused request, so an operator (or a test) can see why a client failed.
+    fn log(&self) {
+        let status = self.status().as_u16();
+        if status >= 500 {
+            tracing::warn!(target: "zerolayer_coordinator::api", status, error = %self, "request failed");
+        } else {
+            tracing::info!(target: "zerolayer_coordinator::api", status, error = %self, "request refused");
+        }
     }
 
     fn add_headers(&self, r: &mut Response) {

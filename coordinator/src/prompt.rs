@@ -74,7 +74,7 @@ impl GenerationRequest {
     /// is a prefill: the prompt ends with its text, so generation continues it. Offered tools
     /// need a template that renders them.
     pub fn render(&self, template: &ChatTemplate) -> Result<String, ApiError> {
-        let tools: Vec<Value> = self.offered_tools().iter().map(|t| t.to_template()).collect();
+        let tools: Vec<Value> = self.offered_tools().iter().filter(|t| !t.deferred).map(|t| t.to_template()).collect();
         if !tools.is_empty() && !template.supports_tools() {
             return Err(ApiError::invalid(format!("tools: the model {:?} was not taught to call functions (its chat template has no tools)", self.model)));
         }
@@ -217,7 +217,10 @@ mod tests {
             Turn { role: Role::Assistant, text: String::new(), tool_calls: vec![ToolCall { id: "c1".into(), name: "w".into(), arguments: json!({"city": "Paris"}) }], tool_call_id: None },
             Turn::tool_result("c1", "sunny"),
         ]);
-        req.tools = vec![Tool { name: "w".into(), description: Some("Weather now".into()), parameters: json!({"type": "object"}) }];
+        req.tools = vec![
+            Tool { name: "w".into(), description: Some("Weather now".into()), parameters: json!({"type": "object"}), deferred: false },
+            Tool { name: "later".into(), description: Some("Deferred: not shown".into()), parameters: json!({"type": "object"}), deferred: true },
+        ];
         let (text, spans) = req.render_prompt(&t).unwrap();
         assert_eq!(
             text,

@@ -28,6 +28,9 @@ pub struct Tool {
     pub description: Option<String>,
     /// A JSON schema for the arguments.
     pub parameters: Value,
+    /// Anthropic's `defer_loading`: kept out of the prompt until a tool search finds it. We have
+    /// no tool search, so the model never sees it (a call to it is still a call).
+    pub deferred: bool,
 }
 
 impl Tool {
@@ -260,7 +263,7 @@ mod tests {
     use super::*;
 
     fn tools() -> Vec<Tool> {
-        ["get_weather", "read_file"].iter().map(|n| Tool { name: n.to_string(), description: None, parameters: json!({"type": "object"}) }).collect()
+        ["get_weather", "read_file"].iter().map(|n| Tool { name: n.to_string(), description: None, parameters: json!({"type": "object"}), deferred: false }).collect()
     }
 
     #[test]

@@ -109,7 +109,7 @@ fn qwen_tool_prompts_equal_hugging_face_rendering() {
     let cases = fx["tool_prompts"].as_array().unwrap();
     assert_eq!(cases.len(), 2);
     for (i, c) in cases.iter().enumerate() {
-        let req = zerolayer_coordinator::api::anthropic::parse(&c["request"], zerolayer_coordinator::api::anthropic::Endpoint::Messages, Default::default())
+        let req = zerolayer_coordinator::api::anthropic::parse(&c["request"], zerolayer_coordinator::api::anthropic::Endpoint::Messages)
             .unwrap_or_else(|e| panic!("case {i}: {e}"));
         let text = req.generation.render(&l.template).unwrap();
         assert_eq!(text, c["text"].as_str().unwrap(), "case {i}: rendered text");

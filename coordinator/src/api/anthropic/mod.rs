@@ -5,4 +5,4 @@
 pub mod request;
 pub mod response;
 
-pub use request::{parse, parse_bytes, Betas, Endpoint, MessagesRequest};
+pub use request::{parse, parse_bytes, Endpoint, MessagesRequest};

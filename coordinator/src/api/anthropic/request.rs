@@ -22,26 +22,6 @@ pub struct MessagesRequest {
     pub context_management: bool,
 }
 
-/// What the request's `anthropic-beta` header turns on.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Betas {
-    /// `mid-conversation-system-2026-04-07`: `role: "system"` messages inside `messages`.
-    pub mid_conversation_system: bool,
-}
-
-impl Betas {
-    /// From the comma-separated `anthropic-beta` header values (unknown betas are ignored).
-    pub fn from_header<'a>(values: impl IntoIterator<Item = &'a str>) -> Betas {
-        let mut b = Betas::default();
-        for name in values.into_iter().flat_map(|v| v.split(',')).map(str::trim) {
-            if name.starts_with("mid-conversation-system-") {
-                b.mid_conversation_system = true;
-            }
-        }
-        b
-    }
-}
-
 /// Which endpoint the body is for.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub enum Endpoint {
@@ -67,7 +47,7 @@ fn type_name(v: &Value) -> &'static str {
 }
 
 /// Parses and validates a request body.
-pub fn parse(body: &Value, endpoint: Endpoint, betas: Betas) -> Result<MessagesRequest, ApiError> {
+pub fn parse(body: &Value, endpoint: Endpoint) -> Result<MessagesRequest, ApiError> {
     let Some(obj) = body.as_object() else {
         return bad(format!("request body must be a JSON object, not {}", type_name(body)));
     };
@@ -115,7 +95,7 @@ pub fn parse(body: &Value, endpoint: Endpoint, betas: Betas) -> Result<MessagesR
         Some(v) => return bad(format!("system: expected a string or an array of text blocks, got {}", type_name(v))),
     };
 
-    let turns = parse_messages(obj.get("messages"), betas)?;
+    let turns = parse_messages(obj.get("messages"))?;
 
     let stop_sequences = match obj.get("stop_sequences") {
         None | Some(Value::Null) => vec![],
@@ -261,7 +241,7 @@ fn parse_tools(v: Option<&Value>) -> Result<Vec<Tool>, ApiError> {
             None | Some("custom") => {}
             Some(ty) => return bad(format!("{at}.type: server tool \"{ty}\" is not supported by this server")),
         }
-        let mut tool = Tool { name: String::new(), description: None, parameters: Value::Null };
+        let mut tool = Tool { name: String::new(), description: None, parameters: Value::Null, deferred: false };
         for (k, v) in o {
             match (k.as_str(), v) {
                 ("name", Value::String(n)) if valid_name(n) => tool.name = n.clone(),
@@ -271,7 +251,9 @@ fn parse_tools(v: Option<&Value>) -> Result<Vec<Tool>, ApiError> {
                 ("input_schema", Value::Object(schema)) if schema.get("type").and_then(Value::as_str) == Some("object") => tool.parameters = v.clone(),
                 ("input_schema", _) => return bad(format!("{at}.input_schema: expected a JSON schema object with \"type\": \"object\"")),
                 ("cache_control", v) => cache_control(v, &format!("{at}.cache_control"))?,
+                ("defer_loading", Value::Bool(b)) => tool.deferred = *b,
                 ("type", _) | ("eager_input_streaming", Value::Bool(_)) | ("strict", Value::Bool(_)) => {}
+                ("input_examples", Value::Array(_)) => {}
                 (k, _) => return bad(format!("{at}.{k}: Extra inputs are not permitted")),
             }
         }
@@ -423,7 +405,7 @@ fn text_block(b: &Value, at: &str, allow_empty: bool) -> Result<String, ApiError
     }
 }
 
-fn parse_messages(v: Option<&Value>, betas: Betas) -> Result<Vec<Turn>, ApiError> {
+fn parse_messages(v: Option<&Value>) -> Result<Vec<Turn>, ApiError> {
     let arr = match v {
         Some(Value::Array(a)) => a,
         Some(v) => return bad(format!("messages: expected an array, got {}", type_name(v))),
@@ -445,13 +427,10 @@ fn parse_messages(v: Option<&Value>, betas: Betas) -> Result<Vec<Turn>, ApiError
         let role = match o.get("role") {
             Some(Value::String(r)) if r == "user" => Role::User,
             Some(Value::String(r)) if r == "assistant" => Role::Assistant,
-            Some(Value::String(r)) if r == "system" && betas.mid_conversation_system => Role::System,
-            Some(Value::String(r)) => {
-                return bad(format!(
-                    "{at}.role: must be \"user\" or \"assistant\", got \"{r}\" (use the top-level system parameter for system prompts, \
-                     or the mid-conversation-system-2026-04-07 beta)"
-                ))
-            }
+            // Mid-conversation system messages: Claude Code sends them whether or not it names
+            // their beta (it names it only for models it knows).
+            Some(Value::String(r)) if r == "system" => Role::System,
+            Some(Value::String(r)) => return bad(format!("{at}.role: must be \"user\", \"assistant\" or \"system\", got \"{r}\"")),
             Some(v) => return bad(format!("{at}.role: expected a string, got {}", type_name(v))),
             None => return bad(format!("{at}.role: Field required")),
         };
@@ -499,7 +478,7 @@ fn parse_messages(v: Option<&Value>, betas: Betas) -> Result<Vec<Turn>, ApiError
 /// Helper for tests and fuzzing: parse raw bytes the way the handler does.
 pub fn parse_bytes(bytes: &[u8], endpoint: Endpoint) -> Result<MessagesRequest, ApiError> {
     let v: Value = serde_json::from_slice(bytes).map_err(|e| ApiError::invalid(format!("invalid JSON body: {e}")))?;
-    parse(&v, endpoint, Betas { mid_conversation_system: true })
+    parse(&v, endpoint)
 }
 
 #[cfg(test)]
@@ -514,7 +493,6 @@ mod tests {
                 {"role": "user", "content": "a"}, {"role": "user", "content": [{"type": "text", "text": "b"}]},
                 {"role": "assistant", "content": "The answer is"}]}),
             Endpoint::Messages,
-            Betas::default(),
         )
         .unwrap();
         let g = r.generation;
@@ -530,17 +508,17 @@ mod tests {
             (json!({"model": "m", "messages": [{"role": "user", "content": "x"}]}), "max_tokens"),
             (json!({"model": "m", "max_tokens": -1, "messages": [{"role": "user", "content": "x"}]}), "max_tokens"),
             (json!({"model": "m", "max_tokens": 1, "messages": []}), "messages"),
-            (json!({"model": "m", "max_tokens": 1, "messages": [{"role": "system", "content": "x"}]}), "messages[0].role"),
+            (json!({"model": "m", "max_tokens": 1, "messages": [{"role": "tool", "content": "x"}]}), "messages[0].role"),
             (json!({"model": "m", "max_tokens": 1, "temperature": 1.5, "messages": [{"role": "user", "content": "x"}]}), "temperature"),
             (json!({"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}), "image"),
             (json!({"model": "m", "max_tokens": 1, "bogus": 1, "messages": [{"role": "user", "content": "x"}]}), "bogus"),
         ];
         for (body, needle) in cases {
-            let e = parse(&body, Endpoint::Messages, Betas::default()).unwrap_err();
+            let e = parse(&body, Endpoint::Messages).unwrap_err();
             assert_eq!(e.status(), 400);
             assert!(e.to_string().contains(needle), "{e} lacks {needle}");
         }
-        assert!(parse(&json!({"model": "m", "messages": [{"role": "user", "content": "x"}]}), Endpoint::CountTokens, Betas::default()).is_ok());
+        assert!(parse(&json!({"model": "m", "messages": [{"role": "user", "content": "x"}]}), Endpoint::CountTokens).is_ok());
     }
 
     /// What Claude Code sends on its first request is accepted, with the official meaning.
@@ -556,20 +534,17 @@ mod tests {
             "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
             "output_config": {"effort": "high"},
             "metadata": {"user_id": "{\"device_id\":\"abc\",\"session_id\":\"s\"}"}});
-        let betas = Betas::from_header(["claude-code-20250219, interleaved-thinking-2025-05-14", "mid-conversation-system-2026-04-07,effort-2025-11-24"]);
-        assert!(betas.mid_conversation_system);
-        let r = parse(&body, Endpoint::Messages, betas).unwrap();
+        let r = parse(&body, Endpoint::Messages).unwrap();
         assert!(r.context_management);
         assert_eq!(r.generation.max_tokens, Some(32000));
         let roles: Vec<Role> = r.generation.turns.iter().map(|t| t.role).collect();
         assert_eq!(roles, vec![Role::User, Role::System, Role::User]);
-        // Without the beta a system role stays an error; enabled thinking too; unknown edits.
-        assert!(parse(&body, Endpoint::Messages, Betas::default()).unwrap_err().to_string().contains("messages[1].role"));
+        // Enabled thinking and unknown edits are errors.
         let mut b = body.clone();
         b["thinking"] = json!({"type": "enabled", "budget_tokens": 1024});
-        assert!(parse(&b, Endpoint::Messages, betas).unwrap_err().to_string().contains("cannot think"));
+        assert!(parse(&b, Endpoint::Messages).unwrap_err().to_string().contains("cannot think"));
         let mut b = body.clone();
         b["context_management"] = json!({"edits": [{"type": "summarize"}]});
-        assert!(parse(&b, Endpoint::Messages, betas).unwrap_err().to_string().contains("context_management.edits[0].type"));
+        assert!(parse(&b, Endpoint::Messages).unwrap_err().to_string().contains("context_management.edits[0].type"));
     }
 }

@@ -15,7 +15,7 @@ use axum::{Extension, Json};
 use serde_json::{json, Value};
 use zerolayer_common::{SeqEvent, StopReason, Usage};
 
-use super::request::{self, Betas, Endpoint, MessagesRequest};
+use super::request::{self, Endpoint, MessagesRequest};
 use crate::api::shared::{self, collect, failed, finish, json_body, named_event, new_id, shut_down, AppState, Following, Next, RequestId, SseStep};
 use crate::auth::Caller;
 use crate::coordinator::{Accepted, Coordinator};
@@ -37,8 +37,7 @@ fn check_headers(h: &HeaderMap) -> Result<(), ApiError> {
 fn parse(c: &Coordinator, headers: &HeaderMap, body: Result<Bytes, BytesRejection>, endpoint: Endpoint) -> Result<MessagesRequest, ApiError> {
     check_headers(headers)?;
     let v = json_body(body, c.config.server.max_body_bytes)?;
-    let betas = Betas::from_header(headers.get_all("anthropic-beta").iter().filter_map(|v| v.to_str().ok()));
-    let req = request::parse(&v, endpoint, betas)?;
+    let req = request::parse(&v, endpoint)?;
     if !c.model.matches(&req.generation.model) {
         return Err(ApiError::NotFound(format!("model: {}", req.generation.model)));
     }

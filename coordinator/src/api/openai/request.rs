@@ -78,7 +78,7 @@ fn parse_tools(v: Option<&Value>) -> Result<Vec<Tool>, ApiError> {
         if tools.iter().any(|t| t.name == name) {
             return bad(format!("{at}.function.name: tool names must be unique, {name:?} is repeated"));
         }
-        tools.push(Tool { name, description, parameters });
+        tools.push(Tool { name, description, parameters, deferred: false });
     }
     Ok(tools)
 }
