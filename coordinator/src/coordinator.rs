@@ -5,7 +5,7 @@
 //! if its worker is lost or drained.
 
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use ractor::ActorRef;
@@ -16,6 +16,7 @@ use zerolayer_worker::tokenizer::Tokenizer;
 
 use crate::auth::{Caller, Guard};
 use crate::cluster::{Cluster, LocalWorker};
+use crate::diagnostics::{self, Diagnosis, Fingerprint, Recent};
 use crate::dispatch::{Dispatcher, Job};
 use crate::drain::{DrainMsg, DrainReport};
 use crate::error::ApiError;
@@ -46,6 +47,8 @@ pub struct Accepted {
     /// `NODE_ID/WORKER_ID` of the first worker, for the `zerolayer-worker` header.
     pub served_by: String,
     pub started_at: Instant,
+    /// What the prompt was made of, for `diagnostics.previous_message_id` later.
+    pub fingerprint: Arc<Fingerprint>,
     /// Released when the response is done (the node's in-flight cap).
     pub _permit: OwnedSemaphorePermit,
 }
@@ -67,6 +70,8 @@ pub struct Coordinator {
     pub dispatch: Arc<Dispatcher>,
     /// This node's coordinator actor: drain and undrain (see [`crate::drain`]).
     pub drainer: ActorRef<DrainMsg>,
+    /// Recent responses' prompt fingerprints, for cache-miss diagnostics (bounded).
+    pub recent: Mutex<Recent>,
 }
 
 /// A coordinator's admission state: the in-flight cap.
@@ -142,6 +147,7 @@ impl Coordinator {
         }
         let started_at = Instant::now();
         let ids = self.prompt_ids(&req)?;
+        let fingerprint = Arc::new(Fingerprint::of(&req, &self.model.id, &ids));
         let mut params = req.params;
         params.max_tokens = resolve_max_tokens(req.max_tokens, ids.len(), self.model.context_length)?;
         if params.temperature > 0.0 {
@@ -159,6 +165,31 @@ impl Coordinator {
         let job = Job { request_id: request_id.to_string(), prompt: ids, params };
         let placed = self.dispatch.submit(&job, &[], &[], None).await?;
         let served_by = placed.served_by();
-        Ok(Accepted { stream: LiveSequence::new(self.dispatch.clone(), job, placed), prompt_tokens, served_by, started_at, _permit: permit })
+        Ok(Accepted { stream: LiveSequence::new(self.dispatch.clone(), job, placed), prompt_tokens, served_by, started_at, fingerprint, _permit: permit })
+    }
+
+    /// Keeps a response's prompt fingerprint under its message id.
+    pub fn remember(&self, message_id: &str, fp: Arc<Fingerprint>) {
+        self.recent.lock().unwrap_or_else(|e| e.into_inner()).insert(message_id.to_string(), fp);
+    }
+
+    /// Why this prompt missed the cache, against the earlier message `previous` (None: no
+    /// earlier message named). Counted by reason, and logged at debug with where they part.
+    pub fn diagnose(&self, previous: Option<&str>, fp: &Fingerprint) -> Option<Diagnosis> {
+        let prev = self.recent.lock().unwrap_or_else(|e| e.into_inner()).get(previous?);
+        let d = match prev {
+            Some(prev) => diagnostics::diagnose(&prev, fp),
+            None => Diagnosis::PreviousNotFound,
+        };
+        let reason = match d {
+            Diagnosis::NoMiss => "none",
+            Diagnosis::PreviousNotFound => "previous_message_not_found",
+            Diagnosis::Miss { reason, missed_tokens, first_difference } => {
+                tracing::debug!(target: "zerolayer_coordinator::diagnostics", reason = reason.as_str(), missed_tokens, first_difference, "prompt cache miss");
+                reason.as_str()
+            }
+        };
+        metrics::counter!("zerolayer_cache_miss_diagnoses_total", "node" => self.node_id.clone(), "reason" => reason).increment(1);
+        Some(d)
     }
 }

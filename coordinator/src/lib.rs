@@ -7,7 +7,8 @@
 //! - [`error`], [`clock`], [`view`] (the cluster as placement reads it), [`tools`] (offered
 //!   functions, calls, and finding calls in generated text), [`request`] (the neutral
 //!   generation request), [`prompt`] (it through the chat template, and where the client's
-//!   words land), [`metrics`], [`status`] (the CLI's table);
+//!   words land), [`diagnostics`] (why a prompt missed the cache), [`metrics`], [`status`] (the
+//!   CLI's table);
 //! - [`placement`] (a pure function over a view), [`tracker`] (staleness correction), [`auth`];
 //! - [`cluster`]: QUIC with mutual TLS, chitchat membership and gossip, forwarding;
 //! - [`dispatch`]: placement and submission (local or one QUIC hop); [`resume`]: a sequence
@@ -24,6 +25,7 @@ pub mod auth;
 pub mod clock;
 pub mod cluster;
 pub mod coordinator;
+pub mod diagnostics;
 pub mod dispatch;
 pub mod drain;
 pub mod error;

@@ -101,7 +101,21 @@ impl Node {
         let ctx = DrainContext { node_id: node_id.to_string(), cluster: cluster.clone(), dispatch: dispatch.clone(), workers: workers.clone() };
         let (drainer, _) = ractor::Actor::spawn(None, DrainActor, ctx).await.map_err(|e| anyhow::anyhow!("starting the node's coordinator actor: {e}"))?;
         let node_id = node_id.to_string();
-        let coordinator = Arc::new(Coordinator { node_id, config, model, tokenizer, template, workers, guard, cluster, hard_stop, admission, dispatch, drainer });
+        let coordinator = Arc::new(Coordinator {
+            node_id,
+            config,
+            model,
+            tokenizer,
+            template,
+            workers,
+            guard,
+            cluster,
+            hard_stop,
+            admission,
+            dispatch,
+            drainer,
+            recent: Default::default(),
+        });
         Ok(Node { coordinator, hard_stop_tx })
     }
 

@@ -698,3 +698,80 @@ async fn user_text_cannot_forge_turns() {
     assert_eq!(r["usage"]["prompt_tokens"].as_u64().unwrap(), want.len() as u64, "{r}");
     s.stop().await.unwrap();
 }
+
+/// Cache-miss diagnostics: against an earlier message, an appended turn is no miss; a timestamp
+/// changed in the system prompt is `system_changed`, costing the earlier prompt's tokens after
+/// the first 16-token block the two prompts do not share (computed here from the tokenizer);
+/// unknown ids and null get their own answers; streams carry it in `message_start`; a metric
+/// counts each reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cache_miss_diagnostics_name_the_changed_section() {
+    let _g = heavy();
+    let s = TestServer::start(|_| {}).await;
+    let c = client();
+    let l = load_default();
+    let system = |time: &str| format!("You are a coding agent. The time is 2026-11-30T{time}Z. {}", "Follow the house rules. ".repeat(30));
+    let ask = |body: Value| {
+        let c = c.clone();
+        let url = s.url("/v1/messages");
+        async move {
+            let r = c.post(url).json(&body).send().await.unwrap();
+            assert_eq!(r.status(), 200);
+            r.json::<Value>().await.unwrap()
+        }
+    };
+    let first = ask(json!({"model": "smollm2-135m-instruct", "max_tokens": 1, "temperature": 0, "system": system("10:00:00"),
+                           "messages": [{"role": "user", "content": "Hi"}]}))
+    .await;
+    let id = first["id"].as_str().unwrap().to_string();
+    let answer = first["content"][0]["text"].as_str().unwrap_or("Hello").to_string();
+
+    let appended = ask(json!({"model": "smollm2-135m-instruct", "max_tokens": 1, "temperature": 0, "system": system("10:00:00"),
+        "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": answer}, {"role": "user", "content": "More"}],
+        "diagnostics": {"previous_message_id": id}}))
+    .await;
+    assert_eq!(appended["diagnostics"], json!({"cache_miss_reason": null}), "{appended}");
+
+    let changed = ask(json!({"model": "smollm2-135m-instruct", "max_tokens": 1, "temperature": 0, "system": system("10:00:07"),
+        "messages": [{"role": "user", "content": "Hi"}], "diagnostics": {"previous_message_id": id}}))
+    .await;
+    let ids = |time: &str| {
+        let text = l.template.render(&[ChatMessage::new("system", system(time)), ChatMessage::new("user", "Hi")], true).unwrap();
+        l.tokenizer.encode(&text).unwrap()
+    };
+    let (a, b) = (ids("10:00:00"), ids("10:00:07"));
+    let common = a.iter().zip(&b).take_while(|(x, y)| x == y).count();
+    assert!(common > 5 && common + 100 < a.len(), "the timestamp is early in a long prompt");
+    assert_eq!(
+        changed["diagnostics"],
+        json!({"cache_miss_reason": {"type": "system_changed", "cache_missed_input_tokens": a.len() - common / 16 * 16}}),
+        "{changed}"
+    );
+
+    let unknown = ask(json!({"model": "smollm2-135m-instruct", "max_tokens": 1, "messages": [{"role": "user", "content": "Hi"}],
+                             "diagnostics": {"previous_message_id": "msg_nope"}}))
+    .await;
+    assert_eq!(unknown["diagnostics"]["cache_miss_reason"]["type"], "previous_message_not_found");
+    let none = ask(json!({"model": "smollm2-135m-instruct", "max_tokens": 1, "messages": [{"role": "user", "content": "Hi"}],
+                          "diagnostics": {"previous_message_id": null}}))
+    .await;
+    assert_eq!(none["diagnostics"]["cache_miss_reason"]["type"], "unavailable");
+
+    // Streamed: in message_start.
+    let raw = c
+        .post(s.url("/v1/messages"))
+        .json(&json!({"model": "smollm2-135m-instruct", "max_tokens": 1, "stream": true, "system": system("10:00:09"),
+                      "messages": [{"role": "user", "content": "Hi"}], "diagnostics": {"previous_message_id": id}}))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let events = parse_sse(&raw);
+    assert_eq!(events[0].1["message"]["diagnostics"]["cache_miss_reason"]["type"], "system_changed", "{raw}");
+    let page = c.get(s.url("/metrics")).send().await.unwrap().text().await.unwrap();
+    assert_eq!(metric_with(&page, "zerolayer_cache_miss_diagnoses_total", &[("reason", "system_changed")]), Some(2.0));
+    assert_eq!(metric_with(&page, "zerolayer_cache_miss_diagnoses_total", &[("reason", "none")]), Some(1.0));
+    s.stop().await.unwrap();
+}

@@ -16,7 +16,8 @@ use crate::tools::{valid_name, Tool, ToolCall, ToolChoice, MAX_TOOLS};
 #[derive(Clone, Debug, PartialEq)]
 pub struct MessagesRequest {
     pub generation: GenerationRequest,
-    pub wants_diagnostics: bool,
+    /// `diagnostics` was sent: `Some(previous_message_id)` (which may be null).
+    pub diagnostics: Option<Option<String>>,
     /// The request carried `context_management`: the response reports the edits applied
     /// (none: the edits Claude Code sends clear thinking blocks, which our models never make).
     pub context_management: bool,
@@ -198,11 +199,12 @@ pub fn parse(body: &Value, endpoint: Endpoint) -> Result<MessagesRequest, ApiErr
         "format" => bad("output_config.format: structured output is not supported by this server yet"),
         k => bad(format!("output_config.{k}: Extra inputs are not permitted")),
     })?;
-    let wants_diagnostics = match obj.get("diagnostics") {
-        None | Some(Value::Null) => false,
+    let diagnostics = match obj.get("diagnostics") {
+        None | Some(Value::Null) => None,
         Some(Value::Object(d)) => match d.get("previous_message_id") {
-            None | Some(Value::Null) | Some(Value::String(_)) => true,
-            Some(_) => return bad("diagnostics.previous_message_id: expected a string or null"),
+            None | Some(Value::Null) => Some(None),
+            Some(Value::String(id)) if id.len() <= 256 => Some(Some(id.clone())),
+            Some(_) => return bad("diagnostics.previous_message_id: expected a message id (a string) or null"),
         },
         Some(v) => return bad(format!("diagnostics: expected an object, got {}", type_name(v))),
     };
@@ -218,7 +220,7 @@ pub fn parse(body: &Value, endpoint: Endpoint) -> Result<MessagesRequest, ApiErr
     let params = SamplingParams { temperature, top_k, top_p, seed: None, max_tokens: 0, stop_sequences, ignore_eos: false };
     Ok(MessagesRequest {
         generation: GenerationRequest { model, system, turns, max_tokens, params, stream, tools, tool_choice },
-        wants_diagnostics,
+        diagnostics,
         context_management,
     })
 }

@@ -19,6 +19,7 @@ use super::request::{self, Endpoint, MessagesRequest};
 use crate::api::shared::{self, collect, failed, finish, json_body, named_event, new_id, shut_down, AppState, Following, Next, RequestId, SseStep};
 use crate::auth::Caller;
 use crate::coordinator::{Accepted, Coordinator};
+use crate::diagnostics::Diagnosis;
 use crate::error::ApiError;
 use crate::tools::{split_calls, CallParser, Piece, Tool};
 
@@ -74,6 +75,17 @@ fn stop_fields(reason: &StopReason, calls: usize) -> (Value, Value) {
     }
 }
 
+/// `diagnostics: {cache_miss_reason}` for a request that sent `diagnostics`.
+fn diagnostics_json(c: &Coordinator, previous: &Option<String>, acc: &Accepted) -> Value {
+    let reason = match c.diagnose(previous.as_deref(), &acc.fingerprint) {
+        None => json!({"type": "unavailable"}),
+        Some(Diagnosis::NoMiss) => Value::Null,
+        Some(Diagnosis::PreviousNotFound) => json!({"type": "previous_message_not_found"}),
+        Some(Diagnosis::Miss { reason, missed_tokens, .. }) => json!({"type": reason.as_str(), "cache_missed_input_tokens": missed_tokens}),
+    };
+    json!({"cache_miss_reason": reason})
+}
+
 fn tool_use_block(name: &str, input: Value) -> Value {
     json!({"type": "tool_use", "id": new_id("toolu_"), "name": name, "input": input})
 }
@@ -114,8 +126,10 @@ pub async fn messages(
     };
     let served_by = acc.served_by.clone();
     let msg_id = new_id("msg_");
+    let diagnostics = req.diagnostics.as_ref().map(|previous| diagnostics_json(&c, previous, &acc));
+    c.remember(&msg_id, acc.fingerprint.clone());
     if stream {
-        let s = MessageStream::new(c.clone(), acc, msg_id, model, req.context_management, &tools);
+        let s = MessageStream::new(c.clone(), acc, msg_id, model, req.context_management, &tools, diagnostics);
         return finish(&c, "messages", shared::sse_response(s, MessageStream::step), Some(&served_by));
     }
     let resp = match collect(&c, acc).await {
@@ -126,8 +140,8 @@ pub async fn messages(
                 "id": msg_id, "type": "message", "role": "assistant", "content": content, "model": model,
                 "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": usage_json(&usage),
             });
-            if req.wants_diagnostics {
-                body["diagnostics"] = json!({"cache_miss_reason": {"type": "unavailable"}});
+            if let Some(d) = diagnostics {
+                body["diagnostics"] = d;
             }
             if req.context_management {
                 body["context_management"] = json!({"applied_edits": []});
@@ -155,10 +169,12 @@ struct MessageStream {
     output_tokens: u32,
     /// Report `context_management.applied_edits` in `message_delta`.
     context_management: bool,
+    /// `diagnostics`, sent in `message_start`.
+    diagnostics: Option<Value>,
 }
 
 impl MessageStream {
-    fn new(c: AppState, acc: Accepted, msg_id: String, model: String, context_management: bool, tools: &[Tool]) -> Self {
+    fn new(c: AppState, acc: Accepted, msg_id: String, model: String, context_management: bool, tools: &[Tool], diagnostics: Option<Value>) -> Self {
         let ping_every = Duration::from_millis(c.config.server.ping_interval_ms.max(100));
         let parser = (!tools.is_empty()).then(|| CallParser::new(tools));
         MessageStream {
@@ -172,6 +188,7 @@ impl MessageStream {
             parser,
             output_tokens: 0,
             context_management,
+            diagnostics,
         }
     }
 
@@ -219,12 +236,13 @@ impl MessageStream {
     }
 
     fn message_start(&self, usage: &Usage) -> Event {
-        named_event(
-            "message_start",
-            json!({"type": "message_start", "message": {
-                "id": self.msg_id, "type": "message", "role": "assistant", "content": [], "model": self.model,
-                "stop_reason": null, "stop_sequence": null, "usage": usage_json(usage)}}),
-        )
+        let mut message = json!({
+            "id": self.msg_id, "type": "message", "role": "assistant", "content": [], "model": self.model,
+            "stop_reason": null, "stop_sequence": null, "usage": usage_json(usage)});
+        if let Some(d) = &self.diagnostics {
+            message["diagnostics"] = d.clone();
+        }
+        named_event("message_start", json!({"type": "message_start", "message": message}))
     }
 
     fn ping() -> Event {
