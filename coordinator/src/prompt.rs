@@ -141,18 +141,18 @@ impl GenerationRequest {
 /// can close a turn and open one of their choosing.
 pub fn prompt_ids(req: &GenerationRequest, template: &ChatTemplate, tokenizer: &Tokenizer, special_tokens_in_content: bool) -> Result<Vec<u32>, ApiError> {
     let internal = |e: zerolayer_worker::error::WorkerError| ApiError::Internal(e.to_string());
-    if special_tokens_in_content {
+    // The usual case: nothing the client wrote holds a special-token string, so one rendering
+    // tokenized as a whole gives exactly what locating the client's text would.
+    let forged = req.texts().into_iter().find_map(|t| tokenizer.special_in(t));
+    let Some(s) = forged.filter(|_| !special_tokens_in_content) else {
         return tokenizer.encode(&req.render(template)?).map_err(internal);
-    }
+    };
     match req.render_prompt(template)? {
         (text, Some(user)) => tokenizer.encode_prompt(&text, &user).map_err(internal),
-        (text, None) => match req.texts().into_iter().find_map(|t| tokenizer.special_in(t)) {
-            Some(s) => Err(ApiError::invalid(format!(
-                "messages: the text {s:?} is a control token of this model, and its chat template changes message text, so the \
-                 server cannot keep what you wrote apart from the template's own tokens; remove it"
-            ))),
-            None => tokenizer.encode(&text).map_err(internal),
-        },
+        (_, None) => Err(ApiError::invalid(format!(
+            "messages: the text {s:?} is a control token of this model, and its chat template changes message text, so the \
+             server cannot keep what you wrote apart from the template's own tokens; remove it"
+        ))),
     }
 }
 
