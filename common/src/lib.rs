@@ -10,7 +10,7 @@ pub mod signals;
 pub mod types;
 pub mod wire;
 
-pub use config::{ClusterConfig, ClusterSection, ConfigError, NodeConfig, PlacementConfig, PlacementPolicy, WorkerConfig};
+pub use config::{ClusterConfig, Tenant, TenantLimits, ClusterSection, ConfigError, NodeConfig, PlacementConfig, PlacementPolicy, WorkerConfig};
 pub use hash::{block_hashes, chain_hash, checksum};
 pub use signals::{KvEvent, WorkerSignals};
 pub use types::*;

@@ -1,87 +1,40 @@
-//! API keys, the admin key, and per-key rate limits.
+//! API keys, the admin key, and who a caller is.
 //!
-//! - Keys come from `[auth]` (inline or a file). With none configured the API is open; the node
-//!   says so at startup.
+//! - Keys come from `[auth]` (inline, a file, or named `[[auth.keys]]` with their own settings).
+//!   With none configured the API is open; the node says so at startup.
 //! - A key is accepted as `x-api-key` or `Authorization: Bearer`. Comparison is constant-time
-//!   over the bytes, and keys never reach logs: callers are named by index (`key#3`).
+//!   over the bytes, and keys never reach logs: callers are named by tenant (`key#3`, or the
+//!   configured name).
 //! - `/admin/*` needs the admin key; a valid user key there gets 403.
-//! - Rate limits are GCRA token buckets from `governor`, one per key: requests per minute,
-//!   checked before the request is handled, and prompt tokens per minute, charged once the
-//!   prompt is tokenized. Every response carries `anthropic-ratelimit-*` headers.
+//! - Each caller is a tenant of the [`Quota`] (limits held cluster-wide): the guard admits its
+//!   requests, and every response carries its `anthropic-ratelimit-*` headers.
 
-use std::collections::HashMap;
-use std::num::NonZeroU32;
-use std::sync::Mutex;
+use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use axum::http::{HeaderMap, HeaderValue};
-use governor::clock::{Clock, DefaultClock};
-use governor::middleware::StateInformationMiddleware;
-use governor::state::keyed::DefaultKeyedStateStore;
-use governor::{Quota, RateLimiter};
-use zerolayer_common::ClusterConfig;
+use zerolayer_common::{ClusterConfig, Tenant, TenantLimits};
 
 use crate::error::ApiError;
-
-type Limiter = RateLimiter<String, DefaultKeyedStateStore<String>, DefaultClock, StateInformationMiddleware>;
+use crate::quota::{Quota, Refusal, Ticket};
 
 /// Who is calling. Never holds the key itself.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Caller {
     /// Auth is disabled (no keys configured).
     Open,
-    /// The user key at this index.
+    /// The user key (tenant) at this index.
     User(usize),
     Admin,
 }
 
-impl Caller {
-    fn bucket(&self) -> String {
-        match self {
-            Caller::Open => "open".into(),
-            Caller::User(i) => format!("key#{i}"),
-            Caller::Admin => "admin".into(),
-        }
-    }
-}
-
-struct Bucket {
-    limiter: Limiter,
-    per_minute: u32,
-}
-
-impl Bucket {
-    fn new(per_minute: u32) -> Option<Self> {
-        NonZeroU32::new(per_minute)
-            .map(|n| Bucket { limiter: RateLimiter::keyed(Quota::per_minute(n)).with_middleware::<StateInformationMiddleware>(), per_minute })
-    }
-
-    /// Takes `n` units; on refusal returns how long until they would fit.
-    fn take(&self, key: &String, n: u32) -> Result<u32, Duration> {
-        let Some(n) = NonZeroU32::new(n) else { return Ok(self.per_minute) };
-        match self.limiter.check_key_n(key, n) {
-            Ok(Ok(snap)) => Ok(snap.remaining_burst_capacity()),
-            Ok(Err(not_until)) => Err(not_until.wait_time_from(DefaultClock::default().now())),
-            Err(_) => Err(Duration::from_secs(60)), // more than a whole minute's budget
-        }
-    }
-
-    /// When the bucket would be full again, given `remaining`.
-    fn reset_at(&self, remaining: u32) -> SystemTime {
-        let per_unit = Duration::from_secs(60) / self.per_minute;
-        SystemTime::now() + per_unit * self.per_minute.saturating_sub(remaining)
-    }
-}
-
-/// Authentication and rate limiting for one node.
+/// Authentication, and each caller's tenant and limits.
 pub struct Guard {
     keys: Vec<Vec<u8>>,
     admin: Option<Vec<u8>>,
-    requests: Option<Bucket>,
-    tokens: Option<Bucket>,
-    /// Last known remaining capacity per bucket key, for response headers. Bounded by the
-    /// number of configured keys (+ admin + open).
-    last: Mutex<HashMap<String, (u32, u32)>>,
+    /// The user tenants, then `open`, then `admin`.
+    tenants: Vec<Tenant>,
+    pub quota: Arc<Quota>,
 }
 
 /// Constant-time equality over the bytes (the length is not secret).
@@ -98,14 +51,26 @@ fn ct_eq(a: &[u8], b: &[u8]) -> bool {
 
 impl Guard {
     pub fn from_config(cfg: &ClusterConfig) -> anyhow::Result<Self> {
-        let keys = cfg.api_keys()?.into_iter().map(String::into_bytes).collect();
-        Ok(Guard {
-            keys,
-            admin: cfg.auth.admin_key.clone().map(String::into_bytes),
-            requests: Bucket::new(cfg.limits.requests_per_minute),
-            tokens: Bucket::new(cfg.limits.tokens_per_minute),
-            last: Mutex::new(HashMap::new()),
-        })
+        let mut tenants = cfg.tenants()?;
+        let keys = tenants.iter().map(|t| t.key.clone().into_bytes()).collect();
+        tenants.push(Tenant { name: "open".into(), key: String::new(), weight: 1.0, allow_ignore_eos: true, limits: cfg.default_limits() });
+        tenants.push(Tenant { name: "admin".into(), key: String::new(), weight: 1.0, allow_ignore_eos: true, limits: TenantLimits::default() });
+        let quota = Quota::new(tenants.iter().map(|t| (t.name.clone(), t.limits)).collect());
+        Ok(Guard { keys, admin: cfg.auth.admin_key.clone().map(String::into_bytes), tenants, quota })
+    }
+
+    /// The caller's index among the tenants.
+    fn index(&self, caller: &Caller) -> usize {
+        let users = self.tenants.len() - 2;
+        match caller {
+            Caller::User(i) => (*i).min(users),
+            Caller::Open => users,
+            Caller::Admin => users + 1,
+        }
+    }
+
+    pub fn tenant(&self, caller: &Caller) -> &Tenant {
+        &self.tenants[self.index(caller)]
     }
 
     /// Whether API keys are enforced.
@@ -163,71 +128,42 @@ impl Guard {
         }
     }
 
-    fn remember(&self, caller: &Caller, requests: Option<u32>, tokens: Option<u32>) {
-        let mut last = self.last.lock().unwrap_or_else(|e| e.into_inner());
-        let e = last.entry(caller.bucket()).or_insert((
-            self.requests.as_ref().map_or(0, |b| b.per_minute),
-            self.tokens.as_ref().map_or(0, |b| b.per_minute),
-        ));
-        if let Some(r) = requests {
-            e.0 = r;
-        }
-        if let Some(t) = tokens {
-            e.1 = t;
-        }
+    /// Admits a request of the caller: a concurrency slot and, for a generation (`request`),
+    /// one unit of its request limit.
+    pub fn admit(&self, caller: &Caller, request: bool) -> Result<Ticket, ApiError> {
+        self.quota.admit(self.index(caller), request).map_err(rate_limited)
     }
 
-    /// Takes one request from the caller's bucket.
-    pub fn take_request(&self, caller: &Caller) -> Result<(), ApiError> {
-        let Some(b) = &self.requests else { return Ok(()) };
-        match b.take(&caller.bucket(), 1) {
-            Ok(rem) => {
-                self.remember(caller, Some(rem), None);
-                Ok(())
-            }
-            Err(wait) => {
-                self.remember(caller, Some(0), None);
-                Err(rate_limited("requests per minute", wait))
-            }
-        }
-    }
-
-    /// Charges `n` prompt tokens to the caller's bucket.
-    pub fn take_tokens(&self, caller: &Caller, n: usize) -> Result<(), ApiError> {
-        let Some(b) = &self.tokens else { return Ok(()) };
-        match b.take(&caller.bucket(), n.min(u32::MAX as usize) as u32) {
-            Ok(rem) => {
-                self.remember(caller, None, Some(rem));
-                Ok(())
-            }
-            Err(wait) => Err(rate_limited("input tokens per minute", wait)),
-        }
-    }
-
-    /// The `anthropic-ratelimit-*` headers for this caller.
+    /// The `anthropic-ratelimit-*` headers for this caller: each configured limit, as this node
+    /// knows it across the cluster.
     pub fn add_headers(&self, caller: &Caller, h: &mut HeaderMap) {
-        let (rr, tr) = self.last.lock().unwrap_or_else(|e| e.into_inner()).get(&caller.bucket()).copied().unwrap_or((
-            self.requests.as_ref().map_or(0, |b| b.per_minute),
-            self.tokens.as_ref().map_or(0, |b| b.per_minute),
-        ));
-        for (name, bucket, remaining) in [("requests", &self.requests, rr), ("tokens", &self.tokens, tr)] {
-            if let Some(b) = bucket {
-                let mut put = |suffix: &str, v: String| {
-                    if let Ok(v) = HeaderValue::from_str(&v) {
-                        h.insert(axum::http::HeaderName::try_from(format!("anthropic-ratelimit-{name}-{suffix}")).unwrap(), v);
-                    }
-                };
-                put("limit", b.per_minute.to_string());
-                put("remaining", remaining.to_string());
-                put("reset", crate::clock::rfc3339_system(b.reset_at(remaining)));
-            }
+        let now = SystemTime::now();
+        for l in self.quota.limits(self.index(caller)) {
+            let name = l.dim.as_str();
+            let mut put = |suffix: &str, v: String| {
+                if let (Ok(n), Ok(v)) = (axum::http::HeaderName::try_from(format!("anthropic-ratelimit-{name}-{suffix}")), HeaderValue::from_str(&v)) {
+                    h.insert(n, v);
+                }
+            };
+            put("limit", l.limit.to_string());
+            put("remaining", l.remaining.to_string());
+            put("reset", crate::clock::rfc3339_system(now + l.full_in));
         }
     }
 }
 
-fn rate_limited(what: &str, wait: Duration) -> ApiError {
-    let secs = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
-    ApiError::RateLimited { message: format!("rate limit exceeded: {what}; retry after {secs} s"), retry_after_secs: secs.max(1) }
+/// A refusal as the API's 429.
+pub fn rate_limited(r: Refusal) -> ApiError {
+    match r.retry_after {
+        Some(wait) => {
+            let secs = (wait.as_secs() + u64::from(wait.subsec_nanos() > 0)).max(1);
+            ApiError::RateLimited { message: format!("rate limit exceeded: {}; retry after {secs} s", r.what), retry_after_secs: secs }
+        }
+        None => ApiError::RateLimited {
+            message: format!("rate limit exceeded: this request alone is more than the key's {}", r.what),
+            retry_after_secs: Duration::from_secs(60).as_secs(),
+        },
+    }
 }
 
 #[cfg(test)]

@@ -1,5 +1,7 @@
-//! The coordinator: what every HTTP handler calls. It turns a validated
-//! [`GenerationRequest`] into a prompt, takes an in-flight slot, and hands the sequence to
+//! The coordinator: what every HTTP handler calls. It admits a request before any work on its
+//! body (the key's limits, the node's in-flight cap), prepares it off the async runtime on a
+//! bounded pool (parsing, the length check, the template and tokenizer), charges the prompt to
+//! the key, and hands the sequence to
 //! the [`Dispatcher`] (placement anywhere in the cluster, then one in-process message or one
 //! QUIC hop). The client follows it through a [`LiveSequence`], which continues it elsewhere
 //! if its worker is lost or drained.
@@ -15,6 +17,7 @@ use zerolayer_worker::chat::ChatTemplate;
 use zerolayer_worker::tokenizer::Tokenizer;
 
 use crate::auth::{Caller, Guard};
+use crate::quota::Ticket;
 use crate::cluster::{Cluster, LocalWorker};
 use crate::diagnostics::{self, Diagnosis, Fingerprint, Recent};
 use crate::dispatch::{Dispatcher, Job};
@@ -49,8 +52,17 @@ pub struct Accepted {
     pub started_at: Instant,
     /// What the prompt was made of, for `diagnostics.previous_message_id` later.
     pub fingerprint: Arc<Fingerprint>,
+    /// The key's concurrency slot and the handle its output tokens are charged through.
+    pub ticket: Ticket,
     /// Released when the response is done (the node's in-flight cap).
     pub _permit: OwnedSemaphorePermit,
+}
+
+/// A request let in: its key's slot (and, for a generation, one request charged) and the node's
+/// in-flight slot. Taken before the body is parsed or the prompt rendered.
+pub struct Admitted {
+    pub ticket: Ticket,
+    permit: OwnedSemaphorePermit,
 }
 
 pub struct Coordinator {
@@ -74,15 +86,21 @@ pub struct Coordinator {
     pub recent: Mutex<Recent>,
 }
 
-/// A coordinator's admission state: the in-flight cap.
+/// A coordinator's admission state: the in-flight cap, and the preparation pool's slots.
 pub struct Admission {
     inflight: Arc<Semaphore>,
     max_inflight: usize,
+    prepare: Semaphore,
 }
 
 impl Admission {
-    pub fn new(max_inflight: usize) -> Self {
-        Admission { inflight: Arc::new(Semaphore::new(max_inflight)), max_inflight }
+    /// `prepare_threads` 0: one per CPU core.
+    pub fn new(max_inflight: usize, prepare_threads: usize) -> Self {
+        let threads = match prepare_threads {
+            0 => std::thread::available_parallelism().map_or(2, |n| n.get()),
+            n => n,
+        };
+        Admission { inflight: Arc::new(Semaphore::new(max_inflight)), max_inflight, prepare: Semaphore::new(threads) }
     }
 }
 
@@ -133,20 +151,56 @@ impl Coordinator {
         self.tokenizer.encode(text).map_err(|e| ApiError::Internal(e.to_string()))
     }
 
+    /// Lets a request in, before any work on its body: not shutting down, the key's limits
+    /// (concurrency, and one request for a `generation`), then the node's in-flight cap.
+    pub fn admit(&self, caller: &Caller, generation: bool) -> Result<Admitted, ApiError> {
+        if *self.hard_stop.borrow() {
+            return Err(ApiError::Overloaded("Overloaded: this node is shutting down".into()));
+        }
+        let ticket = self.guard.admit(caller, generation)?;
+        let permit = self
+            .admission
+            .inflight
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| ApiError::Overloaded("Overloaded: too many requests in flight on this node".into()))?;
+        Ok(Admitted { ticket, permit })
+    }
+
+    /// Runs `f` (parsing a body, rendering and tokenizing a prompt) on the preparation pool, off
+    /// the async runtime. At most `prepare_threads` run at once; an admitted request waits here.
+    pub async fn prepare<T: Send + 'static>(&self, f: impl FnOnce() -> T + Send + 'static) -> Result<T, ApiError> {
+        let _slot = self.admission.prepare.acquire().await.map_err(|_| ApiError::Internal("the preparation pool is closed".into()))?;
+        tokio::task::spawn_blocking(f).await.map_err(|e| ApiError::Internal(format!("preparing the request: {e}")))
+    }
+
+    /// The length check that needs no tokenizer: a prompt whose text alone must be more tokens
+    /// than the context holds is refused before the template runs.
+    pub fn check_length(&self, req: &GenerationRequest) -> Result<(), ApiError> {
+        let at_least = self.tokenizer.min_tokens(req.text_bytes());
+        if at_least >= self.model.context_length {
+            return Err(ApiError::invalid(format!(
+                "prompt is too long: at least {at_least} tokens > {} maximum",
+                self.model.context_length.saturating_sub(1)
+            )));
+        }
+        Ok(())
+    }
+
     /// The prompt's token ids (`prompt::prompt_ids`: what the client wrote stays text).
     pub fn prompt_ids(&self, req: &GenerationRequest) -> Result<Vec<u32>, ApiError> {
         crate::prompt::prompt_ids(req, &self.template, &self.tokenizer, self.config.model.special_tokens_in_content)
     }
 
-    /// Validates length, takes an in-flight slot, places and submits. A draining node still
-    /// accepts requests (its workers are out of placement; other nodes' are not); only a node
-    /// past its shutdown grace period refuses.
-    pub async fn start(&self, caller: &Caller, req: GenerationRequest, request_id: &str) -> Result<Accepted, ApiError> {
-        if *self.hard_stop.borrow() {
-            return Err(ApiError::Overloaded("Overloaded: this node is shutting down".into()));
+    /// Charges the prompt to the key, then places and submits it. A draining node still accepts
+    /// requests (its workers are out of placement; other nodes' are not); only a node past its
+    /// shutdown grace period refuses.
+    pub async fn start(&self, admitted: Admitted, caller: &Caller, req: GenerationRequest, ids: Vec<u32>, request_id: &str) -> Result<Accepted, ApiError> {
+        let Admitted { ticket, permit } = admitted;
+        if req.params.ignore_eos && !self.guard.tenant(caller).allow_ignore_eos {
+            return Err(ApiError::Permission("ignore_eos is not enabled for this API key (an operator option: allow_ignore_eos in [[auth.keys]])".into()));
         }
         let started_at = Instant::now();
-        let ids = self.prompt_ids(&req)?;
         let fingerprint = Arc::new(Fingerprint::of(&req, &self.model.id, &ids));
         let mut params = req.params;
         params.max_tokens = resolve_max_tokens(req.max_tokens, ids.len(), self.model.context_length)?;
@@ -154,18 +208,12 @@ impl Coordinator {
             // Fixed here, so that a continuation on another worker samples what this one would.
             params.seed.get_or_insert_with(rand::random);
         }
-        self.guard.take_tokens(caller, ids.len())?;
-        let permit = self
-            .admission
-            .inflight
-            .clone()
-            .try_acquire_owned()
-            .map_err(|_| ApiError::Overloaded("Overloaded: too many requests in flight on this node".into()))?;
+        ticket.charge_input(ids.len() as u64, true).map_err(crate::auth::rate_limited)?;
         let prompt_tokens = ids.len();
         let job = Job { request_id: request_id.to_string(), prompt: ids, params };
         let placed = self.dispatch.submit(&job, &[], &[], None).await?;
         let served_by = placed.served_by();
-        Ok(Accepted { stream: LiveSequence::new(self.dispatch.clone(), job, placed), prompt_tokens, served_by, started_at, fingerprint, _permit: permit })
+        Ok(Accepted { stream: LiveSequence::new(self.dispatch.clone(), job, placed), prompt_tokens, served_by, started_at, fingerprint, ticket, _permit: permit })
     }
 
     /// Keeps a response's prompt fingerprint under its message id.

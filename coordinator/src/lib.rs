@@ -9,7 +9,8 @@
 //!   generation request), [`prompt`] (it through the chat template, and where the client's
 //!   words land), [`diagnostics`] (why a prompt missed the cache), [`metrics`], [`status`] (the
 //!   CLI's table);
-//! - [`placement`] (a pure function over a view), [`tracker`] (staleness correction), [`auth`];
+//! - [`placement`] (a pure function over a view), [`tracker`] (staleness correction), [`quota`]
+//!   (per-key limits held cluster-wide), [`auth`] (keys and callers);
 //! - [`cluster`]: QUIC with mutual TLS, chitchat membership and gossip, forwarding;
 //! - [`dispatch`]: placement and submission (local or one QUIC hop); [`resume`]: a sequence
 //!   followed across moves (exact replay after a loss or a drain);
@@ -33,6 +34,7 @@ pub mod fuzzing;
 pub mod metrics;
 pub mod node;
 pub mod placement;
+pub mod quota;
 pub mod prompt;
 pub mod request;
 pub mod resume;

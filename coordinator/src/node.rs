@@ -93,9 +93,9 @@ impl Node {
         if !guard.enabled() {
             tracing::warn!("auth disabled: no API keys configured, so the API is open (development mode)");
         }
-        let cluster = Cluster::start(&config, node_id, &workers, quic_socket).await?;
+        let cluster = Cluster::start(&config, node_id, &workers, quic_socket, guard.quota.clone()).await?;
         let (hard_stop_tx, hard_stop) = watch::channel(false);
-        let admission = Admission::new(config.server.max_inflight);
+        let admission = Admission::new(config.server.max_inflight, config.server.prepare_threads);
         let block_size = node.workers.first().map(|w| w.block_size).unwrap_or(16);
         let dispatch = Arc::new(Dispatcher::new(node_id, cluster.clone(), config.clone(), block_size));
         let ctx = DrainContext { node_id: node_id.to_string(), cluster: cluster.clone(), dispatch: dispatch.clone(), workers: workers.clone() };

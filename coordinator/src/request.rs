@@ -105,6 +105,12 @@ impl GenerationRequest {
             ToolChoice::None => &[],
         }
     }
+
+    /// Bytes of conversation text (system and turns): what any rendering of the prompt holds at
+    /// least, for the length check that runs before the template.
+    pub fn text_bytes(&self) -> usize {
+        self.system.as_ref().map_or(0, String::len) + self.turns.iter().map(|t| t.text.len()).sum::<usize>()
+    }
 }
 
 /// The `max_tokens` a prompt of `prompt_tokens` may generate in a context of `context` tokens:

@@ -35,6 +35,9 @@ pub struct Tokenizer {
     /// token for 0xF1, for example); like llama.cpp, encoding then drops those bytes, so such
     /// text does not round-trip.
     byte_covered: [bool; 256],
+    /// The most text bytes one token can stand for (the longest token's UTF-8 length, which is
+    /// at least the bytes it covers in both byte-level and SentencePiece vocabularies).
+    max_token_bytes: usize,
 }
 
 /// GPT-2's byte-to-unicode table: the character that stands for each raw byte.
@@ -165,7 +168,8 @@ impl Tokenizer {
         let mut specials: Vec<(String, u32)> =
             inner.get_added_tokens_decoder().into_iter().filter(|(_, t)| t.special).map(|(id, t)| (t.content, id)).collect();
         specials.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then(a.1.cmp(&b.1)));
-        Tokenizer { inner, text_only, specials, end_tokens, bos_token, vocab_size, byte_covered }
+        let max_token_bytes = inner.get_vocab(true).keys().map(String::len).max().unwrap_or(1).max(1);
+        Tokenizer { inner, text_only, specials, end_tokens, bos_token, vocab_size, byte_covered, max_token_bytes }
     }
 
     /// Encodes text with special-token strings read as plain text.
@@ -248,6 +252,11 @@ impl Tokenizer {
 
     pub fn vocab_size(&self) -> usize {
         self.vocab_size
+    }
+
+    /// The fewest tokens `bytes` bytes of text can encode to (without running the tokenizer).
+    pub fn min_tokens(&self, bytes: usize) -> usize {
+        bytes.div_ceil(self.max_token_bytes)
     }
 
     /// Whether every byte of `text` has a token, so that `decode(encode(text)) == text`.

@@ -299,9 +299,9 @@ mod mtls {
         // x claims to be part of the same cluster and seeds from a, with its own CA.
         let good_cfg = config(&[("a", aa), ("b", ab), ("x", ax)], &good);
         let evil_cfg = config(&[("a", aa), ("x", ax)], &evil);
-        let a = Cluster::start(&good_cfg, "a", &[], Some(sa)).await.unwrap();
-        let b = Cluster::start(&good_cfg, "b", &[], Some(sb)).await.unwrap();
-        let x = Cluster::start(&evil_cfg, "x", &[], Some(sx)).await.unwrap();
+        let a = Cluster::start(&good_cfg, "a", &[], Some(sa), zerolayer_coordinator::quota::Quota::new(vec![])).await.unwrap();
+        let b = Cluster::start(&good_cfg, "b", &[], Some(sb), zerolayer_coordinator::quota::Quota::new(vec![])).await.unwrap();
+        let x = Cluster::start(&evil_cfg, "x", &[], Some(sx), zerolayer_coordinator::quota::Quota::new(vec![])).await.unwrap();
 
         // The control: b (same CA) joins a.
         let deadline = Instant::now() + Duration::from_secs(10);
@@ -370,9 +370,9 @@ mod mtls {
         let cfg = config(&[("a", aa), ("b", ab), ("y", ay)], &ca);
         let mut other = config(&[("a", aa), ("y", ay)], &ca);
         other.cluster.id = "another-cluster".into();
-        let a = Cluster::start(&cfg, "a", &[], Some(sa)).await.unwrap();
-        let b = Cluster::start(&cfg, "b", &[], Some(sb)).await.unwrap();
-        let y = Cluster::start(&other, "y", &[], Some(sy)).await.unwrap();
+        let a = Cluster::start(&cfg, "a", &[], Some(sa), zerolayer_coordinator::quota::Quota::new(vec![])).await.unwrap();
+        let b = Cluster::start(&cfg, "b", &[], Some(sb), zerolayer_coordinator::quota::Quota::new(vec![])).await.unwrap();
+        let y = Cluster::start(&other, "y", &[], Some(sy), zerolayer_coordinator::quota::Quota::new(vec![])).await.unwrap();
         let deadline = Instant::now() + Duration::from_secs(10);
         while !(a.nodes().iter().any(|n| n.id == "b") && b.nodes().iter().any(|n| n.id == "a")) {
             assert!(Instant::now() < deadline, "a and b (same cluster id) must see each other");
@@ -415,9 +415,9 @@ mod identity {
         tls::init(&dir, &["a".into(), "b".into(), "c".into()], false).unwrap();
         let ((sa, aa), (sb, ab), (sc, ac), (sf, af)) = (sock(), sock(), sock(), sock());
         let cfg = config(&[("a", aa), ("b", ab), ("c", ac)], &dir);
-        let a = Cluster::start(&cfg, "a", &[], Some(sa)).await.unwrap();
-        let b = Cluster::start(&cfg, "b", &[], Some(sb)).await.unwrap();
-        let c = Cluster::start(&cfg, "c", &[], Some(sc)).await.unwrap();
+        let a = Cluster::start(&cfg, "a", &[], Some(sa), zerolayer_coordinator::quota::Quota::new(vec![])).await.unwrap();
+        let b = Cluster::start(&cfg, "b", &[], Some(sb), zerolayer_coordinator::quota::Quota::new(vec![])).await.unwrap();
+        let c = Cluster::start(&cfg, "c", &[], Some(sc), zerolayer_coordinator::quota::Quota::new(vec![])).await.unwrap();
         for n in [&a, &b, &c] {
             n.set_state(NodeState::Ready);
         }
@@ -433,7 +433,7 @@ mod identity {
         for (from, to) in [("ca.pem", "ca.pem"), ("c.pem", "b.pem"), ("c.key", "b.key")] {
             std::fs::copy(dir.join(from), forged_dir.join(to)).unwrap();
         }
-        let forger = Cluster::start(&config(&[("a", aa), ("b", af)], &forged_dir), "b", &[], Some(sf)).await.unwrap();
+        let forger = Cluster::start(&config(&[("a", aa), ("b", af)], &forged_dir), "b", &[], Some(sf), zerolayer_coordinator::quota::Quota::new(vec![])).await.unwrap();
         forger.set_state(NodeState::Ready);
         forger.publish_for_tests("w:cpu0", r#"{"device":"cpu","max_waiting":64}"#).await;
         forger.publish_for_tests("sig:cpu0", r#"{"kv_blocks_total":100,"kv_blocks_free":100,"block_size":4}"#).await;
@@ -491,12 +491,12 @@ mod identity {
         let (_, ab) = sock();
         let mut cfg = config(&[("a", aa), ("b", ab)], &dir);
         cfg.cluster.dead_node_grace_secs = 2;
-        let a = Cluster::start(&cfg, "a", &[], Some(sa)).await.unwrap();
+        let a = Cluster::start(&cfg, "a", &[], Some(sa), zerolayer_coordinator::quota::Quota::new(vec![])).await.unwrap();
         a.set_state(NodeState::Ready);
         let mut peak = zerolayer_coordinator::cluster::LinkStats::default();
         for round in 0..50 {
             let (sb, _) = sock(); // a new process: a new address and a new generation
-            let b = Cluster::start(&cfg, "b", &[], Some(sb)).await.unwrap();
+            let b = Cluster::start(&cfg, "b", &[], Some(sb), zerolayer_coordinator::quota::Quota::new(vec![])).await.unwrap();
             b.set_state(NodeState::Ready);
             let generation = b.nodes()[0].generation;
             let seen = || a.nodes().iter().any(|n| n.id == "b" && n.generation == generation && n.state == NodeState::Ready);

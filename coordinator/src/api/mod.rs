@@ -62,7 +62,8 @@ fn is_openai(req: &Request) -> bool {
     req.uri().path().starts_with("/v1/chat/")
 }
 
-/// Authenticates API calls and applies the per-key request limit; adds rate-limit headers.
+/// Authenticates API calls; adds the key's rate-limit headers to every answer. (Each handler
+/// admits its request against the key's limits: `Coordinator::admit`.)
 async fn api_guard(State(c): State<AppState>, mut req: Request, next: Next) -> Response {
     let rid = req.extensions().get::<RequestId>().map(|r| r.0.clone()).unwrap_or_default();
     let openai = is_openai(&req);
@@ -71,11 +72,6 @@ async fn api_guard(State(c): State<AppState>, mut req: Request, next: Next) -> R
         Ok(caller) => caller,
         Err(e) => return finish(&c, "auth", shape(e), None),
     };
-    if let Err(e) = c.guard.take_request(&caller) {
-        let mut r = finish(&c, "rate_limit", shape(e), None);
-        c.guard.add_headers(&caller, r.headers_mut());
-        return r;
-    }
     req.extensions_mut().insert(caller.clone());
     let mut resp = next.run(req).await;
     c.guard.add_headers(&caller, resp.headers_mut());

@@ -133,7 +133,10 @@ impl Following {
         match ev {
             Some(ev) => {
                 match &ev {
-                    SeqEvent::Delta { tokens, .. } => self.timer.on_tokens(tokens.len()),
+                    SeqEvent::Delta { tokens, .. } => {
+                        self.timer.on_tokens(tokens.len());
+                        self.acc.ticket.charge_output(tokens.len() as u64);
+                    }
                     SeqEvent::Finished { usage, reason } if !matches!(reason, StopReason::Error(_)) => {
                         metrics::tokens(&self.c.node_id, usage.prompt_tokens_uncached as u64, usage.prompt_tokens_cached as u64, usage.output_tokens as u64);
                         tracing::info!(

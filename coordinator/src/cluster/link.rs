@@ -16,6 +16,7 @@ use zerolayer_worker::WorkerHandle;
 
 use super::identity::Signer;
 use super::transport::{Peers, Relays};
+use crate::quota::Quota;
 use crate::view::{ClusterView, NodeState, WorkerView};
 
 /// A worker on this node.
@@ -78,6 +79,8 @@ pub struct Cluster {
     pub(super) tasks: Mutex<Vec<JoinHandle<()>>>,
     /// What the link holds about peers, as of the last publisher round.
     pub(super) stats: Mutex<LinkStats>,
+    /// Per-key usage: published for peers, and peers' taken in (see [`crate::quota`]).
+    pub(super) quota: Arc<Quota>,
 }
 
 /// How much a node's link holds about its peers (all bounded; see `publisher`).
@@ -116,7 +119,7 @@ fn code_state(c: u8) -> NodeState {
 
 impl Cluster {
     /// The link's state before any task runs (see `start`).
-    pub(super) fn new(node_id: &str, config: &ClusterConfig, workers: &[LocalWorker], http: String, net: Option<Net>) -> Cluster {
+    pub(super) fn new(node_id: &str, config: &ClusterConfig, workers: &[LocalWorker], http: String, net: Option<Net>, quota: Arc<Quota>) -> Cluster {
         Cluster {
             node_id: node_id.to_string(),
             config: config.clone(),
@@ -130,6 +133,7 @@ impl Cluster {
             moving: AtomicU32::new(0),
             tasks: Mutex::new(Vec::new()),
             stats: Mutex::new(LinkStats::default()),
+            quota,
         }
     }
 

@@ -2,8 +2,8 @@
 //! pure core in [`super::gossip`]:
 //! 1. the local workers' KV events into their exact prefix sets ([`LocalDigest`]), resyncing
 //!    from a snapshot (a message to the worker actor) if the event stream lagged;
-//! 2. local state, signals and changed digest shards into chitchat;
-//! 3. every peer's keys into the remote part of the view: only the newest generation of a
+//! 2. local state, signals, per-key usage and changed digest shards into chitchat;
+//! 3. every peer's keys into the remote part of the view, and its per-key usage into the quota: only the newest generation of a
 //!    node whose certificate (from the CA, naming the node) and signatures check out
 //!    ([`super::identity`]), only nodes the config admits, and every value through the
 //!    validating decoders; refused values are logged and skipped, and the loop keeps going.
@@ -21,7 +21,11 @@ use zerolayer_common::KvEvent;
 use super::gossip::{self, Detector, Liveness, LocalDigest, RemoteDigests, KEY_HTTP, KEY_MOVING, KEY_STATE, MAX_WORKERS_PER_NODE};
 use super::identity::{Verifier, KEY_CERT};
 use super::link::{Cluster, LinkStats, NodeInfo};
-use crate::view::WorkerView;
+use crate::quota::wire;
+use crate::view::{NodeState, WorkerView};
+
+/// Per-key usage values read from one node; more are ignored.
+const MAX_TENANTS_PER_NODE: usize = 65_536;
 
 pub async fn run(cluster: Weak<Cluster>, mut kv_rx: Vec<broadcast::Receiver<KvEvent>>) {
     let interval = match cluster.upgrade() {
@@ -128,6 +132,9 @@ fn publish(c: &Cluster, chitchat: &mut Chitchat, digests: &mut [LocalDigest], si
     signed.set(signer, me, KEY_STATE.into(), c.state().as_str().into());
     signed.set(signer, me, KEY_HTTP.into(), http);
     signed.set(signer, me, KEY_MOVING.into(), c.moving.load(std::sync::atomic::Ordering::Acquire).to_string());
+    for (k, v) in c.quota.publish() {
+        signed.set(signer, me, k, v);
+    }
     for (l, digest) in c.local.iter().zip(digests) {
         let id = &l.worker.id;
         if describe {
@@ -162,6 +169,7 @@ impl Remote {
         let dead: HashSet<&ChitchatId> = chitchat.dead_nodes().collect();
         let live: HashSet<&ChitchatId> = chitchat.live_nodes().collect();
         let mut by_name: BTreeMap<&str, Vec<(&ChitchatId, &chitchat::NodeState)>> = BTreeMap::new();
+        let mut quota_peers = HashSet::new();
         for (id, ns) in chitchat.node_states() {
             if *id.node_id == *c.node_id {
                 continue;
@@ -206,6 +214,17 @@ impl Remote {
                 Detector::Unknown
             };
             let state = Liveness::state(detector, silent, get(KEY_STATE));
+            if state != NodeState::Dead {
+                // Its per-key usage: charged to this node's buckets (see `crate::quota`).
+                let peer = (name.to_string(), generation);
+                for (k, _) in ns.key_values().filter(|(k, _)| k.starts_with(wire::KEY_PREFIX)).take(MAX_TENANTS_PER_NODE) {
+                    let (Some(tenant), Some(v)) = (wire::tenant_of_key(k), get(k)) else { continue };
+                    if let Err(e) = c.quota.observe(&peer, tenant, v) {
+                        tracing::warn!(node = name, tenant, error = %e, "refused gossiped key usage");
+                    }
+                }
+                quota_peers.insert(peer);
+            }
             nodes.push(NodeInfo {
                 id: name.to_string(),
                 state,
@@ -255,6 +274,7 @@ impl Remote {
         self.liveness.retain(&seen_nodes);
         self.digests.retain(&seen_workers);
         self.verifier.retain(&seen_certs);
+        c.quota.retain(&quota_peers);
         (nodes, workers)
     }
 }

@@ -13,6 +13,7 @@ use super::link::{Cluster, LocalWorker, Net};
 use super::transport::{Peers, QuicTransport};
 use super::identity::Signer;
 use super::{accept, publisher, tls};
+use crate::quota::Quota;
 use crate::view::NodeState;
 
 impl Cluster {
@@ -23,13 +24,14 @@ impl Cluster {
         node_id: &str,
         workers: &[LocalWorker],
         socket: Option<std::net::UdpSocket>,
+        quota: Arc<Quota>,
     ) -> anyhow::Result<Arc<Cluster>> {
         let me = config.node(node_id).ok_or_else(|| anyhow::anyhow!("node {node_id:?} is not in the config"))?;
         let net = match (&me.quic, socket) {
             (None, None) => None,
             (addr, socket) => Some(join(config, node_id, addr.as_deref(), socket).await?),
         };
-        let cluster = Arc::new(Cluster::new(node_id, config, workers, me.http.clone(), net));
+        let cluster = Arc::new(Cluster::new(node_id, config, workers, me.http.clone(), net, quota));
         let kv_rx = cluster.local.iter().map(|l| l.worker.handle.kv_events()).collect();
         let mut tasks = vec![tokio::spawn(publisher::run(Arc::downgrade(&cluster), kv_rx))];
         if cluster.net.is_some() {

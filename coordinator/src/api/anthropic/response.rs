@@ -45,9 +45,36 @@ fn parse(c: &Coordinator, headers: &HeaderMap, body: Result<Bytes, BytesRejectio
     Ok(req)
 }
 
-pub async fn count_tokens(State(c): State<AppState>, Extension(rid): Extension<RequestId>, headers: HeaderMap, body: Result<Bytes, BytesRejection>) -> Response {
-    let resp = match parse(&c, &headers, body, Endpoint::CountTokens).and_then(|req| c.prompt_ids(&req.generation)) {
-        Ok(ids) => Json(json!({"input_tokens": ids.len()})).into_response(),
+/// Parses, checks the length and renders the prompt, on the preparation pool.
+async fn prepare(c: &AppState, headers: HeaderMap, body: Result<Bytes, BytesRejection>, endpoint: Endpoint) -> Result<(MessagesRequest, Vec<u32>), ApiError> {
+    let c2 = c.clone();
+    c.prepare(move || {
+        let req = parse(&c2, &headers, body, endpoint)?;
+        c2.check_length(&req.generation)?;
+        let ids = c2.prompt_ids(&req.generation)?;
+        Ok((req, ids))
+    })
+    .await?
+}
+
+/// `count_tokens`: admitted like a generation (the key's concurrency, the node's in-flight cap)
+/// and charged `limits.count_tokens_charge` of the tokens it counts.
+pub async fn count_tokens(
+    State(c): State<AppState>,
+    Extension(rid): Extension<RequestId>,
+    Extension(caller): Extension<Caller>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let counted = async {
+        let admitted = c.admit(&caller, false)?;
+        let (_, ids) = prepare(&c, headers, body, Endpoint::CountTokens).await?;
+        let charge = (ids.len() as f64 * c.config.limits.count_tokens_charge).ceil() as u64;
+        admitted.ticket.charge_input(charge, false).map_err(crate::auth::rate_limited)?;
+        Ok::<_, ApiError>(ids.len())
+    };
+    let resp = match counted.await {
+        Ok(n) => Json(json!({"input_tokens": n})).into_response(),
         Err(e) => e.into_anthropic(&rid.0),
     };
     finish(&c, "count_tokens", resp, None)
@@ -113,23 +140,23 @@ pub async fn messages(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    let req = match parse(&c, &headers, body, Endpoint::Messages) {
-        Ok(r) => r,
-        Err(e) => return finish(&c, "messages", e.into_anthropic(&rid.0), None),
+    let started = async {
+        let admitted = c.admit(&caller, true)?;
+        let (req, ids) = prepare(&c, headers, body, Endpoint::Messages).await?;
+        let (model, stream, tools) = (req.generation.model.clone(), req.generation.stream, req.generation.offered_tools().to_vec());
+        let acc = c.start(admitted, &caller, req.generation, ids, &rid.0).await?;
+        Ok::<_, ApiError>((acc, model, stream, tools, req.diagnostics, req.context_management))
     };
-    let model = req.generation.model.clone();
-    let stream = req.generation.stream;
-    let tools = req.generation.offered_tools().to_vec();
-    let acc = match c.start(&caller, req.generation, &rid.0).await {
+    let (acc, model, stream, tools, diagnostics, context_management) = match started.await {
         Ok(a) => a,
         Err(e) => return finish(&c, "messages", e.into_anthropic(&rid.0), None),
     };
     let served_by = acc.served_by.clone();
     let msg_id = new_id("msg_");
-    let diagnostics = req.diagnostics.as_ref().map(|previous| diagnostics_json(&c, previous, &acc));
+    let diagnostics = diagnostics.as_ref().map(|previous| diagnostics_json(&c, previous, &acc));
     c.remember(&msg_id, acc.fingerprint.clone());
     if stream {
-        let s = MessageStream::new(c.clone(), acc, msg_id, model, req.context_management, &tools, diagnostics);
+        let s = MessageStream::new(c.clone(), acc, msg_id, model, context_management, &tools, diagnostics);
         return finish(&c, "messages", shared::sse_response(s, MessageStream::step), Some(&served_by));
     }
     let resp = match collect(&c, acc).await {
@@ -143,7 +170,7 @@ pub async fn messages(
             if let Some(d) = diagnostics {
                 body["diagnostics"] = d;
             }
-            if req.context_management {
+            if context_management {
                 body["context_management"] = json!({"applied_edits": []});
             }
             Json(body).into_response()

@@ -77,14 +77,22 @@ pub async fn chat_completions(
     Extension(caller): Extension<Caller>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    let req = match parse(&c, body) {
-        Ok(r) => r,
-        Err(e) => return finish(&c, "chat_completions", e.into_openai(), None),
+    let started = async {
+        let admitted = c.admit(&caller, true)?;
+        let c2 = c.clone();
+        let (req, ids) = c
+            .prepare(move || {
+                let req = parse(&c2, body)?;
+                c2.check_length(&req.generation)?;
+                let ids = c2.prompt_ids(&req.generation)?;
+                Ok::<_, ApiError>((req, ids))
+            })
+            .await??;
+        let (model, stream, tools) = (req.generation.model.clone(), req.generation.stream, req.generation.offered_tools().to_vec());
+        let acc = c.start(admitted, &caller, req.generation, ids, &rid.0).await?;
+        Ok::<_, ApiError>((acc, model, stream, tools, req.include_usage))
     };
-    let model = req.generation.model.clone();
-    let stream = req.generation.stream;
-    let tools = req.generation.offered_tools().to_vec();
-    let acc = match c.start(&caller, req.generation, &rid.0).await {
+    let (acc, model, stream, tools, include_usage) = match started.await {
         Ok(a) => a,
         Err(e) => return finish(&c, "chat_completions", e.into_openai(), None),
     };
@@ -92,7 +100,7 @@ pub async fn chat_completions(
     let id = new_id("chatcmpl-");
     let created = unix_now();
     if stream {
-        let s = ChunkStream::new(c.clone(), acc, id, model, created, req.include_usage, &tools);
+        let s = ChunkStream::new(c.clone(), acc, id, model, created, include_usage, &tools);
         return finish(&c, "chat_completions", shared::sse_response(s, ChunkStream::step), Some(&served_by));
     }
     let resp = match collect(&c, acc).await {

@@ -8,6 +8,9 @@ use figment::Figment;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
+mod access;
+pub use access::{AuthSection, KeyConfig, LimitsSection, Tenant, TenantLimits};
+
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error("configuration: {0}")]
@@ -135,28 +138,6 @@ impl Default for PlacementConfig {
     }
 }
 
-/// API keys. With none configured the node is open (a development default, announced at
-/// startup). Keys are compared in constant time and never logged.
-#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
-#[serde(default)]
-pub struct AuthSection {
-    /// Keys accepted as `x-api-key` or `Authorization: Bearer` on the API.
-    pub api_keys: Vec<String>,
-    /// A file with one API key per line (blank lines and `#` comments ignored).
-    pub api_keys_file: Option<PathBuf>,
-    /// The key for `/admin/*` and the admin CLI. A user key there gets 403.
-    pub admin_key: Option<String>,
-}
-
-/// Per-key rate limits (token buckets). 0 means unlimited.
-#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
-#[serde(default)]
-pub struct LimitsSection {
-    pub requests_per_minute: u32,
-    /// Prompt tokens per minute.
-    pub tokens_per_minute: u32,
-}
-
 /// The served model.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(default)]
@@ -202,11 +183,15 @@ pub struct ServerSection {
     pub ping_interval_ms: u64,
     /// Most requests in flight on one node; more get 529.
     pub max_inflight: usize,
+    /// Threads that parse request bodies and run the chat template and tokenizer, off the async
+    /// runtime (0: one per CPU core). Requests wait for one inside their in-flight slot, so
+    /// gossip and streaming never wait behind a large body.
+    pub prepare_threads: usize,
 }
 
 impl Default for ServerSection {
     fn default() -> Self {
-        ServerSection { max_body_bytes: 32 * 1024 * 1024, shutdown_grace_secs: 30, ping_interval_ms: 5000, max_inflight: 256 }
+        ServerSection { max_body_bytes: 32 * 1024 * 1024, shutdown_grace_secs: 30, ping_interval_ms: 5000, max_inflight: 256, prepare_threads: 0 }
     }
 }
 
@@ -400,21 +385,7 @@ impl ClusterConfig {
         if self.model.id.is_empty() {
             return bad("model.id must not be empty".into());
         }
-        Ok(())
-    }
-
-    /// Every configured API key: `auth.api_keys` plus the lines of `auth.api_keys_file`.
-    pub fn api_keys(&self) -> Result<Vec<String>, ConfigError> {
-        let mut keys = self.auth.api_keys.clone();
-        if let Some(f) = &self.auth.api_keys_file {
-            let text = std::fs::read_to_string(f)
-                .map_err(|e| ConfigError::Invalid(format!("auth.api_keys_file {}: {e}", f.display())))?;
-            keys.extend(text.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with('#')).map(String::from));
-        }
-        if keys.iter().any(|k| k.len() < 8) {
-            return Err(ConfigError::Invalid("API keys must be at least 8 characters".into()));
-        }
-        Ok(keys)
+        self.validate_access()
     }
 
     pub fn node(&self, id: &str) -> Option<&NodeConfig> {
