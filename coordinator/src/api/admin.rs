@@ -18,7 +18,10 @@ use crate::metrics;
 
 pub async fn status(State(c): State<AppState>) -> Json<Value> {
     let workers: Vec<Value> = c.worker_signals().into_iter().map(|(id, s)| json!({"id": id, "signals": s})).collect();
-    Json(json!({"node": c.node_id, "ready": c.is_ready(), "model": c.model.id, "in_flight": c.in_flight(), "workers": workers}))
+    // Per key (tenant): this node's totals, requests open here and cluster-wide, and what is left
+    // of each limit as this node knows it (every node's charges included).
+    let keys = c.guard.quota.usage();
+    Json(json!({"node": c.node_id, "ready": c.is_ready(), "model": c.model.id, "in_flight": c.in_flight(), "workers": workers, "keys": keys}))
 }
 
 /// The cluster as this node sees it: every node's state and every worker's signals.

@@ -315,9 +315,10 @@ impl Ledger {
         self.peers.len()
     }
 
-    /// Every tenant with usage here or open requests anywhere.
+    /// Every tenant with usage here or on any peer heard from.
     pub fn usage(&mut self, now: Instant) -> Vec<TenantUsage> {
-        let active: Vec<usize> = (0..self.tenants.len()).filter(|&t| !self.tenants[t].totals.is_zero() || self.inflight(t) > 0).collect();
+        let active: Vec<usize> =
+            (0..self.tenants.len()).filter(|&t| !self.tenants[t].totals.is_zero() || self.tenants[t].inflight > 0 || self.peers.values().any(|m| m.contains_key(&t))).collect();
         active
             .into_iter()
             .map(|t| {
