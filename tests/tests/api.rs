@@ -483,7 +483,20 @@ async fn no_new_work_while_draining() {
         }
         Err(e) => assert!(e.is_connect(), "{e}"),
     }
-    let refused = coordinator.admit(&zerolayer_coordinator::auth::Caller::Open, true).err().expect("refused while draining");
+    let req = zerolayer_coordinator::request::GenerationRequest {
+        model: "smollm2-135m-instruct".into(),
+        system: None,
+        turns: vec![zerolayer_coordinator::request::Turn::new(zerolayer_coordinator::request::Role::User, "Hi")],
+        max_tokens: Some(1),
+        params: SamplingParams::greedy(1),
+        stream: false,
+        tools: vec![],
+        tool_choice: Default::default(),
+    };
+    let open = zerolayer_coordinator::auth::Caller::Open;
+    let admitted = coordinator.admit(&open, true).ok().expect("admitted: the refusal is placement's (no worker takes work)");
+    let ids = coordinator.prompt_ids(&req).unwrap();
+    let refused = coordinator.start(admitted, &open, req, ids, "req_test").await.err().expect("refused while draining");
     assert_eq!(refused.status(), 529);
     gate.release();
     while let Some(chunk) = within(60, "the running stream finishes", stream.next()).await {
