@@ -29,6 +29,9 @@ pub struct WorkerSignals {
     pub prefix_cache_hits_total: u64,
     pub prefix_cache_queries_total: u64,
     pub preemptions_total: u64,
+    /// Preemptions of sequences already preempted before (preemption loops).
+    #[serde(default)]
+    pub repreemptions_total: u64,
     pub generated_tokens_total: u64,
     /// Output tokens per second over the last second or so.
     pub tokens_per_second: f32,

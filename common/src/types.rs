@@ -42,6 +42,38 @@ impl SamplingParams {
     }
 }
 
+/// Whose a sequence is, for a worker's fair sharing of running slots and KV between API keys:
+/// the tenant (a fixed hash of its name, the same on every node) and its weight.
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Share {
+    pub tenant: u64,
+    /// In (0, 1000]; a tenant's fair share is its weight over the sum of the weights present.
+    pub weight: f32,
+}
+
+impl Default for Share {
+    fn default() -> Self {
+        Share { tenant: 0, weight: 1.0 }
+    }
+}
+
+impl Share {
+    /// The share of the tenant named `name` (FNV-1a of the name).
+    pub fn of(name: &str, weight: f64) -> Share {
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for b in name.bytes() {
+            h = (h ^ b as u64).wrapping_mul(0x0100_0000_01b3);
+        }
+        Share { tenant: h, weight: weight as f32 }
+    }
+
+    /// Whether a peer's share is usable (a finite weight in (0, 1000]).
+    pub fn is_valid(&self) -> bool {
+        self.weight.is_finite() && self.weight > 0.0 && self.weight <= 1000.0
+    }
+}
+
 /// Why a sequence stopped.
 #[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -13,7 +13,7 @@
 //! [`MAX_FRAME_BYTES`] is refused on both sides; an import's raw bytes are bounded by what the
 //! header announces, which the receiver checks against its own cache before reading them.
 
-use crate::types::{SamplingParams, SeqEvent};
+use crate::types::{SamplingParams, SeqEvent, Share};
 
 /// The largest frame either side accepts. A maximal prompt (8,192 tokens) archives to ~33 KB;
 /// events are smaller. The limit bounds what a peer can make us buffer.
@@ -30,6 +30,8 @@ pub struct Submit {
     pub worker: String,
     pub prompt: Vec<u32>,
     pub params: SamplingParams,
+    /// The API key it runs for (fair sharing on the worker).
+    pub share: Share,
     /// Tokens a worker that is gone already generated and the client already has: the
     /// sequence continues after them (exact replay; empty for a new sequence).
     pub resume: Vec<u32>,
@@ -151,6 +153,7 @@ mod tests {
             worker: "cpu0".into(),
             prompt: (0..700).collect(),
             params: SamplingParams { stop_sequences: vec!["\n\n".into()], seed: Some(7), ..SamplingParams::greedy(9) },
+            share: Share::of("team-a", 2.0),
             resume: vec![5, 6],
         };
         let f = encode_open(&Open::Submit(s.clone())).unwrap();

@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use ractor::ActorRef;
 use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
-use zerolayer_common::{ClusterConfig, WorkerSignals};
+use zerolayer_common::{ClusterConfig, Share, WorkerSignals};
 use zerolayer_worker::chat::ChatTemplate;
 use zerolayer_worker::tokenizer::Tokenizer;
 
@@ -210,7 +210,8 @@ impl Coordinator {
         }
         ticket.charge_input(ids.len() as u64, true).map_err(crate::auth::rate_limited)?;
         let prompt_tokens = ids.len();
-        let job = Job { request_id: request_id.to_string(), prompt: ids, params };
+        let tenant = self.guard.tenant(caller);
+        let job = Job { request_id: request_id.to_string(), prompt: ids, params, share: Share::of(&tenant.name, tenant.weight) };
         let placed = self.dispatch.submit(&job, &[], &[], None).await?;
         let served_by = placed.served_by();
         Ok(Accepted { stream: LiveSequence::new(self.dispatch.clone(), job, placed), prompt_tokens, served_by, started_at, fingerprint, ticket, _permit: permit })

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use zerolayer_common::wire::Submit;
-use zerolayer_common::{block_hashes, ClusterConfig, SamplingParams, SeqEvent};
+use zerolayer_common::{block_hashes, ClusterConfig, SamplingParams, SeqEvent, Share};
 use zerolayer_worker::{SeqStream, SubmitRequest};
 
 use crate::cluster::forward::{self, ForwardError, RemoteStream};
@@ -46,6 +46,8 @@ pub struct Job {
     pub request_id: String,
     pub prompt: Vec<u32>,
     pub params: SamplingParams,
+    /// The API key it runs for.
+    pub share: Share,
 }
 
 /// A submission that a worker accepted.
@@ -184,7 +186,7 @@ impl Dispatcher {
                     last_err = Some(ApiError::Internal(format!("local worker {} vanished", w.worker)));
                     continue;
                 };
-                let req = SubmitRequest { prompt: job.prompt.clone(), params: job.params.clone(), resume: resume.to_vec() };
+                let req = SubmitRequest { prompt: job.prompt.clone(), params: job.params.clone(), resume: resume.to_vec(), share: job.share };
                 match lw.handle.submit(req).await.map_err(ApiError::from) {
                     Ok(stream) => return Ok(placed(EventStream::Local(stream))),
                     Err(e @ ApiError::Overloaded(_)) => {
@@ -205,6 +207,7 @@ impl Dispatcher {
                 worker: w.worker.clone(),
                 prompt: job.prompt.clone(),
                 params: job.params.clone(),
+                share: job.share,
                 resume: resume.to_vec(),
             };
             match forward::submit(&self.cluster, &w.node, addr, &sub).await {

@@ -74,6 +74,7 @@ pub fn render(node: &str, model: &str, workers: &[(String, WorkerSignals)], peer
     gauge("zerolayer_active_decode_blocks", "Blocks held by decoding sequences", "gauge", &|s| s.active_decode_blocks as f64);
     gauge("zerolayer_prefix_hit_ratio", "Prefix-cache hit ratio over recent admissions", "gauge", &|s| s.prefix_hit_ratio as f64);
     gauge("zerolayer_preemptions_total", "Sequences preempted by recompute", "counter", &|s| s.preemptions_total as f64);
+    gauge("zerolayer_repreemptions_total", "Preemptions of sequences preempted before (preemption loops)", "counter", &|s| s.repreemptions_total as f64);
     gauge("zerolayer_tokens_per_second", "Output tokens per second, recent", "gauge", &|s| s.tokens_per_second as f64);
     gauge("vllm:num_requests_running", "Number of requests in the running batch", "gauge", &|s| s.running as f64);
     gauge("vllm:num_requests_waiting", "Number of requests waiting", "gauge", &|s| s.waiting as f64);

@@ -66,6 +66,7 @@ impl Node {
                 step_stretch: wc.step_stretch,
                 min_step_ms: wc.min_step_ms,
                 min_prefill_chunk: wc.min_prefill_chunk,
+                reserve_output_tokens: wc.reserve_output_tokens,
             };
             if front.is_none() {
                 front = Some((loaded.tokenizer.clone(), loaded.template.clone()));

@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::sync::{broadcast, mpsc, oneshot, watch};
-use zerolayer_common::{KvEvent, SamplingParams, SeqEvent, StopReason, Usage, WorkerSignals};
+use zerolayer_common::{KvEvent, SamplingParams, SeqEvent, Share, StopReason, Usage, WorkerSignals};
 
 use crate::engine::{Engine, StepHook};
 use crate::migrate::{Export, ImportReport, KvImport};
@@ -52,11 +52,13 @@ pub struct SubmitRequest {
     /// Tokens already generated (and delivered) by a worker that is gone: the sequence
     /// continues after them (`Engine::add_resumed`). Empty for a new sequence.
     pub resume: Vec<u32>,
+    /// The API key it runs for (the scheduler shares slots and KV between keys).
+    pub share: Share,
 }
 
 impl SubmitRequest {
     pub fn new(prompt: Vec<u32>, params: SamplingParams) -> Self {
-        SubmitRequest { prompt, params, resume: Vec::new() }
+        SubmitRequest { prompt, params, resume: Vec::new(), share: Share::default() }
     }
 }
 
@@ -447,7 +449,7 @@ fn engine_loop(mut engine: Engine, rx: Receiver<EngineCmd>, sig_tx: watch::Sende
         }
         for cmd in cmds {
             match cmd {
-                EngineCmd::Submit { id, req, reply, ack } => match engine.add_resumed(id, req.prompt, req.resume, req.params) {
+                EngineCmd::Submit { id, req, reply, ack } => match engine.add_shared(id, req.prompt, req.resume, req.params, req.share) {
                     Ok(()) => {
                         routes.insert(id, Route { tx: reply, pending: VecDeque::new() });
                         let _ = ack.send(Ok(()));

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
-use zerolayer_common::{KvEvent, SamplingParams, SeqEvent, StopReason, Usage, WorkerSignals};
+use zerolayer_common::{KvEvent, SamplingParams, SeqEvent, Share, StopReason, Usage, WorkerSignals};
 
 use crate::error::{Result, WorkerError};
 use crate::migrate::{Export, ImportReport, KvImport};
@@ -32,6 +32,8 @@ pub struct EngineConfig {
     pub min_step_ms: f64,
     /// Prefill tokens every step may take, whatever the decode load.
     pub min_prefill_chunk: usize,
+    /// Output tokens of KV a sequence needs room for, beyond its prompt, to be admitted.
+    pub reserve_output_tokens: usize,
 }
 
 impl Default for EngineConfig {
@@ -45,6 +47,7 @@ impl Default for EngineConfig {
             step_stretch: 0.0,
             min_step_ms: 0.0,
             min_prefill_chunk: 32,
+            reserve_output_tokens: 128,
         }
     }
 }
@@ -146,6 +149,7 @@ impl Engine {
             max_running: cfg.max_running,
             max_waiting: cfg.max_waiting,
             max_model_len: model.cfg.context_length,
+            reserve_output_tokens: cfg.reserve_output_tokens,
         });
         Ok(Engine {
             model,
@@ -204,6 +208,11 @@ impl Engine {
     /// tokens the original would have produced. If `generated` already ends the sequence, it
     /// finishes at once.
     pub fn add_resumed(&mut self, id: SeqId, prompt: Vec<u32>, generated: Vec<u32>, params: SamplingParams) -> Result<()> {
+        self.add_shared(id, prompt, generated, params, Share::default())
+    }
+
+    /// [`Engine::add_resumed`] for the API key `share` names (the scheduler's fair sharing).
+    pub fn add_shared(&mut self, id: SeqId, prompt: Vec<u32>, generated: Vec<u32>, params: SamplingParams, share: Share) -> Result<()> {
         let vocab = self.model.cfg.vocab_size;
         if let Some(&bad) = prompt.iter().chain(&generated).find(|&&t| t as usize >= vocab) {
             return Err(WorkerError::Invalid(format!("token id {bad} is outside the vocabulary")));
@@ -226,7 +235,7 @@ impl Engine {
             self.pending.push((id, SeqEvent::Finished { reason, usage }));
             return Ok(());
         }
-        self.sched.add_resumed(id, tokens, prompt_len, st.params.max_tokens as usize)?;
+        self.sched.add_shared(id, tokens, prompt_len, st.params.max_tokens as usize, share)?;
         self.states.insert(id, st);
         Ok(())
     }
@@ -482,6 +491,7 @@ impl Engine {
             prefix_cache_hits_total: st.prefix_cache_hits_total,
             prefix_cache_queries_total: st.prefix_cache_queries_total,
             preemptions_total: st.preemptions_total,
+            repreemptions_total: st.repreemptions_total,
             generated_tokens_total: self.generated_total,
             tokens_per_second: tps,
             at_ms: now.duration_since(self.started_at).as_millis() as u64,

@@ -6,15 +6,19 @@
 //! 1. Running sequences: every decode first (one token each), then the next chunk of each
 //!    prompt being prefilled (chunked prefill), each group oldest first. A prompt never holds a
 //!    decode back, and the prefill budget bounds how long the decodes' step takes.
-//! 2. Then waiting sequences are admitted in arrival order while the budgets, the running-batch
-//!    limit and free blocks allow. Admission reuses every cached full block of the prompt's
+//! 2. Then waiting sequences are admitted, fairly between API keys (below), while the budgets,
+//!    the running-batch limit and free blocks allow. Admission reuses every cached full block of the prompt's
 //!    prefix (automatic prefix caching), so only the uncached tail is computed.
 //!
-//! When a running sequence needs a block and none is free, the *youngest* running sequence is
-//! preempted by recompute: its blocks are released (its full blocks stay cached, so re-admission
-//! is usually cheap) and it returns to the front of the waiting queue. A request is refused at
-//! [`Scheduler::add`] only if it could not fit even alone; anything that fits alone completes,
-//! because the oldest sequence is never preempted for a younger one.
+//! When a running sequence needs a block and none is free, a running sequence is preempted by
+//! recompute: the youngest of the API key (tenant) holding the largest share of the worker
+//! ([`fair`]; with one key, simply the youngest). Its blocks are released (its full blocks stay
+//! cached, so re-admission is usually cheap) and it returns to the waiting queue in arrival
+//! order. Admission picks the next waiting sequence of the key with the smallest share, and
+//! only when its prompt plus a bounded share of its output (`reserve_output_tokens`; all of it
+//! after a preemption) fits beside the running sequences' reservations. A request is refused
+//! at [`Scheduler::add`] only if it could not fit even alone; anything that fits alone
+//! completes, because the oldest sequence is never preempted for another.
 //!
 //! Bounds: at most `max_waiting` queued sequences, `max_running` running, and
 //! `max_batch_tokens` tokens per step, of which prefill takes at most its budget (at least one
@@ -22,7 +26,7 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use zerolayer_common::chain_hash;
+use zerolayer_common::{chain_hash, Share};
 
 use crate::block_pool::{BlockId, BlockPool};
 use crate::error::{WorkerError, Result};
@@ -40,6 +44,10 @@ pub struct SchedulerConfig {
     pub max_waiting: usize,
     /// Longest sequence (prompt + output) the model accepts.
     pub max_model_len: usize,
+    /// Output tokens of KV a sequence must find room for, beyond its prompt, to be admitted
+    /// (a bounded share of its `max_tokens`). A sequence preempted before needs room for all of
+    /// its `max_tokens`, so it is not let back in only to be preempted again.
+    pub reserve_output_tokens: usize,
 }
 
 /// A sequence's scheduling state.
@@ -63,6 +71,10 @@ pub struct Sequence {
     pub started: bool,
     pub preemptions: u32,
     arrival: u64,
+    /// The API key it runs for.
+    pub share: Share,
+    /// Tokens of KV its admission reserved room for (prompt plus reserved output).
+    reserved_until: usize,
 }
 
 impl Sequence {
@@ -71,6 +83,9 @@ impl Sequence {
     }
     pub fn is_prefilling(&self) -> bool {
         self.num_computed + 1 < self.tokens.len()
+    }
+    fn seat(&self) -> fair::Seat {
+        fair::Seat { id: self.id, share: self.share, blocks: self.blocks.len(), preemptions: self.preemptions, arrival: self.arrival }
     }
 }
 
@@ -99,6 +114,8 @@ pub struct Plan {
 #[derive(Clone, Debug, Default)]
 pub struct SchedulerStats {
     pub preemptions_total: u64,
+    /// Preemptions of a sequence that had been preempted before (a preemption loop).
+    pub repreemptions_total: u64,
     pub prefix_cache_queries_total: u64,
     pub prefix_cache_hits_total: u64,
 }
@@ -207,6 +224,11 @@ impl Scheduler {
     /// Queues a sequence whose `tokens` are its prompt (`prompt_len`) followed by output it
     /// already generated elsewhere; `max_tokens` counts that output too.
     pub fn add_resumed(&mut self, id: SeqId, tokens: Vec<u32>, prompt_len: usize, max_tokens: usize) -> Result<()> {
+        self.add_shared(id, tokens, prompt_len, max_tokens, Share::default())
+    }
+
+    /// [`Scheduler::add_resumed`] for the API key `share` names (fair sharing: [`fair`]).
+    pub fn add_shared(&mut self, id: SeqId, tokens: Vec<u32>, prompt_len: usize, max_tokens: usize, share: Share) -> Result<()> {
         let prompt = tokens;
         if prompt_len == 0 || prompt.len() < prompt_len {
             return Err(WorkerError::Invalid("empty prompt".into()));
@@ -243,6 +265,8 @@ impl Scheduler {
                 started: false,
                 preemptions: 0,
                 arrival: self.next_arrival,
+                share,
+                reserved_until: 0,
             },
         );
         self.next_arrival += 1;
@@ -324,7 +348,9 @@ impl Scheduler {
             if n == 0 {
                 continue;
             }
-            // Make room: shrink a prefill chunk to what fits, else preempt the youngest.
+            // Make room: shrink a prefill chunk to what fits, else preempt ([`fair::victim`]), or
+            // wait a step if the only sequences to take from are a smaller tenant's.
+            let mut stalled = false;
             loop {
                 let capacity = (have_blocks + self.pool.num_free()) * bs - computed;
                 if capacity >= n {
@@ -334,14 +360,22 @@ impl Scheduler {
                     n = capacity;
                     break;
                 }
-                let victim = *self.running.last().expect("running is non-empty");
+                let victim = {
+                    let running: Vec<fair::Seat> = self.running.iter().map(|r| self.seqs[r].seat()).collect();
+                    let usage = fair::Usage::of(&running);
+                    fair::victim(&running, &self.seqs[&id].seat(), &usage, self.cfg.max_running, self.cfg.num_blocks)
+                };
+                let Some(victim) = victim else {
+                    stalled = true;
+                    break;
+                };
                 self.preempt(victim, plan);
                 if victim == id {
                     break;
                 }
             }
-            if !self.running.contains(&id) {
-                continue; // preempted itself: it was the youngest
+            if stalled || !self.running.contains(&id) {
+                continue; // waits a step, or preempted itself
             }
             let want_blocks = self.blocks_for(computed + n);
             let s = self.seqs.get_mut(&id).unwrap();
@@ -356,12 +390,31 @@ impl Scheduler {
         }
         self.order = order;
 
-        // 2. Admit waiting sequences in order.
+        // 2. Admit waiting sequences: the next of the tenant with the smallest share ([`fair`]),
+        //    while its prompt and reserved output fit the blocks no running sequence has
+        //    reserved. A sequence that does not fit blocks those behind it, so a long prompt is
+        //    not passed over for ever by short ones.
         while budget > 0 && prefill_left > 0 && self.running.len() < self.cfg.max_running {
-            let Some(&id) = self.waiting.front() else { break };
+            let (pos, outstanding) = {
+                let running: Vec<fair::Seat> = self.running.iter().map(|r| self.seqs[r].seat()).collect();
+                let usage = fair::Usage::of(&running);
+                let waiting: Vec<fair::Seat> = self.waiting.iter().map(|w| self.seqs[w].seat()).collect();
+                let Some(pos) = fair::next_waiting(&waiting, &usage, self.cfg.max_running, self.cfg.num_blocks) else { break };
+                let candidate = waiting[pos];
+                let outstanding: usize = self
+                    .running
+                    .iter()
+                    .map(|r| &self.seqs[r])
+                    .filter(|s| fair::reservation_holds(&s.seat(), &candidate, &usage, self.cfg.max_running, self.cfg.num_blocks))
+                    .map(|s| self.blocks_for(s.reserved_until).saturating_sub(s.blocks.len()))
+                    .sum();
+                (pos, outstanding)
+            };
+            let id = self.waiting[pos];
             if plan.preempted.contains(&id) {
                 break; // don't re-admit in the step that preempted it
             }
+            let nothing_running = self.running.is_empty();
             let s = self.seqs.get_mut(&id).unwrap();
             extend_hashes(s, bs);
             // Reuse cached full blocks, but always compute at least the last token.
@@ -381,6 +434,15 @@ impl Scheduler {
                 break;
             }
             let free_after_match = free - idle_matched;
+            // Room for the rest of the prompt and the reserved output, beside every running
+            // sequence's reservation (unless nothing runs: then it fits alone, as `add` checked).
+            let left = s.max_tokens.saturating_sub(s.tokens.len() - s.prompt_len);
+            let reserve = if s.preemptions > 0 { left } else { left.min(self.cfg.reserve_output_tokens) };
+            let reserved_until = s.tokens.len() + reserve;
+            let needed = reserved_until.div_ceil(bs).saturating_sub(matched.len());
+            if !nothing_running && needed + outstanding > free_after_match {
+                break;
+            }
             // Largest chunk that fits the budget and the free blocks.
             let partial_slots = 0; // matched blocks are full
             let cap_tokens = free_after_match * bs + partial_slots;
@@ -392,6 +454,7 @@ impl Scheduler {
                 self.pool.acquire(b);
             }
             s.blocks = matched;
+            s.reserved_until = reserved_until;
             s.num_registered = s.blocks.len();
             s.num_computed = matched_tokens;
             let want_blocks = (matched_tokens + n).div_ceil(bs);
@@ -408,7 +471,7 @@ impl Scheduler {
             plan.items.push(ScheduledItem { seq: id, start: matched_tokens, len: n, completes: matched_tokens + n == s.tokens.len() });
             budget -= n;
             prefill_left -= n;
-            self.waiting.pop_front();
+            self.waiting.remove(pos);
             // Keep `running` in arrival order.
             let arrival = s.arrival;
             let pos = self.running.partition_point(|r| self.seqs[r].arrival < arrival);
@@ -427,6 +490,9 @@ impl Scheduler {
         s.blocks.clear();
         s.num_computed = 0;
         s.num_registered = 0;
+        if s.preemptions > 0 {
+            self.stats.repreemptions_total += 1;
+        }
         s.preemptions += 1;
         self.stats.preemptions_total += 1;
         let arrival = s.arrival;
@@ -501,6 +567,8 @@ fn extend_hashes(s: &mut Sequence, bs: usize) {
         s.hashes.push(chain_hash(parent, &s.tokens[j * bs..(j + 1) * bs]));
     }
 }
+
+mod fair;
 
 #[cfg(test)]
 mod tests;

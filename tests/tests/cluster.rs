@@ -327,6 +327,7 @@ mod mtls {
             worker: "cpu0".into(),
             prompt: vec![1, 2, 3],
             params: zerolayer_common::SamplingParams::greedy(4),
+            share: Default::default(),
             resume: vec![],
         }))
         .unwrap();
@@ -455,6 +456,7 @@ mod identity {
             worker: "cpu0".into(),
             prompt: vec![1, 2, 3],
             params: zerolayer_common::SamplingParams::greedy(4),
+            share: Default::default(),
             resume: vec![],
         };
         s.write_all(&zerolayer_common::wire::encode_open(&zerolayer_common::wire::Open::Submit(sub)).unwrap()).await.unwrap();

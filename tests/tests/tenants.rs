@@ -213,3 +213,50 @@ async fn huge_bodies_are_refused_off_the_runtime_and_the_peer_stays_live() {
     assert_eq!(r.status(), 200);
     assert!(cluster.nodes[1].coordinator.cluster.nodes().iter().any(|n| n.id == "a" && n.state == zerolayer_coordinator::view::NodeState::Ready));
 }
+
+/// Key A (allowed `ignore_eos` by the operator) runs six requests that each fill the whole
+/// context, six times the KV the worker has; key B sends twelve short requests meanwhile. The
+/// worker shares slots and KV between the keys, so B's slowest time to first token stays under
+/// 1.5 s (first-come admission with youngest-first preemption makes B wait behind A's requests
+/// for seconds), and admission's reservation keeps any sequence from being preempted twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_with_long_requests_cannot_starve_another() {
+    let _g = heavy();
+    const LONG: &str = "sk-long-0123456789";
+    const SHORT: &str = "sk-short-0123456789";
+    let s = TestServer::start(|c| {
+        // About 530 tokens of KV: the context, and a sixth of what A's six requests want.
+        c.nodes[0].workers[0].kv_cache_mb = 24;
+        c.auth.keys = vec![key("long", LONG, |k| k.allow_ignore_eos = true), key("short", SHORT, |_| {})];
+    })
+    .await;
+    let http = reqwest::Client::builder().timeout(Duration::from_secs(300)).build().unwrap();
+    let worker = s.coordinator.workers[0].handle.clone();
+    let mut long = Vec::new();
+    for i in 0..6 {
+        let body = json!({"model": MODEL, "ignore_eos": true, "stream": true, "temperature": 0, "messages": [{"role": "user", "content": format!("Story {i}: once upon a time")}]});
+        let r = http.post(s.url("/v1/chat/completions")).bearer_auth(LONG).json(&body).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+        let mut stream = r.bytes_stream();
+        long.push(tokio::spawn(async move { while let Some(Ok(_)) = stream.next().await {} }));
+    }
+    until("A's requests fill the cache and preempt each other", Duration::from_secs(120), || worker.signals().preemptions_total > 0).await;
+    let mut ttft = Vec::new();
+    for i in 0..12 {
+        let t0 = Instant::now();
+        let body = json!({"model": MODEL, "max_tokens": 1, "temperature": 0, "messages": [{"role": "user", "content": format!("Hello number {i}")}]});
+        let r = post(&http, s.url("/v1/messages"), SHORT, &body).await;
+        assert_eq!(r.status(), 200);
+        ttft.push(t0.elapsed());
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    let sig = worker.signals();
+    for t in long {
+        t.abort();
+    }
+    ttft.sort();
+    eprintln!("B's time to first token under A's load: {ttft:?}; preemptions {}, repeated {}", sig.preemptions_total, sig.repreemptions_total);
+    assert!(ttft[11] < Duration::from_millis(1500), "B's slowest time to first token {:?} (bound 1.5 s)", ttft[11]);
+    assert!(sig.running + sig.waiting >= 2, "A's requests were still there while B was served");
+    assert_eq!(sig.repreemptions_total, 0, "no sequence was preempted twice");
+}

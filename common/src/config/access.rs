@@ -5,7 +5,6 @@
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
-use super::{ClusterConfig, ConfigError};
 
 /// API keys. With none configured the node is open (a development default, announced at
 /// startup). Keys are compared in constant time and never logged.
@@ -119,82 +118,83 @@ fn valid_tenant_name(s: &str) -> bool {
     !s.is_empty() && s.len() <= 64 && s.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
 }
 
-impl ClusterConfig {
-    /// Every configured API key: `auth.api_keys` plus the lines of `auth.api_keys_file`.
-    pub fn api_keys(&self) -> Result<Vec<String>, ConfigError> {
-        let mut keys = self.auth.api_keys.clone();
-        if let Some(f) = &self.auth.api_keys_file {
-            let text = std::fs::read_to_string(f).map_err(|e| ConfigError::Invalid(format!("auth.api_keys_file {}: {e}", f.display())))?;
+impl AuthSection {
+    /// Every unnamed API key: `api_keys` plus the lines of `api_keys_file`.
+    pub fn unnamed_keys(&self) -> Result<Vec<String>, String> {
+        let mut keys = self.api_keys.clone();
+        if let Some(f) = &self.api_keys_file {
+            let text = std::fs::read_to_string(f).map_err(|e| format!("auth.api_keys_file {}: {e}", f.display()))?;
             keys.extend(text.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with('#')).map(String::from));
         }
         if keys.iter().any(|k| k.len() < 8) {
-            return Err(ConfigError::Invalid("API keys must be at least 8 characters".into()));
+            return Err("API keys must be at least 8 characters".into());
         }
         Ok(keys)
     }
+}
 
-    /// The `[limits]` defaults as one tenant's limits.
-    pub fn default_limits(&self) -> TenantLimits {
-        let l = &self.limits;
+impl LimitsSection {
+    /// These limits as one tenant's.
+    pub fn per_key(&self) -> TenantLimits {
         TenantLimits {
-            requests_per_minute: l.requests_per_minute,
-            tokens_per_minute: l.tokens_per_minute,
-            input_tokens_per_minute: l.input_tokens_per_minute,
-            output_tokens_per_minute: l.output_tokens_per_minute,
-            max_concurrent_requests: l.max_concurrent_requests,
+            requests_per_minute: self.requests_per_minute,
+            tokens_per_minute: self.tokens_per_minute,
+            input_tokens_per_minute: self.input_tokens_per_minute,
+            output_tokens_per_minute: self.output_tokens_per_minute,
+            max_concurrent_requests: self.max_concurrent_requests,
         }
     }
+}
 
-    /// Every user key as a tenant: the unnamed keys (`key#0`, `key#1`, … in order), then the
-    /// named ones. Reads `api_keys_file`.
-    pub fn tenants(&self) -> Result<Vec<Tenant>, ConfigError> {
-        let base = self.default_limits();
-        let mut out: Vec<Tenant> = self
-            .api_keys()?
-            .into_iter()
-            .enumerate()
-            .map(|(i, key)| Tenant { name: format!("key#{i}"), key, weight: 1.0, allow_ignore_eos: false, limits: base })
-            .collect();
-        for k in &self.auth.keys {
-            let or = |v: Option<u32>, d: u32| v.unwrap_or(d);
-            out.push(Tenant {
-                name: k.name.clone(),
-                key: k.key.clone(),
-                weight: k.weight,
-                allow_ignore_eos: k.allow_ignore_eos,
-                limits: TenantLimits {
-                    requests_per_minute: or(k.requests_per_minute, base.requests_per_minute),
-                    tokens_per_minute: or(k.tokens_per_minute, base.tokens_per_minute),
-                    input_tokens_per_minute: or(k.input_tokens_per_minute, base.input_tokens_per_minute),
-                    output_tokens_per_minute: or(k.output_tokens_per_minute, base.output_tokens_per_minute),
-                    max_concurrent_requests: or(k.max_concurrent_requests, base.max_concurrent_requests),
-                },
-            });
-        }
-        Ok(out)
+/// Every user key as a tenant: the unnamed keys (`key#0`, `key#1`, … in order), then the named
+/// ones. Reads `api_keys_file`.
+pub fn tenants(auth: &AuthSection, limits: &LimitsSection) -> Result<Vec<Tenant>, String> {
+    let base = limits.per_key();
+    let mut out: Vec<Tenant> = auth
+        .unnamed_keys()?
+        .into_iter()
+        .enumerate()
+        .map(|(i, key)| Tenant { name: format!("key#{i}"), key, weight: 1.0, allow_ignore_eos: false, limits: base })
+        .collect();
+    for k in &auth.keys {
+        let or = |v: Option<u32>, d: u32| v.unwrap_or(d);
+        out.push(Tenant {
+            name: k.name.clone(),
+            key: k.key.clone(),
+            weight: k.weight,
+            allow_ignore_eos: k.allow_ignore_eos,
+            limits: TenantLimits {
+                requests_per_minute: or(k.requests_per_minute, base.requests_per_minute),
+                tokens_per_minute: or(k.tokens_per_minute, base.tokens_per_minute),
+                input_tokens_per_minute: or(k.input_tokens_per_minute, base.input_tokens_per_minute),
+                output_tokens_per_minute: or(k.output_tokens_per_minute, base.output_tokens_per_minute),
+                max_concurrent_requests: or(k.max_concurrent_requests, base.max_concurrent_requests),
+            },
+        });
     }
+    Ok(out)
+}
 
-    pub(super) fn validate_access(&self) -> Result<(), ConfigError> {
-        let bad = |m: String| Err(ConfigError::Invalid(m));
-        let mut names = std::collections::HashSet::new();
-        for k in &self.auth.keys {
-            if !valid_tenant_name(&k.name) {
-                return bad(format!("auth.keys: name {:?} must be 1 to 64 ASCII letters, digits, '-', '_' or '.'", k.name));
-            }
-            if !names.insert(&k.name) {
-                return bad(format!("auth.keys: duplicate name {:?}", k.name));
-            }
-            if k.key.len() < 8 {
-                return bad(format!("auth.keys {:?}: the key must be at least 8 characters", k.name));
-            }
-            if !(k.weight.is_finite() && k.weight > 0.0 && k.weight <= 1000.0) {
-                return bad(format!("auth.keys {:?}: weight must be in (0, 1000]", k.name));
-            }
+/// Checks `[[auth.keys]]` and `[limits]`.
+pub fn validate(auth: &AuthSection, limits: &LimitsSection) -> Result<(), String> {
+    let mut names = std::collections::HashSet::new();
+    for k in &auth.keys {
+        if !valid_tenant_name(&k.name) {
+            return Err(format!("auth.keys: name {:?} must be 1 to 64 ASCII letters, digits, '-', '_' or '.'", k.name));
         }
-        let c = self.limits.count_tokens_charge;
-        if !(c.is_finite() && (0.0..=1.0).contains(&c)) {
-            return bad("limits.count_tokens_charge must be in [0, 1]".into());
+        if !names.insert(&k.name) {
+            return Err(format!("auth.keys: duplicate name {:?}", k.name));
         }
-        Ok(())
+        if k.key.len() < 8 {
+            return Err(format!("auth.keys {:?}: the key must be at least 8 characters", k.name));
+        }
+        if !(k.weight.is_finite() && k.weight > 0.0 && k.weight <= 1000.0) {
+            return Err(format!("auth.keys {:?}: weight must be in (0, 1000]", k.name));
+        }
     }
+    let c = limits.count_tokens_charge;
+    if !(c.is_finite() && (0.0..=1.0).contains(&c)) {
+        return Err("limits.count_tokens_charge must be in [0, 1]".into());
+    }
+    Ok(())
 }

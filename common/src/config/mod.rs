@@ -245,6 +245,10 @@ pub struct WorkerConfig {
     pub min_step_ms: f64,
     /// Prefill tokens every step may take whatever the decode load, so prompts keep moving.
     pub min_prefill_chunk: usize,
+    /// Output tokens of KV a sequence must find room for, beyond its prompt, to be admitted
+    /// (all of its `max_tokens` once it has been preempted), so admission does not overcommit
+    /// the cache into preemption loops.
+    pub reserve_output_tokens: usize,
 }
 
 impl Default for WorkerConfig {
@@ -261,6 +265,7 @@ impl Default for WorkerConfig {
             step_stretch: 3.0,
             min_step_ms: 40.0,
             min_prefill_chunk: 32,
+            reserve_output_tokens: 128,
         }
     }
 }
@@ -385,7 +390,22 @@ impl ClusterConfig {
         if self.model.id.is_empty() {
             return bad("model.id must not be empty".into());
         }
-        self.validate_access()
+        access::validate(&self.auth, &self.limits).map_err(ConfigError::Invalid)
+    }
+
+    /// Every unnamed API key: `auth.api_keys` plus the lines of `auth.api_keys_file`.
+    pub fn api_keys(&self) -> Result<Vec<String>, ConfigError> {
+        self.auth.unnamed_keys().map_err(ConfigError::Invalid)
+    }
+
+    /// Every user key as a tenant (see [`access::tenants`]).
+    pub fn tenants(&self) -> Result<Vec<Tenant>, ConfigError> {
+        access::tenants(&self.auth, &self.limits).map_err(ConfigError::Invalid)
+    }
+
+    /// The `[limits]` defaults as one tenant's limits.
+    pub fn default_limits(&self) -> TenantLimits {
+        self.limits.per_key()
     }
 
     pub fn node(&self, id: &str) -> Option<&NodeConfig> {

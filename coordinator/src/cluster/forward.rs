@@ -105,8 +105,11 @@ pub async fn serve(cluster: Arc<Cluster>, sub: Submit, mut send: quinn::SendStre
         let Some(w) = cluster.local_worker(&sub.worker) else {
             return write_reply(&mut send, &refuse(false, format!("node {} has no worker {:?}", cluster.node_id, sub.worker))).await;
         };
+        if !sub.share.is_valid() {
+            return write_reply(&mut send, &refuse(false, format!("share weight {} is outside (0, 1000]", sub.share.weight))).await;
+        }
         tracing::debug!(request_id = %sub.request_id, origin = %sub.origin_node, worker = %sub.worker, prompt_tokens = sub.prompt.len(), "serving a forwarded request");
-        let mut stream = match w.handle.submit(SubmitRequest { prompt: sub.prompt, params: sub.params, resume: sub.resume }).await {
+        let mut stream = match w.handle.submit(SubmitRequest { prompt: sub.prompt, params: sub.params, resume: sub.resume, share: sub.share }).await {
             Ok(s) => s,
             Err(e) => {
                 let overloaded = matches!(e, WorkerError::QueueFull(_) | WorkerError::ShuttingDown);

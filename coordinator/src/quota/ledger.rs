@@ -7,36 +7,7 @@ use std::time::{Duration, Instant};
 use zerolayer_common::TenantLimits;
 
 use super::bucket::Bucket;
-use super::wire::{self, PeerUsage, WireError};
-
-/// Usage counted in the three units limits speak of.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
-pub struct Counts {
-    pub requests: u64,
-    pub input: u64,
-    pub output: u64,
-}
-
-impl Counts {
-    /// Whether every count is at most `other`'s.
-    pub fn within(&self, other: &Counts) -> bool {
-        self.requests <= other.requests && self.input <= other.input && self.output <= other.output
-    }
-
-    fn minus(&self, o: &Counts) -> Counts {
-        Counts { requests: self.requests - o.requests, input: self.input - o.input, output: self.output - o.output }
-    }
-
-    fn add(&mut self, o: &Counts) {
-        self.requests += o.requests;
-        self.input += o.input;
-        self.output += o.output;
-    }
-
-    fn is_zero(&self) -> bool {
-        *self == Counts::default()
-    }
-}
+use super::wire::{self, Counts, PeerUsage, WireError};
 
 /// The limits a tenant can hit, in header order (`anthropic-ratelimit-<name>-*`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -32,7 +32,8 @@ use std::time::Instant;
 
 use zerolayer_common::TenantLimits;
 
-pub use ledger::{Counts, Dim, LimitState, Peer, Refusal, TenantUsage};
+pub use ledger::{Dim, LimitState, Peer, Refusal, TenantUsage};
+pub use wire::Counts;
 use ledger::Ledger;
 
 /// One node's ledger, shared by the API (admission and charges) and the gossip publisher.

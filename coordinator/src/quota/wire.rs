@@ -6,14 +6,41 @@
 //!
 //! Validated like a client's data: only ASCII digits, bounded numbers, recent within totals.
 
-use super::ledger::Counts;
-
 pub const KEY_PREFIX: &str = "q:";
 /// Totals are refused above this (a node would need centuries to reach it).
 pub const MAX_TOTAL: u64 = 1 << 50;
 /// In-flight counts are refused above this.
 pub const MAX_INFLIGHT: u32 = 1 << 20;
 const MAX_VALUE_BYTES: usize = 160;
+
+/// Usage counted in the three units limits speak of.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Counts {
+    pub requests: u64,
+    pub input: u64,
+    pub output: u64,
+}
+
+impl Counts {
+    /// Whether every count is at most `other`'s.
+    pub fn within(&self, other: &Counts) -> bool {
+        self.requests <= other.requests && self.input <= other.input && self.output <= other.output
+    }
+
+    pub(super) fn minus(&self, o: &Counts) -> Counts {
+        Counts { requests: self.requests - o.requests, input: self.input - o.input, output: self.output - o.output }
+    }
+
+    pub(super) fn add(&mut self, o: &Counts) {
+        self.requests += o.requests;
+        self.input += o.input;
+        self.output += o.output;
+    }
+
+    pub(super) fn is_zero(&self) -> bool {
+        *self == Counts::default()
+    }
+}
 
 /// One node's usage of one tenant.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

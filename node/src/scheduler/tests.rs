@@ -3,7 +3,7 @@
 use super::*;
 
 fn cfg(num_blocks: usize, budget: usize) -> SchedulerConfig {
-    SchedulerConfig { block_size: 4, num_blocks, max_batch_tokens: budget, max_running: 8, max_waiting: 4, max_model_len: 1000 }
+    SchedulerConfig { block_size: 4, num_blocks, max_batch_tokens: budget, max_running: 8, max_waiting: 4, max_model_len: 1000, reserve_output_tokens: 0 }
 }
 
 /// Runs the plan as if computed, sampling token 7 for every completing item.
@@ -161,4 +161,65 @@ fn an_older_prompt_being_prefilled_does_not_hold_a_younger_decode_back() {
     assert_eq!(p.items.iter().map(|it| (it.seq, it.len)).collect::<Vec<_>>(), vec![(2, 1), (1, 8)], "the decode first; prefill within its budget");
     let p = s.schedule_into_test(usize::MAX);
     assert_eq!(p.items.iter().map(|it| (it.seq, it.len)).collect::<Vec<_>>(), vec![(2, 1), (1, 31)], "the step budget bounds prefill too");
+}
+
+/// One key (A) runs four sequences that together need far more KV than there is; another key
+/// (B) sends short requests meanwhile. B's requests are admitted within a few steps of arriving
+/// and never preempted (A gives way), A's sequences all finish, and a sequence preempted once is
+/// let back in only with room for all of it, so none is preempted twice.
+#[test]
+fn one_key_cannot_crowd_out_another() {
+    let a = Share::of("a", 1.0);
+    let b = Share::of("b", 1.0);
+    let mut s = Scheduler::new(SchedulerConfig { max_waiting: 64, reserve_output_tokens: 8, ..cfg(40, 64) });
+    for id in 0..4u64 {
+        s.add_shared(id, vec![id as u32; 8], 8, 100, a).unwrap();
+    }
+    let (mut next_b, mut b_arrived, mut b_waits, mut done) = (100u64, std::collections::HashMap::new(), vec![], vec![]);
+    for t in 0..3000 {
+        // A short B request every 25 steps, after A has filled the cache.
+        if t >= 60 && t % 25 == 0 && next_b < 120 {
+            s.add_shared(next_b, vec![9; 4], 4, 4, b).unwrap();
+            b_arrived.insert(next_b, t);
+            next_b += 1;
+        }
+        let p = step(&mut s);
+        for id in &p.started {
+            if let Some(at) = b_arrived.get(id) {
+                b_waits.push(t - at);
+            }
+        }
+        for id in p.preempted.iter() {
+            assert!(*id < 100, "B's sequence {id} was preempted");
+        }
+        let ids = s.sequence_ids();
+        for id in ids {
+            let q = s.get(id).unwrap();
+            if q.generated() >= q.max_tokens {
+                s.remove(id);
+                done.push(id);
+            }
+        }
+        if s.is_idle() && next_b == 120 {
+            break;
+        }
+    }
+    assert_eq!(done.len(), 24, "all of A's and B's requests finish");
+    assert_eq!(b_waits.len(), 20);
+    let worst = *b_waits.iter().max().unwrap();
+    assert!(worst <= 4, "B waited up to {worst} steps for admission: {b_waits:?}");
+    assert!(s.stats.preemptions_total > 0, "the cache was too small for A: something was preempted");
+    assert_eq!(s.stats.repreemptions_total, 0, "no sequence was preempted twice");
+}
+
+#[test]
+fn admission_reserves_room_for_output() {
+    // 10 blocks of 4: a 16-token prompt with 16 reserved output tokens takes 8; a second such
+    // sequence must wait, though its prompt alone would fit.
+    let mut s = Scheduler::new(SchedulerConfig { reserve_output_tokens: 16, ..cfg(10, 64) });
+    s.add(1, vec![1; 16], 20).unwrap();
+    s.add(2, vec![2; 8], 20).unwrap();
+    let p = step(&mut s);
+    assert_eq!(p.started, vec![1]);
+    assert_eq!(s.num_waiting(), 1, "no room for 2's prompt and reserved output beside 1's reservation");
 }
