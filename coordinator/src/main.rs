@@ -72,6 +72,17 @@ enum Cmd {
         #[command(flatten)]
         admin: AdminArgs,
     },
+    /// Write a GGUF model's tokenizer as a Hugging Face tokenizer directory (tokenizer.json,
+    /// tokenizer_config.json with the chat template), for clients that tokenize on their own
+    /// (benchmark clients such as aiperf).
+    Tokenizer {
+        /// The GGUF file.
+        #[arg(long)]
+        model: PathBuf,
+        /// The directory to write.
+        #[arg(long)]
+        out: PathBuf,
+    },
     /// Cluster CA and node certificates.
     Cluster {
         #[command(subcommand)]
@@ -114,6 +125,11 @@ fn main() -> anyhow::Result<()> {
     match cli.cmd {
         Cmd::Up { config, node, http, model } => up(config, node, http, model),
         Cmd::Status { addr, admin_key, json } => status(&addr, admin_key.as_deref(), json),
+        Cmd::Tokenizer { model, out } => {
+            zerolayer_worker::loader::export_tokenizer(&model, &out)?;
+            println!("wrote {}/tokenizer.json and tokenizer_config.json", out.display());
+            Ok(())
+        }
         Cmd::Cluster { cmd: ClusterCmd::Init { out, nodes, force } } => {
             let files = zerolayer_coordinator::cluster::tls::init(&out, &nodes, force)?;
             for f in files {

@@ -61,6 +61,28 @@ pub fn load(path: &Path, tokenizer: Option<&Path>, threads: usize, progress: imp
 
 /// Just the text front end of a GGUF model (tokenizer and chat template), from its metadata,
 /// without loading any weights. Used by fuzzing and tools.
+/// Writes a GGUF model's tokenizer as a Hugging Face tokenizer directory: `tokenizer.json` and
+/// `tokenizer_config.json` (the chat template, BOS and EOS), for tools that tokenize on their
+/// own, such as benchmark clients.
+pub fn export_tokenizer(path: &Path, out: &Path) -> Result<()> {
+    let mut f = std::fs::File::open(path).map_err(|e| WorkerError::Model(format!("opening {}: {e}", path.display())))?;
+    let content = candle_core::quantized::gguf_file::Content::read(&mut f).map_err(WorkerError::candle)?;
+    let md = &content.metadata;
+    let tok = Tokenizer::from_gguf(md)?;
+    let token_str = |key: &str| -> Option<String> { md.get(key).and_then(|v| v.to_u32().ok()).and_then(|id| tok.decode_with_special(&[id]).ok()) };
+    std::fs::create_dir_all(out).map_err(|e| WorkerError::Model(format!("creating {}: {e}", out.display())))?;
+    tok.save_json(&out.join("tokenizer.json"))?;
+    let config = serde_json::json!({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "chat_template": md.get("tokenizer.chat_template").and_then(|v| v.to_string().ok()),
+        "bos_token": token_str("tokenizer.ggml.bos_token_id"),
+        "eos_token": token_str("tokenizer.ggml.eos_token_id"),
+        "model_max_length": md.iter().find(|(k, _)| k.ends_with(".context_length")).and_then(|(_, v)| v.to_u32().ok()),
+    });
+    std::fs::write(out.join("tokenizer_config.json"), serde_json::to_vec_pretty(&config).unwrap_or_default())
+        .map_err(|e| WorkerError::Model(format!("writing {}: {e}", out.display())))
+}
+
 pub fn load_frontend(path: &Path) -> Result<(Arc<Tokenizer>, Arc<ChatTemplate>)> {
     let mut f = std::fs::File::open(path).map_err(|e| WorkerError::Model(format!("opening {}: {e}", path.display())))?;
     let content = candle_core::quantized::gguf_file::Content::read(&mut f).map_err(WorkerError::candle)?;

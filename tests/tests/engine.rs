@@ -259,7 +259,8 @@ fn prefix_cache_hit_reports_cached_tokens_and_same_output() {
 }
 
 /// Preemption by recompute gives the same tokens, at block size 16 and at the production
-/// default of 4.
+/// default of 4 (admission reserving no room for output, so that it overcommits the cache and
+/// must preempt). With the default reservation the same workload needs no preemption at all.
 #[test]
 fn preemption_under_a_small_kv_budget() {
     let _g = heavy();
@@ -275,19 +276,26 @@ fn preemption_under_a_small_kv_budget() {
         // Each sequence needs 160-230 tokens of KV; 8 together need ~1,600. Give 640.
         let blocks = 640 / block_size;
         let bytes_per_block = solo_engine.model.cfg.kv_bytes_per_token() * block_size;
-        let mut small = engine(EngineConfig { block_size, kv_cache_bytes: blocks * bytes_per_block, ..Default::default() });
-        assert_eq!(small.num_blocks(), blocks);
-        for (i, p) in prompts.iter().enumerate() {
-            small.add(i as u64, p.clone(), params.clone()).unwrap();
+        for reserve in [0, EngineConfig::default().reserve_output_tokens] {
+            let cfg = EngineConfig { block_size, kv_cache_bytes: blocks * bytes_per_block, reserve_output_tokens: reserve, ..Default::default() };
+            let mut small = engine(cfg);
+            assert_eq!(small.num_blocks(), blocks);
+            for (i, p) in prompts.iter().enumerate() {
+                small.add(i as u64, p.clone(), params.clone()).unwrap();
+            }
+            let out = run_all(&mut small);
+            for i in 0..8 {
+                assert_eq!(out[&(i as u64)].0, solo[i], "block size {block_size}, reserve {reserve}: sequence {i} differs");
+            }
+            let sig = small.signals();
+            eprintln!("block size {block_size}, reserve {reserve}: {} preemptions", sig.preemptions_total);
+            if reserve == 0 {
+                assert!(sig.preemptions_total > 0, "block size {block_size}: expected preemptions");
+            } else {
+                assert_eq!(sig.preemptions_total, 0, "block size {block_size}: the reservation leaves room for every admitted sequence");
+            }
+            assert_eq!(sig.kv_blocks_free as usize, blocks, "all blocks free afterwards");
         }
-        let out = run_all(&mut small);
-        for i in 0..8 {
-            assert_eq!(out[&(i as u64)].0, solo[i], "block size {block_size}: sequence {i} differs after preemption");
-        }
-        let sig = small.signals();
-        eprintln!("block size {block_size}: {} preemptions", sig.preemptions_total);
-        assert!(sig.preemptions_total > 0, "block size {block_size}: expected preemptions");
-        assert_eq!(sig.kv_blocks_free as usize, blocks, "all blocks free afterwards");
     }
 }
 
