@@ -67,6 +67,7 @@ impl Placed {
 }
 
 /// A worker a sequence can move to, with the prefix blocks it caches (those need not travel).
+#[derive(Clone)]
 pub struct Target {
     pub node: String,
     pub worker: String,

@@ -5,10 +5,14 @@
 //! 1. marks the node `draining`: `/ready` turns 503, the node gossips it, and placement (here
 //!    at once, elsewhere within a gossip round) stops choosing its workers; a request that
 //!    still arrives here is placed on other nodes;
-//! 2. moves every sequence off its workers, running or waiting, prefilling or decoding: a
-//!    worker exports all of its sequences at one step boundary (`WorkerHandle::export`), then
-//!    [`MOVES_AT_ONCE`] of them travel at a time: placement picks each one's target; the blocks
-//!    the target does not cache travel to its prefix cache (in process for a worker of this
+//! 2. moves every sequence off its workers, running or waiting, prefilling or decoding. First
+//!    the pre-copy: while the sequences keep running, the KV of their computed full blocks
+//!    (immutable once full) travels to the target placement picks for each
+//!    (`WorkerHandle::snapshot`). Then the worker exports all of its sequences at one step
+//!    boundary (`WorkerHandle::export`), and
+//!    [`MOVES_AT_ONCE`] of them travel at a time, each to its pre-copy's target (or the one
+//!    placement picks now): only the blocks the target does not cache yet (those computed since
+//!    the pre-copy) travel to its prefix cache (in process for a worker of this
 //!    node, over QUIC for another node, `cluster::migrate`); then the sequence's stream here
 //!    ends with `Moved`, and the coordinator holding its client continues it there by exact
 //!    replay, computing only the last partial block. A transfer that fails ends it with
@@ -20,6 +24,7 @@
 //!
 //! The request path never waits on this actor's mailbox: placement reads the published view.
 
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -28,10 +33,11 @@ use serde::Serialize;
 use zerolayer_common::StopReason;
 use futures::StreamExt;
 use zerolayer_worker::actor::Handover;
-use zerolayer_worker::migrate::KvImport;
+use zerolayer_worker::migrate::{Export, KvImport};
+use zerolayer_worker::scheduler::SeqId;
 
 use crate::cluster::{migrate, Cluster, LocalWorker};
-use crate::dispatch::Dispatcher;
+use crate::dispatch::{Dispatcher, Target};
 use crate::view::NodeState;
 
 /// How often a drain looks for sequences still on its workers.
@@ -71,6 +77,10 @@ pub struct MoveRecord {
     /// Tokens whose KV the target now caches.
     pub kv_tokens: u32,
     pub bytes_sent: u64,
+    /// Copied ahead of the export while the sequence kept running (its full blocks then), and
+    /// how long that took (milliseconds); the stream does not pause for it.
+    pub precopy_bytes: u64,
+    pub precopy_ms: f64,
     /// Waiting for the worker's current step to end before the export (milliseconds): a step
     /// is never interrupted, so a long prefill chunk holds the move back.
     pub wait_ms: f64,
@@ -180,11 +190,17 @@ async fn drain(ctx: DrainContext, report: Arc<Mutex<DrainReport>>) {
             if ids.is_empty() || ctx.dispatch.target(&[0], 1, &[ctx.node_id.clone()]).is_none() {
                 continue; // nothing here, or nowhere to go: they finish here
             }
-            // All at one step boundary, then (a few at a time) to their targets.
+            // Their full blocks ahead, while they run; then all at one step boundary, and (a few
+            // at a time) to their targets.
+            let precopied = precopy(&ctx, w, ids.clone()).await;
             let asked = Instant::now();
             let Ok(handovers) = w.handle.export(ids).await else { continue };
             let wait_ms = asked.elapsed().as_secs_f64() * 1e3;
-            futures::stream::iter(handovers.into_iter().map(|h| move_one(&ctx, w, h, &report, wait_ms)))
+            let precopied = &precopied;
+            futures::stream::iter(handovers.into_iter().map(|h| {
+                let pre = precopied.get(&h.id);
+                move_one(&ctx, w, h, &report, wait_ms, pre)
+            }))
                 .buffer_unordered(MOVES_AT_ONCE)
                 .collect::<Vec<()>>()
                 .await;
@@ -201,41 +217,81 @@ async fn drain(ctx: DrainContext, report: Arc<Mutex<DrainReport>>) {
     }
 }
 
-/// Moves one exported sequence to the worker placement picks (`wait_ms`: how long its export
-/// waited for the worker's step).
-async fn move_one(ctx: &DrainContext, w: &LocalWorker, handover: Handover, report: &Mutex<DrainReport>, wait_ms: f64) {
+/// A sequence's blocks copied ahead of its export: where to, and what that worker caches now.
+struct Precopy {
+    target: Target,
+    hashes: HashSet<u64>,
+    bytes: u64,
+    ms: f64,
+}
+
+/// The pre-copy: each sequence's computed full blocks, to the worker placement picks for it,
+/// while it keeps running ([`MOVES_AT_ONCE`] at a time). A sequence whose copy fails is simply
+/// moved whole.
+async fn precopy(ctx: &DrainContext, w: &LocalWorker, ids: Vec<SeqId>) -> HashMap<SeqId, Precopy> {
+    let Ok(snapshots) = w.handle.snapshot(ids).await else { return HashMap::new() };
+    futures::stream::iter(snapshots.into_iter().filter(|(_, ex)| !ex.block_hashes.is_empty()).map(|(id, ex)| async move {
+        let t0 = Instant::now();
+        let tokens: Vec<u32> = ex.prompt.iter().chain(&ex.generated).copied().collect();
+        let target = ctx.dispatch.target(&tokens, ex.generated.len().max(1), std::slice::from_ref(&ctx.node_id))?;
+        let request_id = format!("precopy-{}-{}-{id}", ctx.node_id, w.id);
+        match transfer(ctx, &target, &ex, &HashSet::new(), &request_id).await {
+            Ok(t) => {
+                let hashes = ex.block_hashes[..t.blocks as usize].iter().copied().collect();
+                Some((id, Precopy { target, hashes, bytes: t.bytes, ms: t0.elapsed().as_secs_f64() * 1e3 }))
+            }
+            Err(e) => {
+                tracing::debug!(%request_id, error = %e, "pre-copy failed; the move sends every block");
+                None
+            }
+        }
+    }))
+    .buffer_unordered(MOVES_AT_ONCE)
+    .filter_map(std::future::ready)
+    .collect()
+    .await
+}
+
+/// Puts `ex`'s blocks into `target`'s prefix cache: in process for a worker of this node, over
+/// QUIC for another's, sending none of the blocks the target caches already (its published set,
+/// and `known`).
+async fn transfer(ctx: &DrainContext, target: &Target, ex: &Export, known: &HashSet<u64>, request_id: &str) -> anyhow::Result<migrate::Transferred> {
+    if target.local {
+        let Some(tw) = ctx.cluster.local_worker(&target.worker) else { anyhow::bail!("local worker {} vanished", target.worker) };
+        let blocks = ex
+            .block_hashes
+            .iter()
+            .enumerate()
+            .map(|(i, &h)| (h, (!known.contains(&h)).then(|| ex.kv[i * ex.block_bytes..(i + 1) * ex.block_bytes].to_vec())))
+            .collect();
+        let r = tw.handle.import(KvImport { block_size: ex.block_size, block_bytes: ex.block_bytes, blocks }).await.map_err(|e| anyhow::anyhow!("{e}"))?;
+        return Ok(migrate::Transferred { blocks: r.usable() as u32, bytes: 0 });
+    }
+    let addr = ctx.cluster.peer_addr(&target.node).ok_or_else(|| anyhow::anyhow!("node {} is unreachable", target.node))?;
+    let cached: HashSet<u64> = if known.is_empty() { (*target.cached).clone() } else { target.cached.union(known).copied().collect() };
+    let header = migrate::header(request_id, &ctx.node_id, &target.worker, ex, &cached);
+    migrate::send(&ctx.cluster, &target.node, addr, header, ex).await
+}
+
+/// Moves one exported sequence to its pre-copy's target, or the worker placement picks
+/// (`wait_ms`: how long its export waited for the worker's step).
+async fn move_one(ctx: &DrainContext, w: &LocalWorker, handover: Handover, report: &Mutex<DrainReport>, wait_ms: f64, pre: Option<&Precopy>) {
     let t0 = Instant::now();
     let exclude = [ctx.node_id.clone()];
     let ex = &handover.export;
     let tokens: Vec<u32> = ex.prompt.iter().chain(&ex.generated).copied().collect();
     let remaining = ex.generated.len().max(1);
-    let Some(target) = ctx.dispatch.target(&tokens, remaining, &exclude) else {
+    let target = match pre {
+        Some(p) => Some(p.target.clone()),
+        None => ctx.dispatch.target(&tokens, remaining, &exclude),
+    };
+    let Some(target) = target else {
         handover.finish(StopReason::Lost(format!("node {} drains and no worker could take the sequence", ctx.node_id))).await;
         return;
     };
-    let request_id = format!("drain-{}-{}-{}", ctx.node_id, w.id, ex.block_hashes.first().copied().unwrap_or(0));
-    let moved = if target.local {
-        match ctx.cluster.local_worker(&target.worker) {
-            Some(tw) => {
-                let blocks = ex.block_hashes.iter().enumerate().map(|(i, &h)| (h, Some(ex.kv[i * ex.block_bytes..(i + 1) * ex.block_bytes].to_vec()))).collect();
-                tw.handle
-                    .import(KvImport { block_size: ex.block_size, block_bytes: ex.block_bytes, blocks })
-                    .await
-                    .map(|r| migrate::Transferred { blocks: r.usable() as u32, bytes: 0 })
-                    .map_err(|e| anyhow::anyhow!("{e}"))
-            }
-            None => Err(anyhow::anyhow!("local worker {} vanished", target.worker)),
-        }
-    } else {
-        match ctx.cluster.peer_addr(&target.node) {
-            Some(addr) => {
-                let header = migrate::header(&request_id, &ctx.node_id, &target.worker, ex, &target.cached);
-                tracing::debug!(%request_id, header_ms = t0.elapsed().as_secs_f64() * 1e3, "KV header ready");
-                migrate::send(&ctx.cluster, &target.node, addr, header, ex).await
-            }
-            None => Err(anyhow::anyhow!("node {} is unreachable", target.node)),
-        }
-    };
+    let request_id = format!("drain-{}-{}-{}", ctx.node_id, w.id, handover.id);
+    let empty = HashSet::new();
+    let moved = transfer(ctx, &target, ex, pre.map_or(&empty, |p| &p.hashes), &request_id).await;
     let (blocks, bs) = (ex.block_hashes.len(), ex.block_size);
     let reason = match &moved {
         Ok(t) => StopReason::Moved { node: target.node.clone(), worker: target.worker.clone(), kv_tokens: t.blocks * bs as u32 },
@@ -256,7 +312,9 @@ async fn move_one(ctx: &DrainContext, w: &LocalWorker, handover: Handover, repor
         r.recent.remove(0);
     }
     let bytes_sent = moved.as_ref().map(|t| t.bytes).unwrap_or(0);
-    r.recent.push(MoveRecord { tokens: tokens.len(), kv_tokens, bytes_sent, wait_ms, ms, to: format!("{}/{}", target.node, target.worker) });
+    let (precopy_bytes, precopy_ms) = pre.map_or((0, 0.0), |p| (p.bytes, p.ms));
+    r.kv_bytes_sent += precopy_bytes;
+    r.recent.push(MoveRecord { tokens: tokens.len(), kv_tokens, bytes_sent, precopy_bytes, precopy_ms, wait_ms, ms, to: format!("{}/{}", target.node, target.worker) });
     match moved {
         Ok(t) if t.blocks > 0 => {
             r.moved_with_kv += 1;

@@ -65,6 +65,8 @@ impl SubmitRequest {
 /// A sequence taken off this worker by [`WorkerHandle::export`]: what it carries, and its
 /// client's event channel, which the new owner's events will follow.
 pub struct Handover {
+    /// The sequence's id on the worker it left.
+    pub id: SeqId,
     pub export: Export,
     route: Option<Route>,
 }
@@ -92,6 +94,7 @@ enum EngineCmd {
     SetStepHook { hook: Option<StepHook> },
     Sequences { reply: oneshot::Sender<Vec<SeqId>> },
     Export { ids: Vec<SeqId>, reply: oneshot::Sender<Vec<Handover>> },
+    Snapshot { ids: Vec<SeqId>, reply: oneshot::Sender<Vec<(SeqId, Export)>> },
     Import { import: KvImport, reply: oneshot::Sender<Result<ImportReport>> },
     Shutdown,
 }
@@ -109,6 +112,9 @@ pub enum WorkerMsg {
     Sequences { reply: oneshot::Sender<Result<Vec<SeqId>>> },
     /// Takes sequences off the worker for a move, at one step boundary (see [`Handover`]).
     Export { ids: Vec<SeqId>, reply: oneshot::Sender<Result<Vec<Handover>>> },
+    /// What an export of these sequences would carry now, leaving them running (a drain's
+    /// pre-copy).
+    Snapshot { ids: Vec<SeqId>, reply: oneshot::Sender<Result<Vec<(SeqId, Export)>>> },
     /// Writes KV blocks into the worker's prefix cache.
     Import { import: KvImport, reply: oneshot::Sender<Result<ImportReport>> },
     /// Stop the engine after its current step, wait for its thread, then stop the actor.
@@ -166,6 +172,10 @@ impl Actor for WorkerActor {
             WorkerMsg::Export { ids, reply } => {
                 let (tx, rx) = oneshot::channel();
                 answer_from_engine(state.forward(EngineCmd::Export { ids, reply: tx }), rx, reply);
+            }
+            WorkerMsg::Snapshot { ids, reply } => {
+                let (tx, rx) = oneshot::channel();
+                answer_from_engine(state.forward(EngineCmd::Snapshot { ids, reply: tx }), rx, reply);
             }
             WorkerMsg::Import { import, reply } => {
                 let (tx, rx) = oneshot::channel();
@@ -366,6 +376,13 @@ impl WorkerHandle {
         rx.await.map_err(|_| WorkerError::ShuttingDown)?
     }
 
+    /// What [`WorkerHandle::export`] would hand over for `ids` now, leaving them running.
+    pub async fn snapshot(&self, ids: Vec<SeqId>) -> Result<Vec<(SeqId, Export)>> {
+        let (reply, rx) = oneshot::channel();
+        self.actor.send_message(WorkerMsg::Snapshot { ids, reply }).map_err(|_| WorkerError::ShuttingDown)?;
+        rx.await.map_err(|_| WorkerError::ShuttingDown)?
+    }
+
     /// Writes KV blocks into the worker's prefix cache (see [`crate::migrate`]).
     pub async fn import(&self, import: KvImport) -> Result<ImportReport> {
         let (reply, rx) = oneshot::channel();
@@ -475,8 +492,11 @@ fn engine_loop(mut engine: Engine, rx: Receiver<EngineCmd>, sig_tx: watch::Sende
                     let _ = reply.send(engine.sequences());
                 }
                 EngineCmd::Export { ids, reply } => {
-                    let handovers = ids.into_iter().filter_map(|id| engine.export(id).map(|export| Handover { export, route: routes.remove(&id) })).collect();
+                    let handovers = ids.into_iter().filter_map(|id| engine.export(id).map(|export| Handover { id, export, route: routes.remove(&id) })).collect();
                     let _ = reply.send(handovers);
+                }
+                EngineCmd::Snapshot { ids, reply } => {
+                    let _ = reply.send(ids.into_iter().filter_map(|id| engine.snapshot(id).map(|e| (id, e))).collect());
                 }
                 EngineCmd::Import { import, reply } => {
                     let _ = reply.send(engine.import(&import));

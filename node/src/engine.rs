@@ -249,7 +249,17 @@ impl Engine {
     /// its computed full blocks, which stay in this worker's prefix cache after it leaves. The
     /// other sequences are not paused.
     pub fn export(&mut self, id: SeqId) -> Option<Export> {
-        let st = self.states.remove(&id)?;
+        let export = self.snapshot(id)?;
+        self.states.remove(&id);
+        self.sched.remove(id);
+        Some(export)
+    }
+
+    /// What [`Engine::export`] would hand over for sequence `id` now, leaving it running: a drain
+    /// copies these blocks to the target ahead of the move (they are immutable once full), so the
+    /// move itself sends only the blocks computed since.
+    pub fn snapshot(&self, id: SeqId) -> Option<Export> {
+        let st = self.states.get(&id)?;
         let s = self.sched.get(id)?;
         let bs = self.sched.config().block_size;
         let full = s.num_computed / bs;
@@ -259,7 +269,6 @@ impl Engine {
             self.cache.read_block(b, &mut kv);
         }
         let (prompt, generated) = (s.tokens[..s.prompt_len].to_vec(), s.tokens[s.prompt_len..].to_vec());
-        self.sched.remove(id);
         Some(Export { prompt, generated, seed: st.sampler.seed(), block_hashes, kv, block_bytes: self.cache.block_bytes(), block_size: bs })
     }
 

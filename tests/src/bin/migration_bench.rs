@@ -215,7 +215,10 @@ async fn main() -> anyhow::Result<()> {
         "export_wait_ms_max": moves.iter().map(|m| m["wait_ms"].as_f64().unwrap_or(0.0)).fold(0f64, f64::max),
         "prefill_ms_p50_1400_tokens": prefill_ms_p50,
         "solo_move": solo_move,
+        // The stream's pause for the move (export wait, then what the pre-copy left), over
+        // re-prefilling; and with the pre-copy counted too (the stream kept running during it).
         "solo_move_over_prefill": (solo_move["wait_ms"].as_f64().unwrap_or(0.0) + solo_move["ms"].as_f64().unwrap_or(0.0)) / prefill_ms_p50,
+        "solo_move_with_precopy_over_prefill": (solo_move["precopy_ms"].as_f64().unwrap_or(0.0) + solo_move["wait_ms"].as_f64().unwrap_or(0.0) + solo_move["ms"].as_f64().unwrap_or(0.0)) / prefill_ms_p50,
         "solo_stream_longest_gap_ms": solo_pause,
         "move_over_prefill": long_p50 / prefill_ms_p50,
         "drains": drains.iter().map(|(id, _, r)| json!({"node": id, "report": r})).collect::<Vec<_>>(),
