@@ -20,6 +20,10 @@
 //! at [`Scheduler::add`] only if it could not fit even alone; anything that fits alone
 //! completes, because the oldest sequence is never preempted for another.
 //!
+//! A resumed sequence (one that moved here mid-generation, or is replayed after a loss) counts
+//! as arriving before every new one: its client is already reading its stream, so it is not
+//! queued behind new prompts.
+//!
 //! Bounds: at most `max_waiting` queued sequences, `max_running` running, and
 //! `max_batch_tokens` tokens per step, of which prefill takes at most its budget (at least one
 //! token, so prompts always move).
@@ -33,6 +37,9 @@ use crate::error::{WorkerError, Result};
 use crate::step_time::Outlook;
 
 pub type SeqId = u64;
+
+/// Where new sequences' arrival stamps start (resumed ones take the stamps below it).
+const NEW_ARRIVALS: u64 = 1 << 62;
 
 /// Scheduler limits.
 #[derive(Clone, Debug)]
@@ -140,7 +147,10 @@ pub struct Scheduler {
     running: Vec<SeqId>,
     /// The order of step 1 of a schedule (kept to reuse its allocation).
     order: Vec<SeqId>,
+    /// Arrival stamps: new sequences count up from [`NEW_ARRIVALS`]; resumed ones (moved here
+    /// mid-generation, or replayed) count down below it, so they are ahead of every new one.
     next_arrival: u64,
+    next_resumed: u64,
     pub stats: SchedulerStats,
 }
 
@@ -148,7 +158,7 @@ impl Scheduler {
     pub fn new(cfg: SchedulerConfig) -> Self {
         assert!(cfg.block_size > 0 && cfg.max_batch_tokens > 0 && cfg.max_running > 0);
         let pool = BlockPool::new(cfg.num_blocks, cfg.block_size);
-        Scheduler { cfg, pool, seqs: HashMap::new(), waiting: VecDeque::new(), running: Vec::new(), order: Vec::new(), next_arrival: 0, stats: Default::default() }
+        Scheduler { cfg, pool, seqs: HashMap::new(), waiting: VecDeque::new(), running: Vec::new(), order: Vec::new(), next_arrival: NEW_ARRIVALS, next_resumed: NEW_ARRIVALS - 1, stats: Default::default() }
     }
 
     pub fn config(&self) -> &SchedulerConfig {
@@ -250,6 +260,7 @@ impl Scheduler {
         if self.waiting.len() >= self.cfg.max_waiting {
             return Err(WorkerError::QueueFull(self.waiting.len()));
         }
+        let resumed = prompt.len() > prompt_len;
         self.seqs.insert(
             id,
             Sequence {
@@ -264,13 +275,20 @@ impl Scheduler {
                 cached_prompt_tokens: 0,
                 started: false,
                 preemptions: 0,
-                arrival: self.next_arrival,
+                arrival: if resumed { self.next_resumed } else { self.next_arrival },
                 share,
                 reserved_until: 0,
             },
         );
-        self.next_arrival += 1;
-        self.waiting.push_back(id);
+        if resumed {
+            // Ahead of every new sequence: a client is already reading this one's stream.
+            self.next_resumed -= 1;
+            let pos = self.waiting.partition_point(|w| self.seqs[w].arrival < self.seqs[&id].arrival);
+            self.waiting.insert(pos, id);
+        } else {
+            self.next_arrival += 1;
+            self.waiting.push_back(id);
+        }
         Ok(())
     }
 
