@@ -23,7 +23,7 @@ use crate::diagnostics::{self, Diagnosis, Fingerprint, Recent};
 use crate::dispatch::{Dispatcher, Job};
 use crate::drain::{DrainMsg, DrainReport};
 use crate::error::ApiError;
-use crate::request::{resolve_max_tokens, GenerationRequest};
+use crate::request::{resolve_max_tokens, CacheTtl, GenerationRequest};
 use crate::resume::LiveSequence;
 use crate::view::NodeState;
 
@@ -54,6 +54,8 @@ pub struct Accepted {
     pub fingerprint: Arc<Fingerprint>,
     /// The key's concurrency slot and the handle its output tokens are charged through.
     pub ticket: Ticket,
+    /// Where the request's cache breakpoints fall in its prompt (tokens), for `usage`.
+    pub breakpoints: Vec<(usize, CacheTtl)>,
     /// Released when the response is done (the node's in-flight cap).
     pub _permit: OwnedSemaphorePermit,
 }
@@ -214,7 +216,7 @@ impl Coordinator {
         let job = Job { request_id: request_id.to_string(), prompt: ids, params, share: Share::of(&tenant.name, tenant.weight) };
         let placed = self.dispatch.submit(&job, &[], &[], None).await?;
         let served_by = placed.served_by();
-        Ok(Accepted { stream: LiveSequence::new(self.dispatch.clone(), job, placed), prompt_tokens, served_by, started_at, fingerprint, ticket, _permit: permit })
+        Ok(Accepted { stream: LiveSequence::new(self.dispatch.clone(), job, placed), prompt_tokens, served_by, started_at, fingerprint, ticket, breakpoints: vec![], _permit: permit })
     }
 
     /// Keeps a response's prompt fingerprint under its message id.

@@ -7,8 +7,8 @@
 //! - [`error`], [`clock`], [`view`] (the cluster as placement reads it), [`tools`] (offered
 //!   functions, calls, and finding calls in generated text), [`request`] (the neutral
 //!   generation request), [`prompt`] (it through the chat template, and where the client's
-//!   words land), [`diagnostics`] (why a prompt missed the cache), [`metrics`], [`status`] (the
-//!   CLI's table);
+//!   words land), [`caching`] (cache breakpoints in tokens, and the cache usage split),
+//!   [`diagnostics`] (why a prompt missed the cache), [`metrics`], [`status`] (the CLI's table);
 //! - [`placement`] (a pure function over a view), [`tracker`] (staleness correction), [`quota`]
 //!   (per-key limits held cluster-wide), [`auth`] (keys and callers);
 //! - [`cluster`]: QUIC with mutual TLS, chitchat membership and gossip, forwarding;
@@ -23,6 +23,7 @@
 
 pub mod api;
 pub mod auth;
+pub mod caching;
 pub mod clock;
 pub mod cluster;
 pub mod coordinator;

@@ -175,6 +175,7 @@ mod tests {
             stream: false,
             tools: vec![],
             tool_choice: ToolChoice::Auto,
+            breakpoints: vec![],
         }
     }
 

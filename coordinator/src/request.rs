@@ -63,21 +63,48 @@ impl Turn {
 }
 
 /// Appends `turn`, combining it with the last one when both are the same role (tool results
-/// excepted), as the official APIs do.
-pub fn push_turn(turns: &mut Vec<Turn>, turn: Turn) {
+/// excepted), as the official APIs do. Returns the index of the turn that now holds its text,
+/// and where in that turn's text it begins (bytes).
+pub fn push_turn(turns: &mut Vec<Turn>, turn: Turn) -> (usize, usize) {
+    let n = turns.len();
     match turns.last_mut() {
         Some(last) if last.role == turn.role && turn.role != Role::Tool => {
+            let mut begins = last.text.len();
             if !turn.text.is_empty() {
                 if !last.text.is_empty() {
                     last.text.push_str("\n\n");
+                    begins += 2;
                 }
                 last.text.push_str(&turn.text);
             }
             last.tool_calls.extend(turn.tool_calls);
+            (n - 1, begins)
         }
-        _ => turns.push(turn),
+        _ => {
+            turns.push(turn);
+            (n, 0)
+        }
     }
 }
+
+/// How long a `cache_control` breakpoint asks for its prefix to stay cached.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CacheTtl {
+    FiveMinutes,
+    OneHour,
+}
+
+/// A `cache_control` breakpoint: the end of the system text (`turn: None`) or of a turn's text,
+/// as a byte offset into that text.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Breakpoint {
+    pub turn: Option<usize>,
+    pub end: usize,
+    pub ttl: CacheTtl,
+}
+
+/// Most `cache_control` breakpoints in one request (the official API's limit).
+pub const MAX_BREAKPOINTS: usize = 4;
 
 /// A validated request to generate, whichever API it came from.
 #[derive(Clone, Debug, PartialEq)]
@@ -95,6 +122,9 @@ pub struct GenerationRequest {
     /// The functions the model may call, and whether it may.
     pub tools: Vec<Tool>,
     pub tool_choice: ToolChoice,
+    /// Where the client put `cache_control` breakpoints (Anthropic only): usage reports the
+    /// prompt up to the last of them that was not read from the cache as written to it.
+    pub breakpoints: Vec<Breakpoint>,
 }
 
 impl GenerationRequest {

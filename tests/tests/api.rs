@@ -492,6 +492,7 @@ async fn no_new_work_while_draining() {
         stream: false,
         tools: vec![],
         tool_choice: Default::default(),
+        breakpoints: vec![],
     };
     let open = zerolayer_coordinator::auth::Caller::Open;
     let admitted = coordinator.admit(&open, true).ok().expect("admitted: the refusal is placement's (no worker takes work)");

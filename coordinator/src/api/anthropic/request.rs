@@ -8,7 +8,7 @@ use serde_json::Value;
 use zerolayer_common::SamplingParams;
 
 use crate::error::ApiError;
-use crate::request::{push_turn, GenerationRequest, Role, Turn, MAX_STOP_SEQUENCES, MAX_STOP_SEQUENCE_BYTES};
+use crate::request::{push_turn, Breakpoint, CacheTtl, GenerationRequest, Role, Turn, MAX_BREAKPOINTS, MAX_STOP_SEQUENCES, MAX_STOP_SEQUENCE_BYTES};
 use crate::tools::{valid_name, Tool, ToolCall, ToolChoice, MAX_TOOLS};
 
 /// A validated Messages API request: the neutral generation request, and what only this API
@@ -83,20 +83,36 @@ pub fn parse(body: &Value, endpoint: Endpoint) -> Result<MessagesRequest, ApiErr
         },
     };
 
+    let mut breakpoints = vec![];
     let system = match obj.get("system") {
         None | Some(Value::Null) => None,
         Some(Value::String(s)) => Some(s.clone()),
         Some(Value::Array(blocks)) => {
-            let mut parts = vec![];
+            let mut parts: Vec<String> = vec![];
             for (i, b) in blocks.iter().enumerate() {
-                parts.push(text_block(b, &format!("system[{i}]"), true)?);
+                let (text, ttl) = cached_text_block(b, &format!("system[{i}]"), true)?;
+                parts.push(text);
+                if let Some(ttl) = ttl {
+                    let end = parts.iter().map(String::len).sum::<usize>() + 2 * (parts.len() - 1);
+                    breakpoints.push(Breakpoint { turn: None, end, ttl });
+                }
             }
             Some(parts.join("\n\n"))
         }
         Some(v) => return bad(format!("system: expected a string or an array of text blocks, got {}", type_name(v))),
     };
 
-    let turns = parse_messages(obj.get("messages"))?;
+    let turns = parse_messages(obj.get("messages"), &mut breakpoints)?;
+    if let Some(cc) = obj.get("cache_control") {
+        // Automatic caching: a breakpoint at the end of the last message.
+        let ttl = cache_control(cc, "cache_control")?;
+        if let Some(last) = turns.last() {
+            breakpoints.push(Breakpoint { turn: Some(turns.len() - 1), end: last.text.len(), ttl });
+        }
+    }
+    if breakpoints.len() > MAX_BREAKPOINTS {
+        return bad(format!("A maximum of {MAX_BREAKPOINTS} blocks with cache_control may be provided. Found {}.", breakpoints.len()));
+    }
 
     let stop_sequences = match obj.get("stop_sequences") {
         None | Some(Value::Null) => vec![],
@@ -180,9 +196,6 @@ pub fn parse(body: &Value, endpoint: Endpoint) -> Result<MessagesRequest, ApiErr
         ("user_id", _) => bad("metadata.user_id: expected a string of at most 256 characters"),
         (k, _) => bad(format!("metadata.{k}: Extra inputs are not permitted")),
     })?;
-    if let Some(cc) = obj.get("cache_control") {
-        cache_control(cc, "cache_control")?;
-    }
     match obj.get("thinking") {
         None | Some(Value::Null) => {}
         Some(t) => match t.get("type").and_then(Value::as_str) {
@@ -219,7 +232,7 @@ pub fn parse(body: &Value, endpoint: Endpoint) -> Result<MessagesRequest, ApiErr
 
     let params = SamplingParams { temperature, top_k, top_p, seed: None, max_tokens: 0, stop_sequences, ignore_eos: false };
     Ok(MessagesRequest {
-        generation: GenerationRequest { model, system, turns, max_tokens, params, stream, tools, tool_choice },
+        generation: GenerationRequest { model, system, turns, max_tokens, params, stream, tools, tool_choice, breakpoints },
         diagnostics,
         context_management,
     })
@@ -252,7 +265,9 @@ fn parse_tools(v: Option<&Value>) -> Result<Vec<Tool>, ApiError> {
                 ("description", Value::Null) => {}
                 ("input_schema", Value::Object(schema)) if schema.get("type").and_then(Value::as_str) == Some("object") => tool.parameters = v.clone(),
                 ("input_schema", _) => return bad(format!("{at}.input_schema: expected a JSON schema object with \"type\": \"object\"")),
-                ("cache_control", v) => cache_control(v, &format!("{at}.cache_control"))?,
+                ("cache_control", v) => {
+                    cache_control(v, &format!("{at}.cache_control"))?;
+                }
                 ("defer_loading", Value::Bool(b)) => tool.deferred = *b,
                 ("type", _) | ("eager_input_streaming", Value::Bool(_)) | ("strict", Value::Bool(_)) => {}
                 ("input_examples", Value::Array(_)) => {}
@@ -282,7 +297,9 @@ fn tool_use_block(o: &serde_json::Map<String, Value>, at: &str) -> Result<ToolCa
             ("id", Value::String(id)) if !id.is_empty() && id.len() <= 256 => call.id = id.clone(),
             ("name", Value::String(n)) if valid_name(n) => call.name = n.clone(),
             ("input", Value::Object(_)) => call.arguments = v.clone(),
-            ("cache_control", v) => cache_control(v, &format!("{at}.cache_control"))?,
+            ("cache_control", v) => {
+                cache_control(v, &format!("{at}.cache_control"))?;
+            }
             ("id" | "name" | "input", _) => return bad(format!("{at}.{k}: invalid value")),
             (k, _) => return bad(format!("{at}.{k}: Extra inputs are not permitted")),
         }
@@ -310,7 +327,9 @@ fn tool_result_block(o: &serde_json::Map<String, Value>, at: &str) -> Result<Tur
             }
             ("content", Value::Null) => {}
             ("is_error", Value::Bool(b)) => is_error = *b,
-            ("cache_control", v) => cache_control(v, &format!("{at}.cache_control"))?,
+            ("cache_control", v) => {
+                cache_control(v, &format!("{at}.cache_control"))?;
+            }
             ("tool_use_id" | "content" | "is_error", _) => return bad(format!("{at}.{k}: invalid value")),
             (k, _) => return bad(format!("{at}.{k}: Extra inputs are not permitted")),
         }
@@ -361,17 +380,24 @@ fn describe(v: &Value) -> String {
     }
 }
 
-fn cache_control(v: &Value, at: &str) -> Result<(), ApiError> {
+fn cache_control(v: &Value, at: &str) -> Result<CacheTtl, ApiError> {
     let Some(o) = v.as_object() else { return bad(format!("{at}: expected an object")) };
     if o.get("type").and_then(Value::as_str) != Some("ephemeral") {
         return bad(format!("{at}.type: must be \"ephemeral\""));
     }
     match o.get("ttl") {
-        None | Some(Value::Null) => {}
-        Some(Value::String(t)) if t == "5m" || t == "1h" => {}
-        Some(_) => return bad(format!("{at}.ttl: must be \"5m\" or \"1h\"")),
+        None | Some(Value::Null) => Ok(CacheTtl::FiveMinutes),
+        Some(Value::String(t)) if t == "5m" => Ok(CacheTtl::FiveMinutes),
+        Some(Value::String(t)) if t == "1h" => Ok(CacheTtl::OneHour),
+        Some(_) => bad(format!("{at}.ttl: must be \"5m\" or \"1h\"")),
     }
-    Ok(())
+}
+
+/// A text block's text, and its `cache_control` breakpoint if it has one.
+fn cached_text_block(b: &Value, at: &str, allow_empty: bool) -> Result<(String, Option<CacheTtl>), ApiError> {
+    let text = text_block(b, at, allow_empty)?;
+    let ttl = b.get("cache_control").map(|v| cache_control(v, &format!("{at}.cache_control"))).transpose()?;
+    Ok((text, ttl))
 }
 
 /// A text block's text; refuses every other block type with a message naming it.
@@ -394,7 +420,9 @@ fn text_block(b: &Value, at: &str, allow_empty: bool) -> Result<String, ApiError
     for (k, v) in o {
         match k.as_str() {
             "type" | "text" => {}
-            "cache_control" => cache_control(v, &format!("{at}.cache_control"))?,
+            "cache_control" => {
+                cache_control(v, &format!("{at}.cache_control"))?;
+            }
             "citations" => {}
             k => return bad(format!("{at}.{k}: Extra inputs are not permitted")),
         }
@@ -407,7 +435,8 @@ fn text_block(b: &Value, at: &str, allow_empty: bool) -> Result<String, ApiError
     }
 }
 
-fn parse_messages(v: Option<&Value>) -> Result<Vec<Turn>, ApiError> {
+/// The turns, and each `cache_control` breakpoint in them (appended to `breakpoints`).
+fn parse_messages(v: Option<&Value>, breakpoints: &mut Vec<Breakpoint>) -> Result<Vec<Turn>, ApiError> {
     let arr = match v {
         Some(Value::Array(a)) => a,
         Some(v) => return bad(format!("messages: expected an array, got {}", type_name(v))),
@@ -438,8 +467,10 @@ fn parse_messages(v: Option<&Value>) -> Result<Vec<Turn>, ApiError> {
         };
         let is_final_assistant = i + 1 == n && role == Role::Assistant;
         // One message may become several turns: a user message's tool results come first.
-        let mut msg_turns: Vec<Turn> = vec![];
+        let mut msg_turns: Vec<(Turn, Option<CacheTtl>)> = vec![];
         let mut text_parts: Vec<String> = vec![];
+        // Breakpoints in this message's text: (end in the joined text, ttl).
+        let mut text_breaks: Vec<(usize, CacheTtl)> = vec![];
         let mut calls: Vec<ToolCall> = vec![];
         match o.get("content") {
             Some(Value::String(s)) => text_parts.push(s.clone()),
@@ -448,11 +479,20 @@ fn parse_messages(v: Option<&Value>) -> Result<Vec<Turn>, ApiError> {
                     let bat = format!("{at}.content[{j}]");
                     match (b.get("type").and_then(Value::as_str), b.as_object(), role) {
                         (Some("tool_use"), Some(bo), Role::Assistant) => calls.push(tool_use_block(bo, &bat)?),
-                        (Some("tool_result"), Some(bo), Role::User) => msg_turns.push(tool_result_block(bo, &bat)?),
+                        (Some("tool_result"), Some(bo), Role::User) => {
+                            let ttl = bo.get("cache_control").map(|v| cache_control(v, &format!("{bat}.cache_control"))).transpose()?;
+                            msg_turns.push((tool_result_block(bo, &bat)?, ttl));
+                        }
                         (Some(ty @ ("tool_use" | "tool_result")), _, _) => {
                             return bad(format!("{bat}: a {ty} block belongs in {} messages", if ty == "tool_use" { "assistant" } else { "user" }))
                         }
-                        _ => text_parts.push(text_block(b, &bat, is_final_assistant)?),
+                        _ => {
+                            let (text, ttl) = cached_text_block(b, &bat, is_final_assistant)?;
+                            text_parts.push(text);
+                            if let Some(ttl) = ttl {
+                                text_breaks.push((text_parts.iter().map(String::len).sum::<usize>() + 2 * (text_parts.len() - 1), ttl));
+                            }
+                        }
                     }
                 }
             }
@@ -466,12 +506,21 @@ fn parse_messages(v: Option<&Value>) -> Result<Vec<Turn>, ApiError> {
         if is_final_assistant && calls.is_empty() && text != text.trim_end() {
             return bad(format!("{at}: final assistant content cannot end with trailing whitespace"));
         }
-        if !text.is_empty() || !calls.is_empty() || msg_turns.is_empty() {
-            msg_turns.push(Turn { role, text, tool_calls: calls, tool_call_id: None });
+        let text_turn = !text.is_empty() || !calls.is_empty() || msg_turns.is_empty();
+        if text_turn {
+            msg_turns.push((Turn { role, text, tool_calls: calls, tool_call_id: None }, None));
         }
-        for t in msg_turns {
+        let last = msg_turns.len() - 1;
+        for (k, (t, ttl)) in msg_turns.into_iter().enumerate() {
+            let len = t.text.len();
             // Consecutive turns of the same role are combined, as the official API does.
-            push_turn(&mut turns, t);
+            let (turn, begins) = push_turn(&mut turns, t);
+            if let Some(ttl) = ttl {
+                breakpoints.push(Breakpoint { turn: Some(turn), end: begins + len, ttl });
+            }
+            if text_turn && k == last {
+                breakpoints.extend(text_breaks.iter().map(|&(end, ttl)| Breakpoint { turn: Some(turn), end: begins + end, ttl }));
+            }
         }
     }
     Ok(turns)
@@ -501,6 +550,40 @@ mod tests {
         assert_eq!(g.system.as_deref(), Some("sys"));
         assert_eq!(g.turns, vec![Turn::new(Role::User, "a\n\nb"), Turn::new(Role::Assistant, "The answer is")]);
         assert_eq!(g.params.temperature, 1.0);
+    }
+
+    #[test]
+    fn breakpoints_land_at_the_end_of_their_blocks() {
+        let cc = json!({"type": "ephemeral"});
+        let hour = json!({"type": "ephemeral", "ttl": "1h"});
+        let r = parse(
+            &json!({"model": "m", "max_tokens": 5, "cache_control": cc,
+                "system": [{"type": "text", "text": "one"}, {"type": "text", "text": "two", "cache_control": hour}, {"type": "text", "text": "three"}],
+                "messages": [
+                    {"role": "user", "content": "a"},
+                    {"role": "user", "content": [{"type": "text", "text": "bb", "cache_control": cc}, {"type": "text", "text": "c"}]},
+                    {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {}}]},
+                    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "42", "cache_control": cc}, {"type": "text", "text": "ok"}]}]}),
+            Endpoint::Messages,
+        )
+        .unwrap();
+        let g = r.generation;
+        let five = CacheTtl::FiveMinutes;
+        // "one\n\ntwo": the end of "two"; "a\n\nbb": the end of "bb" in the combined turn; the
+        // tool result's turn; the top-level breakpoint at the end of the last message.
+        assert_eq!(g.system.as_deref().map(|s| &s[..8]), Some("one\n\ntwo"));
+        assert_eq!(
+            g.breakpoints,
+            vec![
+                Breakpoint { turn: None, end: 8, ttl: CacheTtl::OneHour },
+                Breakpoint { turn: Some(0), end: 5, ttl: five },
+                Breakpoint { turn: Some(2), end: 2, ttl: five },
+                Breakpoint { turn: Some(3), end: 2, ttl: five },
+            ]
+        );
+        assert_eq!(&g.turns[0].text[..5], "a\n\nbb");
+        assert_eq!(g.turns[2].text, "42");
+        assert_eq!(g.turns[3].text, "ok");
     }
 
     #[test]

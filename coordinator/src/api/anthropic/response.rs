@@ -18,8 +18,10 @@ use zerolayer_common::{SeqEvent, StopReason, Usage};
 use super::request::{self, Endpoint, MessagesRequest};
 use crate::api::shared::{self, collect, failed, finish, json_body, named_event, new_id, shut_down, AppState, Following, Next, RequestId, SseStep};
 use crate::auth::Caller;
+use crate::caching;
 use crate::coordinator::{Accepted, Coordinator};
 use crate::diagnostics::Diagnosis;
+use crate::request::CacheTtl;
 use crate::error::ApiError;
 use crate::tools::{split_calls, CallParser, Piece, Tool};
 
@@ -45,14 +47,22 @@ fn parse(c: &Coordinator, headers: &HeaderMap, body: Result<Bytes, BytesRejectio
     Ok(req)
 }
 
+/// A request prepared on the pool: parsed, length-checked, its prompt's tokens, and (for a
+/// generation) where its cache breakpoints fall in them.
+type Prepared = (MessagesRequest, Vec<u32>, Vec<(usize, CacheTtl)>);
+
 /// Parses, checks the length and renders the prompt, on the preparation pool.
-async fn prepare(c: &AppState, headers: HeaderMap, body: Result<Bytes, BytesRejection>, endpoint: Endpoint) -> Result<(MessagesRequest, Vec<u32>), ApiError> {
+async fn prepare(c: &AppState, headers: HeaderMap, body: Result<Bytes, BytesRejection>, endpoint: Endpoint) -> Result<Prepared, ApiError> {
     let c2 = c.clone();
     c.prepare(move || {
         let req = parse(&c2, &headers, body, endpoint)?;
         c2.check_length(&req.generation)?;
         let ids = c2.prompt_ids(&req.generation)?;
-        Ok((req, ids))
+        let breakpoints = match endpoint {
+            Endpoint::Messages => caching::breakpoint_tokens(&req.generation, &c2.template, &c2.tokenizer),
+            Endpoint::CountTokens => vec![],
+        };
+        Ok((req, ids, breakpoints))
     })
     .await?
 }
@@ -68,7 +78,7 @@ pub async fn count_tokens(
 ) -> Response {
     let counted = async {
         let admitted = c.admit(&caller, false)?;
-        let (_, ids) = prepare(&c, headers, body, Endpoint::CountTokens).await?;
+        let (_, ids, _) = prepare(&c, headers, body, Endpoint::CountTokens).await?;
         let charge = (ids.len() as f64 * c.config.limits.count_tokens_charge).ceil() as u64;
         admitted.ticket.charge_input(charge, false).map_err(crate::auth::rate_limited)?;
         Ok::<_, ApiError>(ids.len())
@@ -80,13 +90,15 @@ pub async fn count_tokens(
     finish(&c, "count_tokens", resp, None)
 }
 
-fn usage_json(u: &Usage) -> Value {
+/// `usage`, with the prompt split at the request's cache breakpoints (`caching`).
+fn usage_json(u: &Usage, breakpoints: &[(usize, CacheTtl)]) -> Value {
+    let c = caching::split(u.prompt_tokens(), u.prompt_tokens_cached, breakpoints);
     json!({
-        "input_tokens": u.prompt_tokens_uncached,
+        "input_tokens": c.input,
         "output_tokens": u.output_tokens,
-        "cache_creation_input_tokens": 0,
-        "cache_read_input_tokens": u.prompt_tokens_cached,
-        "cache_creation": {"ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": 0},
+        "cache_creation_input_tokens": c.creation(),
+        "cache_read_input_tokens": c.read,
+        "cache_creation": {"ephemeral_5m_input_tokens": c.creation_5m, "ephemeral_1h_input_tokens": c.creation_1h},
         "service_tier": "standard",
     })
 }
@@ -142,9 +154,10 @@ pub async fn messages(
 ) -> Response {
     let started = async {
         let admitted = c.admit(&caller, true)?;
-        let (req, ids) = prepare(&c, headers, body, Endpoint::Messages).await?;
+        let (req, ids, breakpoints) = prepare(&c, headers, body, Endpoint::Messages).await?;
         let (model, stream, tools) = (req.generation.model.clone(), req.generation.stream, req.generation.offered_tools().to_vec());
-        let acc = c.start(admitted, &caller, req.generation, ids, &rid.0).await?;
+        let mut acc = c.start(admitted, &caller, req.generation, ids, &rid.0).await?;
+        acc.breakpoints = breakpoints;
         Ok::<_, ApiError>((acc, model, stream, tools, req.diagnostics, req.context_management))
     };
     let (acc, model, stream, tools, diagnostics, context_management) = match started.await {
@@ -159,13 +172,14 @@ pub async fn messages(
         let s = MessageStream::new(c.clone(), acc, msg_id, model, context_management, &tools, diagnostics);
         return finish(&c, "messages", shared::sse_response(s, MessageStream::step), Some(&served_by));
     }
+    let breakpoints = acc.breakpoints.clone();
     let resp = match collect(&c, acc).await {
         Ok((text, reason, usage)) => {
             let (content, calls) = content_blocks(&tools, text);
             let (stop_reason, stop_sequence) = stop_fields(&reason, calls);
             let mut body = json!({
                 "id": msg_id, "type": "message", "role": "assistant", "content": content, "model": model,
-                "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": usage_json(&usage),
+                "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": usage_json(&usage, &breakpoints),
             });
             if let Some(d) = diagnostics {
                 body["diagnostics"] = d;
@@ -198,6 +212,8 @@ struct MessageStream {
     context_management: bool,
     /// `diagnostics`, sent in `message_start`.
     diagnostics: Option<Value>,
+    /// The cache breakpoints' token positions, for `usage`.
+    breakpoints: Vec<(usize, CacheTtl)>,
 }
 
 impl MessageStream {
@@ -205,6 +221,7 @@ impl MessageStream {
         let ping_every = Duration::from_millis(c.config.server.ping_interval_ms.max(100));
         let parser = (!tools.is_empty()).then(|| CallParser::new(tools));
         MessageStream {
+            breakpoints: acc.breakpoints.clone(),
             seq: Following::new(c, acc),
             msg_id,
             model,
@@ -265,7 +282,7 @@ impl MessageStream {
     fn message_start(&self, usage: &Usage) -> Event {
         let mut message = json!({
             "id": self.msg_id, "type": "message", "role": "assistant", "content": [], "model": self.model,
-            "stop_reason": null, "stop_sequence": null, "usage": usage_json(usage)});
+            "stop_reason": null, "stop_sequence": null, "usage": usage_json(usage, &self.breakpoints)});
         if let Some(d) = &self.diagnostics {
             message["diagnostics"] = d.clone();
         }

@@ -224,5 +224,5 @@ pub fn parse(body: &Value) -> Result<ChatRequest, ApiError> {
     let system = if system.is_empty() { None } else { Some(system.join("\n\n")) };
     // `ignore_eos` is vLLM's extension: keep generating past end tokens (benchmarks).
     let params = SamplingParams { temperature, top_k: None, top_p, seed, max_tokens: 0, stop_sequences: stop, ignore_eos };
-    Ok(ChatRequest { generation: GenerationRequest { model, system, turns, max_tokens, params, stream, tools, tool_choice }, include_usage })
+    Ok(ChatRequest { generation: GenerationRequest { model, system, turns, max_tokens, params, stream, tools, tool_choice, breakpoints: vec![] }, include_usage })
 }

@@ -1,0 +1,106 @@
+//! Anthropic prompt-caching semantics on the prefix cache, through HTTP on the real model:
+//! `cache_control` breakpoints decide how `usage` splits the prompt into tokens read from the
+//! cache, written to it (by TTL), and plain input.
+
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use zerolayer_tests::*;
+
+const MODEL: &str = "smollm2-135m-instruct";
+
+fn client() -> reqwest::Client {
+    reqwest::Client::builder().timeout(Duration::from_secs(120)).build().unwrap()
+}
+
+fn body(system: &str, ttl: Option<&str>, user: &str) -> Value {
+    let mut cc = json!({"type": "ephemeral"});
+    if let Some(t) = ttl {
+        cc["ttl"] = json!(t);
+    }
+    json!({
+        "model": MODEL, "max_tokens": 2, "temperature": 0,
+        "system": [{"type": "text", "text": "You are a careful reader."}, {"type": "text", "text": system, "cache_control": cc}],
+        "messages": [{"role": "user", "content": user}],
+    })
+}
+
+fn total(u: &Value) -> u64 {
+    ["input_tokens", "cache_creation_input_tokens", "cache_read_input_tokens"].iter().map(|k| u[k].as_u64().unwrap()).sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn breakpoints_split_usage_into_written_read_and_input() {
+    let _g = heavy();
+    let s = TestServer::start(|_| {}).await;
+    let c = client();
+    let post = |b: Value| {
+        let c = c.clone();
+        let url = s.url("/v1/messages");
+        async move {
+            let r = c.post(url).json(&b).send().await.unwrap();
+            let status = r.status().as_u16();
+            (status, r.json::<Value>().await.unwrap())
+        }
+    };
+    let system = LOREM.repeat(2);
+
+    // First call: the system prompt up to its breakpoint is written, nothing is read.
+    let (st, v) = post(body(&system, None, "Summarise the text in one word.")).await;
+    assert_eq!(st, 200, "{v}");
+    let u = &v["usage"];
+    let written = u["cache_creation_input_tokens"].as_u64().unwrap();
+    assert_eq!(u["cache_read_input_tokens"], 0, "{u}");
+    assert!(written > 300, "the ~{}-byte system prompt was written: {u}", system.len());
+    assert_eq!(u["cache_creation"]["ephemeral_5m_input_tokens"].as_u64().unwrap(), written);
+    assert_eq!(u["cache_creation"]["ephemeral_1h_input_tokens"], 0);
+    let input = u["input_tokens"].as_u64().unwrap();
+    assert!(input > 0 && input < 40, "only the user turn and the scaffolding after the breakpoint are input: {u}");
+    let prompt = total(u);
+
+    // The same request again: the reverse. Read from the cache, nothing written.
+    let (st, v) = post(body(&system, None, "Summarise the text in one word.")).await;
+    assert_eq!(st, 200);
+    let u = &v["usage"];
+    assert_eq!(u["cache_creation_input_tokens"], 0, "{u}");
+    assert!(u["cache_read_input_tokens"].as_u64().unwrap() >= written, "{u}");
+    assert_eq!(total(u), prompt, "the three parts always add up to the prompt");
+
+    // A new question after the cached system prompt: still read, and the breakpoint's prefix
+    // is all cached, so nothing is written.
+    let (_, v) = post(body(&system, None, "Which century does it mention?")).await;
+    let u = &v["usage"];
+    assert!(u["cache_read_input_tokens"].as_u64().unwrap() >= written - 4, "{u}");
+    assert_eq!(u["cache_creation_input_tokens"], 0, "{u}");
+
+    // A one-hour breakpoint on new text, streamed: message_start reports it under 1h.
+    let mut b = body(&format!("{system} Second edition."), Some("1h"), "Hi");
+    b["stream"] = json!(true);
+    let raw = c.post(s.url("/v1/messages")).json(&b).send().await.unwrap().text().await.unwrap();
+    let events = parse_sse(&raw);
+    let start = &events.iter().find(|(e, _)| e == "message_start").unwrap().1["message"]["usage"];
+    let h = start["cache_creation"]["ephemeral_1h_input_tokens"].as_u64().unwrap();
+    assert!(h > 0 && h == start["cache_creation_input_tokens"].as_u64().unwrap(), "{start}");
+    assert!(start["cache_read_input_tokens"].as_u64().unwrap() > 0, "the shared start of the system prompt is read: {start}");
+
+    // Top-level cache_control (automatic caching): the breakpoint is the end of the last
+    // message, so all but the assistant scaffolding is written.
+    let (_, v) = post(json!({"model": MODEL, "max_tokens": 2, "temperature": 0, "cache_control": {"type": "ephemeral"},
+        "messages": [{"role": "user", "content": format!("Third: {system}")}]}))
+    .await;
+    let u = &v["usage"];
+    assert!(u["cache_creation_input_tokens"].as_u64().unwrap() > 300 && u["input_tokens"].as_u64().unwrap() < 10, "{u}");
+
+    // Without a breakpoint nothing counts as written, whatever the prefix cache holds.
+    let (_, v) = post(json!({"model": MODEL, "max_tokens": 2, "temperature": 0, "messages": [{"role": "user", "content": format!("Fourth: {system}")}]})).await;
+    assert_eq!(v["usage"]["cache_creation_input_tokens"], 0, "{v}");
+
+    // At most four breakpoints, as the official API.
+    let block = json!({"type": "text", "text": "a", "cache_control": {"type": "ephemeral"}});
+    let (st, v) = post(json!({"model": MODEL, "max_tokens": 2, "system": [block, block, block],
+        "messages": [{"role": "user", "content": [block, block]}]}))
+    .await;
+    assert_eq!(st, 400, "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("A maximum of 4 blocks with cache_control"), "{v}");
+    s.stop().await.unwrap();
+}
