@@ -403,6 +403,10 @@ impl StepGate {
         self.inner.0.lock().unwrap().held = true;
     }
 
+    pub fn is_held(&self) -> bool {
+        self.inner.0.lock().unwrap().held
+    }
+
     pub fn release(&self) {
         let (m, cv) = &*self.inner;
         m.lock().unwrap().held = false;

@@ -538,25 +538,27 @@ async fn kv_short_requests_queue_across_workers() {
             (r.status().as_u16(), by, r.text().await.unwrap())
         })
     };
-    // Two holders, one per worker, each holding its prompt's ~58 blocks.
+    // Two holders, one per worker, each holding its prompt's ~58 blocks. Each worker's engine is
+    // held as soon as its holder runs, so no holder can finish before the burst is placed.
     let mut tasks = vec![];
     for i in 0..2 {
         let holder = json!({"model": "smollm2-135m-instruct", "max_tokens": 60, "ignore_eos": true, "temperature": 0,
                             "messages": [{"role": "user", "content": note(i)}]});
         tasks.push(send(holder, s.url("/v1/chat/completions")));
-        within(60, "the holder runs", async {
-            while s.coordinator.workers.iter().map(|w| w.handle.signals().running).sum::<u32>() < i as u32 + 1 {
+        let w = within(60, "the holder runs", async {
+            loop {
+                if let Some(w) = (0..2).find(|&w| s.coordinator.workers[w].handle.signals().running == 1 && !gates[w].is_held()) {
+                    break w;
+                }
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
         })
         .await;
+        gates[w].hold();
+        gates[w].wait_blocked(Duration::from_secs(60)).await;
     }
     let free: Vec<u32> = s.coordinator.workers.iter().map(|w| w.handle.signals().kv_blocks_free).collect();
     assert!(s.coordinator.workers.iter().all(|w| w.handle.signals().running == 1), "one holder per worker");
-    for g in &gates {
-        g.hold();
-        g.wait_blocked(Duration::from_secs(60)).await;
-    }
     for i in 2..6 {
         tasks.push(send(msg_body(&note(i), 8, false), s.url("/v1/messages")));
     }
