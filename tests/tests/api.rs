@@ -644,7 +644,7 @@ async fn claude_code_request_shape_is_accepted() {
         )
         .unwrap();
     let usage = &events[0].1["message"]["usage"];
-    let prompt = usage["input_tokens"].as_u64().unwrap() + usage["cache_read_input_tokens"].as_u64().unwrap();
+    let prompt: u64 = ["input_tokens", "cache_creation_input_tokens", "cache_read_input_tokens"].iter().map(|k| usage[k].as_u64().unwrap()).sum();
     assert_eq!(prompt as usize, l.tokenizer.encode(&want).unwrap().len());
     // Without the beta too: Claude Code names it only for models it knows.
     let mut plain = body.clone();
