@@ -28,11 +28,16 @@ pub struct SamplingParams {
     /// Keep generating past the model's end tokens (benchmarks only).
     #[serde(default)]
     pub ignore_eos: bool,
+    /// A grammar the output must match, in llguidance's Lark dialect (JSON schemas embedded as
+    /// `%json {…}`): tokens it does not allow are never sampled. Built by the coordinator from
+    /// `tool_choice` and the requested output format; None leaves the output free.
+    #[serde(default)]
+    pub grammar: Option<String>,
 }
 
 impl Default for SamplingParams {
     fn default() -> Self {
-        SamplingParams { temperature: 1.0, top_k: None, top_p: None, seed: None, max_tokens: 256, stop_sequences: vec![], ignore_eos: false }
+        SamplingParams { temperature: 1.0, top_k: None, top_p: None, seed: None, max_tokens: 256, stop_sequences: vec![], ignore_eos: false, grammar: None }
     }
 }
 

@@ -194,6 +194,17 @@ impl Coordinator {
         crate::prompt::prompt_ids(req, &self.template, &self.tokenizer, self.config.model.special_tokens_in_content)
     }
 
+    /// Sets the grammar the reply is held to (`tool_choice`, the output format: see
+    /// [`crate::constrain`]) and checks that it compiles, so that a schema the engine cannot
+    /// enforce is the client's 400 before anything is placed. CPU work: runs in `prepare`.
+    pub fn constrain(&self, req: &mut GenerationRequest) -> Result<(), ApiError> {
+        req.params.grammar = req.grammar()?;
+        if let Some(g) = &req.params.grammar {
+            self.tokenizer.grammars()?.compile(g)?;
+        }
+        Ok(())
+    }
+
     /// Charges the prompt to the key, then places and submits it. A draining node still accepts
     /// requests (its workers are out of placement; other nodes' are not); only a node past its
     /// shutdown grace period refuses.

@@ -167,6 +167,8 @@ mod tests {
             stream: false,
             tools: vec![],
             tool_choice: ToolChoice::Auto,
+            parallel_tool_calls: true,
+            format: None,
             breakpoints: vec![],
         }
     }

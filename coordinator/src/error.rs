@@ -127,6 +127,7 @@ impl From<WorkerError> for ApiError {
             WorkerError::QueueFull(_) => ApiError::Overloaded("Overloaded: the worker's queue is full; retry later".into()),
             WorkerError::ShuttingDown => ApiError::Overloaded("Overloaded: the server is shutting down".into()),
             WorkerError::Invalid(m) => ApiError::invalid(m),
+            WorkerError::Grammar(m) => ApiError::invalid(m),
             WorkerError::Template(m) => ApiError::invalid(format!("chat template: {m}")),
             other => ApiError::Internal(other.to_string()),
         }

@@ -25,6 +25,7 @@ pub mod api;
 pub mod auth;
 pub mod caching;
 pub mod clock;
+pub mod constrain;
 pub mod cluster;
 pub mod coordinator;
 pub mod diagnostics;

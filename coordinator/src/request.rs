@@ -122,6 +122,12 @@ pub struct GenerationRequest {
     /// The functions the model may call, and whether it may.
     pub tools: Vec<Tool>,
     pub tool_choice: ToolChoice,
+    /// Whether one reply may make several calls (Anthropic's `disable_parallel_tool_use`
+    /// inverted, OpenAI's `parallel_tool_calls`).
+    pub parallel_tool_calls: bool,
+    /// A JSON schema the reply's text must match (Anthropic `output_config.format`, OpenAI
+    /// `response_format`), enforced by constrained decoding.
+    pub format: Option<serde_json::Value>,
     /// Where the client put `cache_control` breakpoints (Anthropic only): usage reports the
     /// prompt up to the last of them that was not read from the cache as written to it.
     pub breakpoints: Vec<Breakpoint>,
@@ -131,9 +137,24 @@ impl GenerationRequest {
     /// The tools the model is shown (none when `tool_choice` is `none`).
     pub fn offered_tools(&self) -> &[Tool] {
         match self.tool_choice {
-            ToolChoice::Auto => &self.tools,
             ToolChoice::None => &[],
+            ToolChoice::Auto | ToolChoice::Any | ToolChoice::Tool(_) => &self.tools,
         }
+    }
+
+    /// The calls a reply may hold (see [`crate::tools::Calls`]).
+    pub fn calls(&self) -> crate::tools::Calls {
+        crate::tools::Calls { tools: self.offered_tools().to_vec(), bare: self.format.is_none() }
+    }
+
+    /// The grammar constrained decoding holds the reply to, if any (see [`crate::constrain`]).
+    pub fn grammar(&self) -> Result<Option<String>, ApiError> {
+        crate::constrain::grammar(crate::constrain::Shape {
+            tools: self.offered_tools(),
+            choice: &self.tool_choice,
+            format: self.format.as_ref(),
+            parallel: self.parallel_tool_calls,
+        })
     }
 
     /// Bytes of conversation text (system and turns): what any rendering of the prompt holds at

@@ -61,14 +61,18 @@ impl ToolCall {
     }
 }
 
-/// Whether the model may call the offered tools.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// Whether the model may, or must, call the offered tools.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub enum ToolChoice {
     /// The model decides.
     #[default]
     Auto,
     /// No calls: the tools are not shown to the model.
     None,
+    /// A call to one of the tools is forced (Anthropic `any`, OpenAI `required`).
+    Any,
+    /// A call to this tool is forced.
+    Tool(String),
 }
 
 /// Checks a function name: `^[a-zA-Z0-9_-]{1,64}$`, as both APIs require.
@@ -106,6 +110,13 @@ pub struct CallParser {
 impl CallParser {
     pub fn new(tools: &[Tool]) -> Self {
         CallParser { names: tools.iter().map(|t| t.name.clone()).collect(), buf: String::new(), in_call: false, bare: None, calls: 0 }
+    }
+
+    /// A parser that only takes tagged calls: a reply that is JSON stays text (the reply's text
+    /// is held to an output format, and its JSON is the answer).
+    pub fn tagged_only(mut self) -> Self {
+        self.bare = Some(false);
+        self
     }
 
     /// Takes the next generated text; returns what is now known.
@@ -236,10 +247,29 @@ fn push_text(out: &mut Vec<Piece>, text: &str) {
     }
 }
 
+/// The calls a reply may hold: the tools offered, and whether a reply that is nothing but a
+/// call's JSON counts as a call (not when the reply's text is held to an output format).
+#[derive(Clone, Debug, Default)]
+pub struct Calls {
+    pub tools: Vec<Tool>,
+    pub bare: bool,
+}
+
+impl Calls {
+    /// The parser for a reply, or None when no tools were offered.
+    pub fn parser(&self) -> Option<CallParser> {
+        if self.tools.is_empty() {
+            return None;
+        }
+        let p = CallParser::new(&self.tools);
+        Some(if self.bare { p } else { p.tagged_only() })
+    }
+}
+
 /// All of a finished generation's pieces, with the whitespace around calls dropped (the model
 /// puts newlines between calls).
-pub fn split_calls(tools: &[Tool], text: &str) -> (Vec<Piece>, usize) {
-    let mut p = CallParser::new(tools);
+pub fn split_calls(calls: &Calls, text: &str) -> (Vec<Piece>, usize) {
+    let Some(mut p) = calls.parser() else { return (vec![Piece::Text(text.to_string())], 0) };
     let mut pieces = Vec::new();
     for piece in p.push(text).into_iter().chain(p.finish()) {
         match piece {
@@ -266,10 +296,24 @@ mod tests {
         ["get_weather", "read_file"].iter().map(|n| Tool { name: n.to_string(), description: None, parameters: json!({"type": "object"}), deferred: false }).collect()
     }
 
+    fn calls() -> Calls {
+        Calls { tools: tools(), bare: true }
+    }
+
+    #[test]
+    fn json_held_to_an_output_format_is_an_answer_not_a_call() {
+        let bare = "{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}";
+        let answer = Calls { tools: tools(), bare: false };
+        assert_eq!(split_calls(&answer, bare), (vec![Piece::Text(bare.into())], 0));
+        let tagged = format!("<tool_call>\n{bare}\n</tool_call>");
+        assert_eq!(split_calls(&answer, &tagged).1, 1);
+        assert_eq!(split_calls(&Calls::default(), bare), (vec![Piece::Text(bare.into())], 0));
+    }
+
     #[test]
     fn calls_are_found_whole_or_split_anywhere() {
         let text = "Let me check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>\n<tool_call>\n{\"name\": \"read_file\", \"arguments\": \"{\\\"path\\\": \\\"a.txt\\\"}\"}\n</tool_call>";
-        let (pieces, calls) = split_calls(&tools(), text);
+        let (pieces, calls) = split_calls(&calls(), text);
         assert_eq!(calls, 2);
         assert_eq!(
             pieces,
@@ -302,12 +346,12 @@ mod tests {
             "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": }\n</tool_call>", // bad JSON
             "a < b and <tool_ and <tool_call",
         ] {
-            let (pieces, calls) = split_calls(&tools(), text);
+            let (pieces, calls) = split_calls(&calls(), text);
             assert_eq!(calls, 0, "{text}");
             assert_eq!(pieces, vec![Piece::Text(text.trim().to_string())], "{text}");
         }
         // An unclosed call that parses counts (the model stopped at its end token).
-        let (pieces, calls) = split_calls(&tools(), "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\"}}");
+        let (pieces, calls) = split_calls(&calls(), "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\"}}");
         assert_eq!(calls, 1);
         assert_eq!(pieces, vec![Piece::Call { name: "get_weather".into(), arguments: json!({"city": "Oslo"}) }]);
     }
@@ -317,14 +361,14 @@ mod tests {
     #[test]
     fn bare_calls_count_and_other_json_stays_text() {
         let bare = "{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}";
-        assert_eq!(split_calls(&tools(), bare), (vec![Piece::Call { name: "get_weather".into(), arguments: json!({"city": "Paris"}) }], 1));
+        assert_eq!(split_calls(&calls(), bare), (vec![Piece::Call { name: "get_weather".into(), arguments: json!({"city": "Paris"}) }], 1));
         let mut p = CallParser::new(&tools());
         assert!(bare.chars().all(|c| p.push(&c.to_string()).is_empty()), "held back until the end");
         assert_eq!(p.finish(), vec![Piece::Call { name: "get_weather".into(), arguments: json!({"city": "Paris"}) }]);
         let fenced = "```json\n{\n  \"name\": \"get_weather\",\n  \"arguments\": {\"city\": \"Paris\"}\n}\n```";
-        assert_eq!(split_calls(&tools(), fenced).1, 1);
+        assert_eq!(split_calls(&calls(), fenced).1, 1);
         for text in ["{\"a\": 1}", "{\"name\": \"rm_rf\", \"arguments\": {}}", "{ not json", "Plain {\"name\": \"get_weather\"}", "```\nls -la\n```"] {
-            assert_eq!(split_calls(&tools(), text), (vec![Piece::Text(text.into())], 0), "{text}");
+            assert_eq!(split_calls(&calls(), text), (vec![Piece::Text(text.into())], 0), "{text}");
         }
     }
 

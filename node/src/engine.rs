@@ -11,6 +11,7 @@ use zerolayer_common::{KvEvent, SamplingParams, SeqEvent, Share, StopReason, Usa
 use crate::error::{Result, WorkerError};
 use crate::migrate::{Export, ImportReport, KvImport};
 use crate::model::{recycle, ForwardItem, KvCache, Model};
+use crate::grammar::Constraint;
 use crate::sampler::Sampler;
 use crate::scheduler::{Plan, Scheduler, SchedulerConfig, SeqId};
 use crate::step_time::{StallFree, StepShape, StepTimeModel};
@@ -57,18 +58,20 @@ struct SeqState {
     sampler: Sampler,
     decoder: IncrementalDecoder,
     stop: StopChecker,
+    /// The grammar the output must match, if the request set one.
+    constraint: Option<Constraint>,
 }
 
 impl SeqState {
     fn new(params: SamplingParams, sampled: u64) -> Self {
-        SeqState { sampler: Sampler::new(&params, sampled), decoder: IncrementalDecoder::default(), stop: StopChecker::new(&params.stop_sequences), params }
+        SeqState { sampler: Sampler::new(&params, sampled), decoder: IncrementalDecoder::default(), stop: StopChecker::new(&params.stop_sequences), params, constraint: None }
     }
 
     /// The text the newest token of `generated` completes (the token is `generated`'s last),
     /// and whether the sequence ends with it: the end token, a stop sequence, `max_tokens`.
     fn advance(&mut self, tok: &Tokenizer, generated: &[u32]) -> Result<(String, Option<StopReason>)> {
         let last = *generated.last().expect("a new token");
-        let end = tok.is_end_token(last) && !self.params.ignore_eos;
+        let end = tok.is_end_token(last) && (!self.params.ignore_eos || self.params.grammar.is_some());
         let at_limit = !end && generated.len() >= self.params.max_tokens as usize;
         // An end token adds no text of its own: only what the decoder still holds back.
         let gen = &generated[..generated.len() - usize::from(end)];
@@ -223,6 +226,11 @@ impl Engine {
             if let (_, Some(reason)) = st.advance(&self.tokenizer, &generated[..k])? {
                 ended = Some(reason);
                 break;
+            }
+        }
+        if ended.is_none() {
+            if let Some(lark) = &st.params.grammar {
+                st.constraint = Some(Constraint::new(self.tokenizer.grammars()?, lark, &generated)?);
             }
         }
         let prompt_len = prompt.len();
@@ -445,7 +453,14 @@ impl Engine {
     /// token and `max_tokens`, emit the token's text, and finish the sequence if it is over.
     fn on_token(&mut self, id: SeqId, logits: &[f32], out: &mut StepOutput) -> Result<()> {
         let st = self.states.get_mut(&id).expect("state for scheduled sequence");
-        let tok = st.sampler.sample(logits);
+        let tok = match &mut st.constraint {
+            None => st.sampler.sample(logits, None),
+            Some(c) => {
+                let tok = st.sampler.sample(logits, Some(c.allowed()?));
+                c.commit(tok)?;
+                tok
+            }
+        };
         self.sched.append_token(id, tok);
         self.generated_total += 1;
         let s = self.sched.get(id).expect("scheduled sequence");

@@ -16,6 +16,8 @@ pub enum WorkerError {
     QueueFull(usize),
     #[error("invalid request: {0}")]
     Invalid(String),
+    #[error("grammar: {0}")]
+    Grammar(String),
     #[error("worker is shutting down")]
     ShuttingDown,
     #[error("io: {0}")]
@@ -36,6 +38,7 @@ impl WorkerError {
             WorkerError::TooLong { .. } => "too_long",
             WorkerError::QueueFull(_) => "queue_full",
             WorkerError::Invalid(_) => "invalid",
+            WorkerError::Grammar(_) => "grammar",
             WorkerError::ShuttingDown => "shutting_down",
             WorkerError::Io(_) => "io",
         }

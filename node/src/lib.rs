@@ -18,6 +18,7 @@ pub mod block_pool;
 pub mod chat;
 pub mod engine;
 pub mod error;
+pub mod grammar;
 pub mod loader;
 pub mod migrate;
 pub mod model;

@@ -48,16 +48,27 @@ impl Sampler {
         self.seed
     }
 
-    pub fn sample(&mut self, logits: &[f32]) -> u32 {
+    /// Draws the next token from `logits`; with `allowed` (a grammar's bitset of the tokens it
+    /// allows, bit `t % 32` of word `t / 32`), only from those.
+    pub fn sample(&mut self, logits: &[f32], allowed: Option<&[u32]>) -> u32 {
         let step = self.step;
         self.step += 1;
         if self.temperature == 0.0 || self.top_k == 1 {
-            return argmax(logits);
+            return match allowed {
+                None => argmax(logits),
+                Some(mask) => argmax_allowed(logits, mask),
+            };
         }
         let inv_t = 1.0 / self.temperature;
         let c = &mut self.candidates;
         c.clear();
-        c.extend(logits.iter().enumerate().map(|(i, &l)| (i as u32, l * inv_t)));
+        match allowed {
+            None => c.extend(logits.iter().enumerate().map(|(i, &l)| (i as u32, l * inv_t))),
+            Some(mask) => c.extend(set_bits(mask, logits.len()).map(|i| (i as u32, logits[i] * inv_t))),
+        }
+        if c.is_empty() {
+            return argmax(logits);
+        }
         let by_desc = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
         if self.top_k < c.len() {
             c.select_nth_unstable_by(self.top_k - 1, by_desc);
@@ -94,6 +105,35 @@ impl Sampler {
     }
 }
 
+/// The set bits of `mask` below `n`, in order.
+fn set_bits(mask: &[u32], n: usize) -> impl Iterator<Item = usize> + '_ {
+    mask.iter().enumerate().flat_map(move |(w, &bits)| {
+        let mut b = bits;
+        std::iter::from_fn(move || {
+            if b == 0 {
+                return None;
+            }
+            let i = b.trailing_zeros() as usize;
+            b &= b - 1;
+            Some(w * 32 + i)
+        })
+    })
+    .take_while(move |&i| i < n)
+}
+
+/// [`argmax`] over the tokens `mask` allows (the first of them when none has a number).
+pub fn argmax_allowed(logits: &[f32], mask: &[u32]) -> u32 {
+    let mut best = None;
+    let mut bv = f32::NEG_INFINITY;
+    for i in set_bits(mask, logits.len()) {
+        if best.is_none() || logits[i] > bv || bv.is_nan() {
+            bv = logits[i];
+            best = Some(i);
+        }
+    }
+    best.unwrap_or(0) as u32
+}
+
 /// Index of the largest logit (the first, on ties). NaNs are never chosen over numbers.
 pub fn argmax(logits: &[f32]) -> u32 {
     let mut best = 0usize;
@@ -114,8 +154,8 @@ mod tests {
     #[test]
     fn greedy_is_exact_argmax() {
         let mut s = Sampler::new(&SamplingParams::greedy(1), 0);
-        assert_eq!(s.sample(&[0.1, 3.0, 2.9999, -1.0]), 1);
-        assert_eq!(s.sample(&[5.0, 5.0]), 0);
+        assert_eq!(s.sample(&[0.1, 3.0, 2.9999, -1.0], None), 1);
+        assert_eq!(s.sample(&[5.0, 5.0], None), 0);
     }
 
     #[test]
@@ -124,19 +164,19 @@ mod tests {
         let logits: Vec<f32> = (0..50).map(|i| (i as f32 * 0.37).sin()).collect();
         let mut a = Sampler::new(&p, 0);
         let mut b = Sampler::new(&p, 0);
-        let xs: Vec<u32> = (0..64).map(|_| a.sample(&logits)).collect();
-        let ys: Vec<u32> = (0..64).map(|_| b.sample(&logits)).collect();
+        let xs: Vec<u32> = (0..64).map(|_| a.sample(&logits, None)).collect();
+        let ys: Vec<u32> = (0..64).map(|_| b.sample(&logits, None)).collect();
         assert_eq!(xs, ys);
         // A sampler that starts at step 40 (a sequence that moved after 40 tokens) draws what
         // the original drew from step 40 on.
         let mut moved = Sampler::new(&p, 40);
-        let zs: Vec<u32> = (40..64).map(|_| moved.sample(&logits)).collect();
+        let zs: Vec<u32> = (40..64).map(|_| moved.sample(&logits, None)).collect();
         assert_eq!(zs, xs[40..]);
         // Without a seed one is drawn, and it can be read back to continue elsewhere.
         let mut unseeded = Sampler::new(&SamplingParams { seed: None, ..p.clone() }, 0);
-        let first: Vec<u32> = (0..8).map(|_| unseeded.sample(&logits)).collect();
+        let first: Vec<u32> = (0..8).map(|_| unseeded.sample(&logits, None)).collect();
         let mut again = Sampler::new(&SamplingParams { seed: Some(unseeded.seed()), ..p.clone() }, 0);
-        assert_eq!((0..8).map(|_| again.sample(&logits)).collect::<Vec<_>>(), first);
+        assert_eq!((0..8).map(|_| again.sample(&logits, None)).collect::<Vec<_>>(), first);
         let mut top: Vec<u32> = (0..50).collect();
         top.sort_by(|&i, &j| logits[j as usize].total_cmp(&logits[i as usize]));
         assert!(xs.iter().all(|x| top[..2].contains(x)));
@@ -148,7 +188,22 @@ mod tests {
         let p = SamplingParams { temperature: 1.0, top_p: Some(1e-6), seed: Some(1), ..Default::default() };
         let mut s = Sampler::new(&p, 0);
         for _ in 0..20 {
-            assert_eq!(s.sample(&[0.0, 1.0, 0.5]), 1);
+            assert_eq!(s.sample(&[0.0, 1.0, 0.5], None), 1);
         }
+    }
+
+    #[test]
+    fn a_mask_limits_greedy_and_sampled_draws_to_its_tokens() {
+        let logits = [9.0, 1.0, 3.0, 2.0, 8.0];
+        // Tokens 1, 2 and 3 allowed: 0 and 4 score higher but are never drawn.
+        let mask = [0b01110u32];
+        let mut g = Sampler::new(&SamplingParams::greedy(8), 0);
+        assert_eq!(g.sample(&logits, Some(&mask)), 2);
+        let mut t = Sampler::new(&SamplingParams { temperature: 1.0, seed: Some(3), ..SamplingParams::default() }, 0);
+        for _ in 0..200 {
+            assert!((1..=3).contains(&t.sample(&logits, Some(&mask))));
+        }
+        // Words past the logits (a vocabulary padded to the model's) are ignored.
+        assert_eq!(argmax_allowed(&[0.0, 1.0], &[u32::MAX, u32::MAX]), 1);
     }
 }

@@ -38,6 +38,9 @@ pub struct Tokenizer {
     /// The most text bytes one token can stand for (the longest token's UTF-8 length, which is
     /// at least the bytes it covers in both byte-level and SentencePiece vocabularies).
     max_token_bytes: usize,
+    /// The constrained-decoding compiler for this vocabulary, built on first use (it indexes
+    /// every token's bytes once).
+    grammars: std::sync::OnceLock<std::result::Result<std::sync::Arc<crate::grammar::Grammars>, String>>,
 }
 
 /// GPT-2's byte-to-unicode table: the character that stands for each raw byte.
@@ -169,7 +172,7 @@ impl Tokenizer {
             inner.get_added_tokens_decoder().into_iter().filter(|(_, t)| t.special).map(|(id, t)| (t.content, id)).collect();
         specials.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then(a.1.cmp(&b.1)));
         let max_token_bytes = inner.get_vocab(true).keys().map(String::len).max().unwrap_or(1).max(1);
-        Tokenizer { inner, text_only, specials, end_tokens, bos_token, vocab_size, byte_covered, max_token_bytes }
+        Tokenizer { inner, text_only, specials, end_tokens, bos_token, vocab_size, byte_covered, max_token_bytes, grammars: Default::default() }
     }
 
     /// Encodes text with special-token strings read as plain text.
@@ -262,6 +265,17 @@ impl Tokenizer {
     /// Whether every byte of `text` has a token, so that `decode(encode(text)) == text`.
     pub fn covers(&self, text: &str) -> bool {
         text.bytes().all(|b| self.byte_covered[b as usize])
+    }
+
+    /// This vocabulary's grammar compiler (built on the first call; later calls share it).
+    pub fn grammars(&self) -> Result<std::sync::Arc<crate::grammar::Grammars>> {
+        self.grammars
+            .get_or_init(|| {
+                let json = self.inner.to_string(false).map_err(|e| e.to_string())?;
+                crate::grammar::Grammars::new(&json, self.text_only.clone(), &self.end_tokens).map(std::sync::Arc::new).map_err(|e| e.to_string())
+            })
+            .clone()
+            .map_err(WorkerError::Grammar)
     }
 
     pub fn is_end_token(&self, id: u32) -> bool {

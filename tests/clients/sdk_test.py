@@ -4,11 +4,11 @@ Run by tests/tests/clients.rs (cargo test), which starts the server on the real 
 passes its address in ZEROLAYER_BASE_URL. Exits non-zero on the first failure.
 """
 import os
-import sys
-import traceback
 
 import anthropic
 import openai
+
+import runner
 
 BASE = os.environ["ZEROLAYER_BASE_URL"]
 MODEL = "smollm2-135m-instruct"
@@ -161,21 +161,5 @@ def test_openai_chat_plain_and_streamed():
     assert "".join(parts) == plain, (parts, plain)
 
 
-def main():
-    tests = [(n, f) for n, f in sorted(globals().items()) if n.startswith("test_") and callable(f)]
-    passed = failed = 0
-    for name, f in tests:
-        try:
-            f()
-            passed += 1
-            print(f"ok   {name}", flush=True)
-        except Exception:
-            failed += 1
-            print(f"FAIL {name}", flush=True)
-            traceback.print_exc()
-    print(f"{passed} passed, {failed} failed")
-    sys.exit(1 if failed else 0)
-
-
 if __name__ == "__main__":
-    main()
+    runner.run(globals())

@@ -88,6 +88,18 @@ pub struct TestServer {
 }
 
 impl TestServer {
+    /// A single node serving Qwen2.5-Coder-0.5B-Instruct as `qwen` (a model whose template
+    /// renders tools), with 512 MB of KV.
+    pub async fn qwen() -> TestServer {
+        TestServer::start(|c| {
+            c.model.path = qwen_model_path();
+            c.model.id = "qwen".into();
+            c.model.aliases = vec![];
+            c.nodes[0].workers[0].kv_cache_mb = 512;
+        })
+        .await
+    }
+
     /// Starts the default single-node config on the real model, with `tweak` applied.
     pub async fn start(tweak: impl FnOnce(&mut zerolayer_common::ClusterConfig)) -> TestServer {
         let mut cfg = zerolayer_common::ClusterConfig::default();

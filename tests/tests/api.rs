@@ -492,6 +492,8 @@ async fn no_new_work_while_draining() {
         stream: false,
         tools: vec![],
         tool_choice: Default::default(),
+        parallel_tool_calls: true,
+        format: None,
         breakpoints: vec![],
     };
     let open = zerolayer_coordinator::auth::Caller::Open;

@@ -93,7 +93,14 @@ async fn forty_plus_bad_requests_get_precise_errors_and_the_node_keeps_serving()
     j("metadata is a string", with(ok_body(), |b| b["metadata"] = json!("m")), 400, "invalid_request_error");
     j("metadata extra key", with(ok_body(), |b| b["metadata"] = json!({"user_id": "u", "ssn": "x"})), 400, "invalid_request_error");
     j("bad cache_control", with(ok_body(), |b| b["cache_control"] = json!({"type": "forever"})), 400, "invalid_request_error");
-    j("structured output", with(ok_body(), |b| b["output_config"] = json!({"format": {"type": "json_schema", "schema": {}}})), 400, "invalid_request_error");
+    j("output format without a schema", with(ok_body(), |b| b["output_config"] = json!({"format": {"type": "json_schema"}})), 400, "invalid_request_error");
+    j("output format of a regex", with(ok_body(), |b| b["output_config"] = json!({"format": {"type": "regex", "schema": {}}})), 400, "invalid_request_error");
+    j(
+        "output schema with look-around",
+        with(ok_body(), |b| b["output_config"] = json!({"format": {"type": "json_schema", "schema": {"type": "string", "pattern": "(?=a)"}}})),
+        400,
+        "invalid_request_error",
+    );
     j(
         "final assistant turn ends in whitespace",
         with(ok_body(), |b| b["messages"] = json!([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure "}])),

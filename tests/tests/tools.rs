@@ -1,8 +1,8 @@
 //! Tool use through HTTP on Qwen2.5-Coder-0.5B-Instruct (a model whose chat template renders
 //! tools): Anthropic `tool_use` blocks and `stop_reason: "tool_use"`, streamed as
 //! `content_block_start` + `input_json_delta`; OpenAI `tool_calls` and `finish_reason:
-//! "tool_calls"`, streamed as `delta.tool_calls`; a round trip with the results; and the
-//! errors for what is not there yet. Greedy decoding, so every answer here is the model's own
+//! "tool_calls"`, streamed as `delta.tool_calls`; a round trip with the results; forced calls;
+//! and the errors for what is not allowed. Greedy decoding, so every answer here is the model's own
 //! (llama.cpp gives the same tokens for these prompts; `tests/tests/qwen.rs` checks prompts and
 //! greedy tokens against it).
 
@@ -13,16 +13,6 @@ use zerolayer_tests::*;
 
 fn client() -> reqwest::Client {
     reqwest::Client::builder().timeout(Duration::from_secs(180)).build().unwrap()
-}
-
-async fn qwen_server() -> TestServer {
-    TestServer::start(|c| {
-        c.model.path = qwen_model_path();
-        c.model.id = "qwen".into();
-        c.model.aliases = vec![];
-        c.nodes[0].workers[0].kv_cache_mb = 512;
-    })
-    .await
 }
 
 fn weather() -> Value {
@@ -45,7 +35,7 @@ async fn post(c: &reqwest::Client, url: String, body: &Value) -> (u16, String) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn anthropic_tool_use_streamed_and_not_and_a_round_trip() {
     let _g = heavy();
-    let s = qwen_server().await;
+    let s = TestServer::qwen().await;
     let c = client();
 
     let (st, body) = post(&c, s.url("/v1/messages"), &question(false)).await;
@@ -93,10 +83,10 @@ async fn anthropic_tool_use_streamed_and_not_and_a_round_trip() {
     assert_eq!(v["stop_reason"], "end_turn", "{v}");
     assert!(v["content"].as_array().unwrap().iter().all(|b| b["type"] == "text"), "no calls with tool_choice none: {v}");
 
-    // What is not there yet, or not allowed, is the API's 400.
+    // What is not allowed is the API's 400.
     for (field, value) in [
-        ("tool_choice", json!({"type": "tool", "name": "get_weather"})),
-        ("tool_choice", json!({"type": "any"})),
+        ("tool_choice", json!({"type": "tool", "name": "get_time"})),
+        ("tool_choice", json!({"type": "tool"})),
         ("tools", json!([{"name": "bad name", "input_schema": {"type": "object"}}])),
         ("tools", json!([{"type": "web_search_20250305", "name": "web_search"}])),
         ("tools", json!([weather(), weather()])),
@@ -113,7 +103,7 @@ async fn anthropic_tool_use_streamed_and_not_and_a_round_trip() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn openai_tool_calls_streamed_and_not() {
     let _g = heavy();
-    let s = qwen_server().await;
+    let s = TestServer::qwen().await;
     let c = client();
     let body = |stream: bool| {
         json!({"model": "qwen", "max_tokens": 100, "temperature": 0, "stream": stream,
@@ -159,8 +149,16 @@ async fn openai_tool_calls_streamed_and_not() {
     assert_eq!(st, 200, "{text}");
     let v: Value = serde_json::from_str(&text).unwrap();
     assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+    // A forced call: the arguments hold to the function's schema (constrained decoding).
     let mut forced = body(false);
     forced["tool_choice"] = json!("required");
+    let (st, text) = post(&c, s.url("/v1/chat/completions"), &forced).await;
+    assert_eq!(st, 200, "{text}");
+    let v: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["choices"][0]["finish_reason"], "tool_calls", "{v}");
+    let args: Value = serde_json::from_str(v["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"].as_str().unwrap()).unwrap();
+    assert!(args["city"].is_string(), "{v}");
+    forced["tool_choice"] = json!({"type": "function", "function": {"name": "get_time"}});
     assert_eq!(post(&c, s.url("/v1/chat/completions"), &forced).await.0, 400);
     s.stop().await.unwrap();
 }

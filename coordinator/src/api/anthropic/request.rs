@@ -170,6 +170,7 @@ pub fn parse(body: &Value, endpoint: Endpoint) -> Result<MessagesRequest, ApiErr
     };
 
     let tools = parse_tools(obj.get("tools"))?;
+    let mut parallel_tool_calls = true;
     let tool_choice = match obj.get("tool_choice") {
         None | Some(Value::Null) => ToolChoice::Auto,
         Some(tc) => {
@@ -180,14 +181,22 @@ pub fn parse(body: &Value, endpoint: Endpoint) -> Result<MessagesRequest, ApiErr
                     (k, _) => return bad(format!("tool_choice.{k}: unexpected field or type")),
                 }
             }
-            match o.get("type").and_then(Value::as_str) {
+            parallel_tool_calls = o.get("disable_parallel_tool_use") != Some(&Value::Bool(true));
+            let choice = match o.get("type").and_then(Value::as_str) {
                 Some("auto") => ToolChoice::Auto,
                 Some("none") => ToolChoice::None,
-                Some("any") | Some("tool") => {
-                    return bad("tool_choice: a forced call (\"any\" or \"tool\") needs constrained decoding, which this server does not do yet; use \"auto\"")
-                }
+                Some("any") => ToolChoice::Any,
+                Some("tool") => match o.get("name").and_then(Value::as_str) {
+                    Some(name) if tools.iter().any(|t| t.name == name) => ToolChoice::Tool(name.to_string()),
+                    Some(name) => return bad(format!("tool_choice.name: no tool named {name:?} is in tools")),
+                    None => return bad("tool_choice.name: Field required for type \"tool\""),
+                },
                 _ => return bad("tool_choice.type: expected \"auto\", \"any\", \"tool\" or \"none\""),
+            };
+            if matches!(choice, ToolChoice::Any) && tools.iter().all(|t| t.deferred) {
+                return bad("tool_choice: a call is forced (\"any\"), but tools is empty");
             }
+            choice
         }
     };
     each_field(obj, "metadata", |k, v| match (k, v) {
@@ -206,10 +215,14 @@ pub fn parse(body: &Value, endpoint: Endpoint) -> Result<MessagesRequest, ApiErr
             _ => return bad("thinking: expected {\"type\": \"enabled\" | \"adaptive\" | \"disabled\"}"),
         },
     }
+    let mut format = None;
     each_field(obj, "output_config", |k, v| match k {
         "effort" => Ok(()),
         "format" if v.is_null() => Ok(()),
-        "format" => bad("output_config.format: structured output is not supported by this server yet"),
+        "format" => {
+            format = Some(output_format(v)?);
+            Ok(())
+        }
         k => bad(format!("output_config.{k}: Extra inputs are not permitted")),
     })?;
     let diagnostics = match obj.get("diagnostics") {
@@ -230,9 +243,9 @@ pub fn parse(body: &Value, endpoint: Endpoint) -> Result<MessagesRequest, ApiErr
         }
     };
 
-    let params = SamplingParams { temperature, top_k, top_p, seed: None, max_tokens: 0, stop_sequences, ignore_eos: false };
+    let params = SamplingParams { temperature, top_k, top_p, seed: None, max_tokens: 0, stop_sequences, ignore_eos: false, grammar: None };
     Ok(MessagesRequest {
-        generation: GenerationRequest { model, system, turns, max_tokens, params, stream, tools, tool_choice, breakpoints },
+        generation: GenerationRequest { model, system, turns, max_tokens, params, stream, tools, tool_choice, parallel_tool_calls, format, breakpoints },
         diagnostics,
         context_management,
     })
@@ -342,6 +355,25 @@ fn tool_result_block(o: &serde_json::Map<String, Value>, at: &str) -> Result<Tur
 }
 
 /// Checks each field of the optional object `obj[key]` with `check`.
+/// `output_config.format`: `{"type": "json_schema", "schema": {…}}`; the schema.
+fn output_format(v: &Value) -> Result<Value, ApiError> {
+    let Some(o) = v.as_object() else { return bad("output_config.format: expected an object") };
+    for k in o.keys() {
+        if k != "type" && k != "schema" {
+            return bad(format!("output_config.format.{k}: Extra inputs are not permitted"));
+        }
+    }
+    match o.get("type").and_then(Value::as_str) {
+        Some("json_schema") => {}
+        _ => return bad("output_config.format.type: expected \"json_schema\""),
+    }
+    match o.get("schema") {
+        Some(s @ Value::Object(_)) => Ok(s.clone()),
+        Some(_) => bad("output_config.format.schema: expected a JSON schema (an object)"),
+        None => bad("output_config.format.schema: Field required"),
+    }
+}
+
 fn each_field(obj: &serde_json::Map<String, Value>, key: &str, mut check: impl FnMut(&str, &Value) -> Result<(), ApiError>) -> Result<(), ApiError> {
     match obj.get(key) {
         None | Some(Value::Null) => Ok(()),

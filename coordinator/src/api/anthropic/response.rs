@@ -23,7 +23,7 @@ use crate::coordinator::{Accepted, Coordinator};
 use crate::diagnostics::Diagnosis;
 use crate::request::CacheTtl;
 use crate::error::ApiError;
-use crate::tools::{split_calls, CallParser, Piece, Tool};
+use crate::tools::{split_calls, CallParser, Calls, Piece};
 
 fn check_headers(h: &HeaderMap) -> Result<(), ApiError> {
     if let Some(v) = h.get("anthropic-version") {
@@ -55,9 +55,12 @@ type Prepared = (MessagesRequest, Vec<u32>, Vec<(usize, CacheTtl)>);
 async fn prepare(c: &AppState, headers: HeaderMap, body: Result<Bytes, BytesRejection>, endpoint: Endpoint) -> Result<Prepared, ApiError> {
     let c2 = c.clone();
     c.prepare(move || {
-        let req = parse(&c2, &headers, body, endpoint)?;
+        let mut req = parse(&c2, &headers, body, endpoint)?;
         c2.check_length(&req.generation)?;
         let ids = c2.prompt_ids(&req.generation)?;
+        if endpoint == Endpoint::Messages {
+            c2.constrain(&mut req.generation)?;
+        }
         let breakpoints = match endpoint {
             Endpoint::Messages => caching::breakpoint_tokens(&req.generation, &c2.template, &c2.tokenizer),
             Endpoint::CountTokens => vec![],
@@ -130,11 +133,11 @@ fn tool_use_block(name: &str, input: Value) -> Value {
 }
 
 /// The message's content blocks from the generated text, and how many calls it holds.
-fn content_blocks(tools: &[Tool], text: String) -> (Value, usize) {
-    if tools.is_empty() {
+fn content_blocks(calls: &Calls, text: String) -> (Value, usize) {
+    if calls.tools.is_empty() {
         return (if text.is_empty() { json!([]) } else { json!([{"type": "text", "text": text}]) }, 0);
     }
-    let (pieces, calls) = split_calls(tools, &text);
+    let (pieces, calls) = split_calls(calls, &text);
     let blocks: Vec<Value> = pieces
         .into_iter()
         .map(|p| match p {
@@ -155,12 +158,12 @@ pub async fn messages(
     let started = async {
         let admitted = c.admit(&caller, true)?;
         let (req, ids, breakpoints) = prepare(&c, headers, body, Endpoint::Messages).await?;
-        let (model, stream, tools) = (req.generation.model.clone(), req.generation.stream, req.generation.offered_tools().to_vec());
+        let (model, stream, offered) = (req.generation.model.clone(), req.generation.stream, req.generation.calls());
         let mut acc = c.start(admitted, &caller, req.generation, ids, &rid.0).await?;
         acc.breakpoints = breakpoints;
-        Ok::<_, ApiError>((acc, model, stream, tools, req.diagnostics, req.context_management))
+        Ok::<_, ApiError>((acc, model, stream, offered, req.diagnostics, req.context_management))
     };
-    let (acc, model, stream, tools, diagnostics, context_management) = match started.await {
+    let (acc, model, stream, offered, diagnostics, context_management) = match started.await {
         Ok(a) => a,
         Err(e) => return finish(&c, "messages", e.into_anthropic(&rid.0), None),
     };
@@ -169,13 +172,13 @@ pub async fn messages(
     let diagnostics = diagnostics.as_ref().map(|previous| diagnostics_json(&c, previous, &acc));
     c.remember(&msg_id, acc.fingerprint.clone());
     if stream {
-        let s = MessageStream::new(c.clone(), acc, msg_id, model, context_management, &tools, diagnostics);
+        let s = MessageStream::new(c.clone(), acc, msg_id, model, context_management, &offered, diagnostics);
         return finish(&c, "messages", shared::sse_response(s, MessageStream::step), Some(&served_by));
     }
     let breakpoints = acc.breakpoints.clone();
     let resp = match collect(&c, acc).await {
         Ok((text, reason, usage)) => {
-            let (content, calls) = content_blocks(&tools, text);
+            let (content, calls) = content_blocks(&offered, text);
             let (stop_reason, stop_sequence) = stop_fields(&reason, calls);
             let mut body = json!({
                 "id": msg_id, "type": "message", "role": "assistant", "content": content, "model": model,
@@ -217,9 +220,9 @@ struct MessageStream {
 }
 
 impl MessageStream {
-    fn new(c: AppState, acc: Accepted, msg_id: String, model: String, context_management: bool, tools: &[Tool], diagnostics: Option<Value>) -> Self {
+    fn new(c: AppState, acc: Accepted, msg_id: String, model: String, context_management: bool, calls: &Calls, diagnostics: Option<Value>) -> Self {
         let ping_every = Duration::from_millis(c.config.server.ping_interval_ms.max(100));
-        let parser = (!tools.is_empty()).then(|| CallParser::new(tools));
+        let parser = calls.parser();
         MessageStream {
             breakpoints: acc.breakpoints.clone(),
             seq: Following::new(c, acc),

@@ -211,18 +211,44 @@ pub fn parse(body: &Value) -> Result<ChatRequest, ApiError> {
         Some(Value::String(s)) if s == "auto" => ToolChoice::Auto,
         Some(Value::String(s)) if s == "none" => ToolChoice::None,
         Some(Value::String(s)) if s == "required" => {
-            return bad("tool_choice: a forced call (\"required\" or a named function) needs constrained decoding, which this server does not do yet; use \"auto\"")
+            if tools.is_empty() {
+                return bad("tool_choice: \"required\" needs tools");
+            }
+            ToolChoice::Any
         }
-        Some(Value::Object(_)) => return bad("tool_choice: a forced call (a named function) needs constrained decoding, which this server does not do yet; use \"auto\""),
+        Some(Value::Object(o)) => match (o.get("type").and_then(Value::as_str), o.get("function").and_then(|f| f.get("name")).and_then(Value::as_str)) {
+            (Some("function"), Some(name)) if tools.iter().any(|t| t.name == name) => ToolChoice::Tool(name.to_string()),
+            (Some("function"), Some(name)) => return bad(format!("tool_choice: no function named {name:?} is in tools")),
+            _ => return bad("tool_choice: expected {\"type\": \"function\", \"function\": {\"name\": …}}"),
+        },
         Some(_) => return bad("tool_choice: expected \"auto\", \"none\", \"required\" or a named function"),
     };
-    if let Some(rf) = obj.get("response_format") {
-        if rf.get("type").and_then(Value::as_str).is_some_and(|t| t != "text") {
-            return bad("response_format: structured output is not supported by this server yet");
-        }
-    }
+    let parallel_tool_calls = match obj.get("parallel_tool_calls") {
+        None | Some(Value::Null) => true,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => return bad("parallel_tool_calls: expected a boolean"),
+    };
+    let format = match obj.get("response_format") {
+        None | Some(Value::Null) => None,
+        Some(rf) => response_format(rf)?,
+    };
     let system = if system.is_empty() { None } else { Some(system.join("\n\n")) };
     // `ignore_eos` is vLLM's extension: keep generating past end tokens (benchmarks).
-    let params = SamplingParams { temperature, top_k: None, top_p, seed, max_tokens: 0, stop_sequences: stop, ignore_eos };
-    Ok(ChatRequest { generation: GenerationRequest { model, system, turns, max_tokens, params, stream, tools, tool_choice, breakpoints: vec![] }, include_usage })
+    let params = SamplingParams { temperature, top_k: None, top_p, seed, max_tokens: 0, stop_sequences: stop, ignore_eos, grammar: None };
+    Ok(ChatRequest { generation: GenerationRequest { model, system, turns, max_tokens, params, stream, tools, tool_choice, parallel_tool_calls, format, breakpoints: vec![] }, include_usage })
+}
+
+/// `response_format`: `text` (free), `json_object` (any JSON object), or `json_schema`
+/// (`{"json_schema": {"name": …, "schema": {…}, "strict": …}}`); the schema to enforce.
+fn response_format(rf: &Value) -> Result<Option<Value>, ApiError> {
+    match rf.get("type").and_then(Value::as_str) {
+        Some("text") => Ok(None),
+        Some("json_object") => Ok(Some(serde_json::json!({"type": "object"}))),
+        Some("json_schema") => match rf.get("json_schema").and_then(|j| j.get("schema")) {
+            Some(s @ Value::Object(_)) => Ok(Some(s.clone())),
+            Some(_) => bad("response_format.json_schema.schema: expected a JSON schema (an object)"),
+            None => bad("response_format.json_schema.schema: required"),
+        },
+        _ => bad("response_format.type: expected \"text\", \"json_object\" or \"json_schema\""),
+    }
 }

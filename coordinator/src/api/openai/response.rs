@@ -17,7 +17,7 @@ use crate::auth::Caller;
 use crate::clock::unix_now;
 use crate::coordinator::{Accepted, Coordinator};
 use crate::error::ApiError;
-use crate::tools::{split_calls, CallParser, Piece, Tool};
+use crate::tools::{split_calls, CallParser, Calls, Piece};
 
 fn finish_reason(r: &StopReason, calls: usize) -> &'static str {
     match r {
@@ -33,11 +33,11 @@ fn tool_call(name: &str, arguments: &Value) -> Value {
 }
 
 /// The message from the generated text: its `content` and `tool_calls`, and how many calls.
-fn message(tools: &[Tool], text: String) -> (Value, usize) {
-    if tools.is_empty() {
+fn message(calls: &Calls, text: String) -> (Value, usize) {
+    if calls.tools.is_empty() {
         return (json!({"role": "assistant", "content": text}), 0);
     }
-    let (pieces, calls) = split_calls(tools, &text);
+    let (pieces, calls) = split_calls(calls, &text);
     let mut content = Vec::new();
     let mut tool_calls = Vec::new();
     for p in pieces {
@@ -82,17 +82,18 @@ pub async fn chat_completions(
         let c2 = c.clone();
         let (req, ids) = c
             .prepare(move || {
-                let req = parse(&c2, body)?;
+                let mut req = parse(&c2, body)?;
                 c2.check_length(&req.generation)?;
                 let ids = c2.prompt_ids(&req.generation)?;
+                c2.constrain(&mut req.generation)?;
                 Ok::<_, ApiError>((req, ids))
             })
             .await??;
-        let (model, stream, tools) = (req.generation.model.clone(), req.generation.stream, req.generation.offered_tools().to_vec());
+        let (model, stream, offered) = (req.generation.model.clone(), req.generation.stream, req.generation.calls());
         let acc = c.start(admitted, &caller, req.generation, ids, &rid.0).await?;
-        Ok::<_, ApiError>((acc, model, stream, tools, req.include_usage))
+        Ok::<_, ApiError>((acc, model, stream, offered, req.include_usage))
     };
-    let (acc, model, stream, tools, include_usage) = match started.await {
+    let (acc, model, stream, offered, include_usage) = match started.await {
         Ok(a) => a,
         Err(e) => return finish(&c, "chat_completions", e.into_openai(), None),
     };
@@ -100,12 +101,12 @@ pub async fn chat_completions(
     let id = new_id("chatcmpl-");
     let created = unix_now();
     if stream {
-        let s = ChunkStream::new(c.clone(), acc, id, model, created, include_usage, &tools);
+        let s = ChunkStream::new(c.clone(), acc, id, model, created, include_usage, &offered);
         return finish(&c, "chat_completions", shared::sse_response(s, ChunkStream::step), Some(&served_by));
     }
     let resp = match collect(&c, acc).await {
         Ok((text, reason, usage)) => {
-            let (message, calls) = message(&tools, text);
+            let (message, calls) = message(&offered, text);
             Json(json!({
                 "id": id, "object": "chat.completion", "created": created, "model": model,
                 "choices": [{"index": 0, "message": message, "finish_reason": finish_reason(&reason, calls), "logprobs": null}],
@@ -131,8 +132,8 @@ struct ChunkStream {
 }
 
 impl ChunkStream {
-    fn new(c: AppState, acc: Accepted, id: String, model: String, created: i64, include_usage: bool, tools: &[Tool]) -> Self {
-        let parser = (!tools.is_empty()).then(|| CallParser::new(tools));
+    fn new(c: AppState, acc: Accepted, id: String, model: String, created: i64, include_usage: bool, calls: &Calls) -> Self {
+        let parser = calls.parser();
         ChunkStream { seq: Following::new(c, acc), id, model, created, include_usage, opened: false, parser }
     }
 
