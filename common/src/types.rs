@@ -47,6 +47,28 @@ impl SamplingParams {
     }
 }
 
+/// A prompt prefix the worker keeps cached (Anthropic's `cache_control` TTLs): the prompt's
+/// first `tokens` tokens stay pinned in its prefix cache for `ttl_secs` after the last request
+/// that names them, inside the worker's pinned share of the KV cache.
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CachePin {
+    pub tokens: u32,
+    pub ttl_secs: u32,
+}
+
+impl CachePin {
+    /// Most pins one request carries (Anthropic's limit on breakpoints).
+    pub const MAX_PER_REQUEST: usize = 4;
+    /// The longest TTL (Anthropic's `1h`).
+    pub const MAX_TTL_SECS: u32 = 3600;
+
+    /// Whether pins a peer sent are within the limits, for a prompt of `prompt_len` tokens.
+    pub fn all_valid(pins: &[CachePin], prompt_len: usize) -> bool {
+        pins.len() <= Self::MAX_PER_REQUEST && pins.iter().all(|p| p.tokens as usize <= prompt_len && (1..=Self::MAX_TTL_SECS).contains(&p.ttl_secs))
+    }
+}
+
 /// Whose a sequence is, for a worker's fair sharing of running slots and KV between API keys:
 /// the tenant (a fixed hash of its name, the same on every node) and its weight.
 #[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]

@@ -13,7 +13,7 @@
 //! [`MAX_FRAME_BYTES`] is refused on both sides; an import's raw bytes are bounded by what the
 //! header announces, which the receiver checks against its own cache before reading them.
 
-use crate::types::{SamplingParams, SeqEvent, Share};
+use crate::types::{CachePin, SamplingParams, SeqEvent, Share};
 
 /// The largest frame either side accepts. A maximal prompt (8,192 tokens) archives to ~33 KB;
 /// events are smaller. The limit bounds what a peer can make us buffer.
@@ -35,6 +35,9 @@ pub struct Submit {
     /// Tokens a worker that is gone already generated and the client already has: the
     /// sequence continues after them (exact replay; empty for a new sequence).
     pub resume: Vec<u32>,
+    /// Prompt prefixes to keep cached (`cache_control` TTLs; checked with
+    /// [`CachePin::all_valid`] on arrival).
+    pub pins: Vec<CachePin>,
 }
 
 /// One block of an import: its prefix hash, the checksum of its bytes, and whether the bytes
@@ -155,6 +158,7 @@ mod tests {
             params: SamplingParams { stop_sequences: vec!["\n\n".into()], seed: Some(7), ..SamplingParams::greedy(9) },
             share: Share::of("team-a", 2.0),
             resume: vec![5, 6],
+            pins: vec![CachePin { tokens: 640, ttl_secs: 300 }],
         };
         let f = encode_open(&Open::Submit(s.clone())).unwrap();
         let n = frame_len(f[..4].try_into().unwrap()).unwrap();

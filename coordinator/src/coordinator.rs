@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use ractor::ActorRef;
 use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
-use zerolayer_common::{ClusterConfig, Share, WorkerSignals};
+use zerolayer_common::{CachePin, ClusterConfig, Share, WorkerSignals};
 use zerolayer_worker::chat::ChatTemplate;
 use zerolayer_worker::tokenizer::Tokenizer;
 
@@ -208,7 +208,17 @@ impl Coordinator {
     /// Charges the prompt to the key, then places and submits it. A draining node still accepts
     /// requests (its workers are out of placement; other nodes' are not); only a node past its
     /// shutdown grace period refuses.
-    pub async fn start(&self, admitted: Admitted, caller: &Caller, req: GenerationRequest, ids: Vec<u32>, request_id: &str) -> Result<Accepted, ApiError> {
+    /// `breakpoints` are the prompt's `cache_control` positions (`caching::breakpoint_tokens`):
+    /// the worker pins each prefix for its TTL, and usage is split at them.
+    pub async fn start(
+        &self,
+        admitted: Admitted,
+        caller: &Caller,
+        req: GenerationRequest,
+        ids: Vec<u32>,
+        breakpoints: Vec<(usize, CacheTtl)>,
+        request_id: &str,
+    ) -> Result<Accepted, ApiError> {
         let Admitted { ticket, permit } = admitted;
         if req.params.ignore_eos && !self.guard.tenant(caller).allow_ignore_eos {
             return Err(ApiError::Permission("ignore_eos is not enabled for this API key (an operator option: allow_ignore_eos in [[auth.keys]])".into()));
@@ -224,10 +234,11 @@ impl Coordinator {
         ticket.charge_input(ids.len() as u64, true).map_err(crate::auth::rate_limited)?;
         let prompt_tokens = ids.len();
         let tenant = self.guard.tenant(caller);
-        let job = Job { request_id: request_id.to_string(), prompt: ids, params, share: Share::of(&tenant.name, tenant.weight) };
+        let pins = breakpoints.iter().map(|&(tokens, ttl)| CachePin { tokens: tokens as u32, ttl_secs: ttl.secs() }).collect();
+        let job = Job { request_id: request_id.to_string(), prompt: ids, params, share: Share::of(&tenant.name, tenant.weight), pins };
         let placed = self.dispatch.submit(&job, &[], &[], None).await?;
         let served_by = placed.served_by();
-        Ok(Accepted { stream: LiveSequence::new(self.dispatch.clone(), job, placed), prompt_tokens, served_by, started_at, fingerprint, ticket, breakpoints: vec![], _permit: permit })
+        Ok(Accepted { stream: LiveSequence::new(self.dispatch.clone(), job, placed), prompt_tokens, served_by, started_at, fingerprint, ticket, breakpoints, _permit: permit })
     }
 
     /// Keeps a response's prompt fingerprint under its message id.

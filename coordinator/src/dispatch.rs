@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use zerolayer_common::wire::Submit;
-use zerolayer_common::{block_hashes, ClusterConfig, SamplingParams, SeqEvent, Share};
+use zerolayer_common::{block_hashes, CachePin, ClusterConfig, SamplingParams, SeqEvent, Share};
 use zerolayer_worker::{SeqStream, SubmitRequest};
 
 use crate::cluster::forward::{self, ForwardError, RemoteStream};
@@ -48,6 +48,8 @@ pub struct Job {
     pub params: SamplingParams,
     /// The API key it runs for.
     pub share: Share,
+    /// Prompt prefixes the worker keeps cached (`cache_control`).
+    pub pins: Vec<CachePin>,
 }
 
 /// A submission that a worker accepted.
@@ -187,7 +189,7 @@ impl Dispatcher {
                     last_err = Some(ApiError::Internal(format!("local worker {} vanished", w.worker)));
                     continue;
                 };
-                let req = SubmitRequest { prompt: job.prompt.clone(), params: job.params.clone(), resume: resume.to_vec(), share: job.share };
+                let req = SubmitRequest { prompt: job.prompt.clone(), params: job.params.clone(), resume: resume.to_vec(), share: job.share, pins: job.pins.clone() };
                 match lw.handle.submit(req).await.map_err(ApiError::from) {
                     Ok(stream) => return Ok(placed(EventStream::Local(stream))),
                     Err(e @ ApiError::Overloaded(_)) => {
@@ -210,6 +212,7 @@ impl Dispatcher {
                 params: job.params.clone(),
                 share: job.share,
                 resume: resume.to_vec(),
+                pins: job.pins.clone(),
             };
             match forward::submit(&self.cluster, &w.node, addr, &sub).await {
                 Ok(rs) => return Ok(placed(EventStream::Remote(rs))),

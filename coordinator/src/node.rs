@@ -67,6 +67,7 @@ impl Node {
                 min_step_ms: wc.min_step_ms,
                 min_prefill_chunk: wc.min_prefill_chunk,
                 reserve_output_tokens: wc.reserve_output_tokens,
+                pinned_kv_share: wc.pinned_kv_share,
             };
             if front.is_none() {
                 front = Some((loaded.tokenizer.clone(), loaded.template.clone()));

@@ -94,6 +94,15 @@ pub enum CacheTtl {
     OneHour,
 }
 
+impl CacheTtl {
+    pub fn secs(self) -> u32 {
+        match self {
+            CacheTtl::FiveMinutes => 300,
+            CacheTtl::OneHour => 3600,
+        }
+    }
+}
+
 /// A `cache_control` breakpoint: the end of the system text (`turn: None`) or of a turn's text,
 /// as a byte offset into that text.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

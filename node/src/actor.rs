@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::sync::{broadcast, mpsc, oneshot, watch};
-use zerolayer_common::{KvEvent, SamplingParams, SeqEvent, Share, StopReason, Usage, WorkerSignals};
+use zerolayer_common::{CachePin, KvEvent, SamplingParams, SeqEvent, Share, StopReason, Usage, WorkerSignals};
 
 use crate::engine::{Engine, StepHook};
 use crate::migrate::{Export, ImportReport, KvImport};
@@ -54,11 +54,13 @@ pub struct SubmitRequest {
     pub resume: Vec<u32>,
     /// The API key it runs for (the scheduler shares slots and KV between keys).
     pub share: Share,
+    /// Prompt prefixes to keep pinned in the prefix cache (`cache_control` TTLs).
+    pub pins: Vec<CachePin>,
 }
 
 impl SubmitRequest {
     pub fn new(prompt: Vec<u32>, params: SamplingParams) -> Self {
-        SubmitRequest { prompt, params, resume: Vec::new(), share: Share::default() }
+        SubmitRequest { prompt, params, resume: Vec::new(), share: Share::default(), pins: Vec::new() }
     }
 }
 
@@ -466,7 +468,7 @@ fn engine_loop(mut engine: Engine, rx: Receiver<EngineCmd>, sig_tx: watch::Sende
         }
         for cmd in cmds {
             match cmd {
-                EngineCmd::Submit { id, req, reply, ack } => match engine.add_shared(id, req.prompt, req.resume, req.params, req.share) {
+                EngineCmd::Submit { id, req, reply, ack } => match engine.add_pinned(id, req.prompt, req.resume, req.params, req.share, req.pins) {
                     Ok(()) => {
                         routes.insert(id, Route { tx: reply, pending: VecDeque::new() });
                         let _ = ack.send(Ok(()));

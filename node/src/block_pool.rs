@@ -9,10 +9,17 @@
 //!   ([`zerolayer_common::chain_hash`]). Released cached blocks keep their hash and stay
 //!   reusable until allocation needs them, which evicts the least recently released first.
 //! - Every store and eviction is recorded as a [`KvEvent`] for the cluster's prefix index.
+//! - Pins (Anthropic's `cache_control` TTLs): a cached block may be pinned until a time. While
+//!   its pin lives, the block, once unreferenced, waits in the pinned set instead of the LRU
+//!   list, so no allocation evicts it; when the pin expires it joins the LRU tail. A pin on a
+//!   pinned block extends it (a hit refreshes the TTL). At most `max_pinned` blocks hold a pin
+//!   at once: a pin past that is refused, and LRU pressure from other traffic still has the rest
+//!   of the pool. Time is the caller's (milliseconds on any clock that does not go back).
 //!
 //! Invariants (checked by [`BlockPool::check_invariants`] and `debug_assert!`s): a block is in
-//! exactly one of {free stack, LRU list, referenced}; refcounts never go below zero; the hash
-//! map and the blocks' hashes agree.
+//! exactly one of {free stack, LRU list, pinned set, referenced}; refcounts never go below zero;
+//! the hash map and the blocks' hashes agree; only cached blocks are pinned, and at most
+//! `max_pinned` of them.
 
 use std::collections::HashMap;
 use zerolayer_common::KvEvent;
@@ -26,6 +33,8 @@ const NIL: u32 = u32::MAX;
 enum Place {
     Free,
     Lru,
+    /// Cached, unreferenced, and pinned: not evictable until its pin expires.
+    Pinned,
     Used,
 }
 
@@ -42,6 +51,15 @@ pub struct BlockPool {
     lru_tail: u32,
     lru_len: usize,
     cached: HashMap<u64, BlockId>,
+    /// Per block: the time its pin expires (0: not pinned).
+    pin_until: Vec<u64>,
+    /// Blocks with a live pin (any place), and how many of them may have one.
+    pinned: usize,
+    max_pinned: usize,
+    /// Unreferenced pinned blocks (the pinned set's size).
+    pinned_idle: usize,
+    /// The earliest live pin's expiry (u64::MAX: none).
+    next_expiry: u64,
     events: Vec<KvEvent>,
     /// Events dropped because nobody drained them (the consumer must resync from a snapshot).
     events_overflowed: bool,
@@ -65,6 +83,11 @@ impl BlockPool {
             lru_tail: NIL,
             lru_len: 0,
             cached: HashMap::new(),
+            pin_until: vec![0; num_blocks],
+            pinned: 0,
+            max_pinned: 0,
+            pinned_idle: 0,
+            next_expiry: u64::MAX,
             events: Vec::new(),
             events_overflowed: false,
             max_pending_events: 4096,
@@ -91,6 +114,80 @@ impl BlockPool {
     }
     pub fn refcount(&self, b: BlockId) -> u32 {
         self.refcount[b as usize]
+    }
+    /// Blocks holding a live pin.
+    pub fn num_pinned(&self) -> usize {
+        self.pinned
+    }
+
+    /// Sets how many blocks may hold a pin at once (pins already held stay until they expire).
+    pub fn set_max_pinned(&mut self, n: usize) {
+        self.max_pinned = n.min(self.num_blocks());
+    }
+
+    /// Pins cached block `b` until `until` (or later, if it already is). False, and nothing
+    /// changes, when `b` holds no cached prefix or the pinned share is full.
+    pub fn pin(&mut self, b: BlockId, until: u64) -> bool {
+        let i = b as usize;
+        if self.hash[i].is_none() || self.place[i] == Place::Free {
+            return false;
+        }
+        if self.pin_until[i] == 0 {
+            if self.pinned >= self.max_pinned {
+                return false;
+            }
+            self.pinned += 1;
+        }
+        self.pin_until[i] = self.pin_until[i].max(until);
+        self.next_expiry = self.next_expiry.min(self.pin_until[i]);
+        if self.place[i] == Place::Lru {
+            self.lru_unlink(b);
+            self.place[i] = Place::Pinned;
+            self.pinned_idle += 1;
+        }
+        true
+    }
+
+    /// Ends the pins of every unreferenced pinned block (they join the LRU tail, evictable):
+    /// for when running work needs the room. Returns how many.
+    pub fn unpin_idle(&mut self) -> usize {
+        let mut n = 0;
+        for i in 0..self.num_blocks() {
+            if self.place[i] == Place::Pinned {
+                self.pin_until[i] = 0;
+                self.pinned -= 1;
+                self.pinned_idle -= 1;
+                self.lru_push_tail(i as BlockId);
+                self.place[i] = Place::Lru;
+                n += 1;
+            }
+        }
+        n
+    }
+
+    /// Ends every pin that expired by `now`: those blocks become evictable (LRU tail).
+    pub fn expire_pins(&mut self, now: u64) {
+        if now < self.next_expiry {
+            return;
+        }
+        self.next_expiry = u64::MAX;
+        for i in 0..self.num_blocks() {
+            let until = self.pin_until[i];
+            if until == 0 {
+                continue;
+            }
+            if until > now {
+                self.next_expiry = self.next_expiry.min(until);
+                continue;
+            }
+            self.pin_until[i] = 0;
+            self.pinned -= 1;
+            if self.place[i] == Place::Pinned {
+                self.pinned_idle -= 1;
+                self.lru_push_tail(i as BlockId);
+                self.place[i] = Place::Lru;
+            }
+        }
     }
 
     /// Allocates an empty block (refcount 1), evicting the least recently used cached block
@@ -127,6 +224,10 @@ impl BlockPool {
                 self.lru_unlink(b);
                 self.place[i] = Place::Used;
             }
+            Place::Pinned => {
+                self.pinned_idle -= 1;
+                self.place[i] = Place::Used;
+            }
             Place::Used => {}
             Place::Free => panic!("acquire of free block {b}"),
         }
@@ -139,7 +240,10 @@ impl BlockPool {
         assert!(self.place[i] == Place::Used && self.refcount[i] > 0, "release of unreferenced block {b}");
         self.refcount[i] -= 1;
         if self.refcount[i] == 0 {
-            if self.hash[i].is_some() {
+            if self.pin_until[i] != 0 {
+                self.pinned_idle += 1;
+                self.place[i] = Place::Pinned;
+            } else if self.hash[i].is_some() {
                 self.lru_push_tail(b);
                 self.place[i] = Place::Lru;
             } else {
@@ -249,10 +353,22 @@ impl BlockPool {
         }
         assert_eq!(prev, self.lru_tail);
         assert_eq!(count, self.lru_len);
+        let (mut pinned, mut idle) = (0, 0);
         for i in 0..n {
             if self.place[i] == Place::Used {
                 assert!(self.refcount[i] > 0, "used block {i} has refcount 0");
                 seen[i] += 1;
+            }
+            if self.place[i] == Place::Pinned {
+                assert_eq!(self.refcount[i], 0, "pinned-set block {i} is referenced");
+                assert!(self.pin_until[i] != 0, "pinned-set block {i} has no pin");
+                idle += 1;
+                seen[i] += 1;
+            }
+            if self.pin_until[i] != 0 {
+                assert!(self.hash[i].is_some(), "pinned block {i} holds no cached prefix");
+                assert!(self.pin_until[i] >= self.next_expiry, "block {i}'s pin expires before next_expiry");
+                pinned += 1;
             }
             assert_eq!(seen[i], 1, "block {i} is in {} places", seen[i]);
             if let Some(h) = self.hash[i] {
@@ -262,6 +378,9 @@ impl BlockPool {
         for (&h, &b) in &self.cached {
             assert_eq!(self.hash[b as usize], Some(h), "index entry {h:x} -> {b} disagrees");
         }
+        assert_eq!(pinned, self.pinned, "pinned count");
+        assert_eq!(idle, self.pinned_idle, "pinned set size");
+        assert!(self.pinned <= self.max_pinned.max(pinned), "pinned past the share");
     }
 }
 
@@ -294,6 +413,50 @@ mod tests {
         p.release(c);
         p.release(d);
         p.release(b);
+        p.check_invariants();
+    }
+
+    #[test]
+    fn a_pinned_block_outlives_lru_pressure_until_its_pin_expires() {
+        let mut p = BlockPool::new(4, 16);
+        p.set_max_pinned(1);
+        let a = p.allocate().unwrap();
+        assert!(!p.pin(a, 100), "an uncached block cannot be pinned");
+        assert!(p.register(a, 7));
+        assert!(p.pin(a, 100));
+        p.release(a);
+        assert_eq!(p.num_free(), 3, "a pinned block is not free");
+        // A flood: every other block is allocated, cached, released and reused again and again.
+        for round in 0..10u64 {
+            let bs: Vec<_> = (0..3).map(|_| p.allocate().unwrap()).collect();
+            assert!(p.allocate().is_none(), "the pinned block is never handed out");
+            for (k, &b) in bs.iter().enumerate() {
+                p.register(b, 1000 + round * 10 + k as u64);
+                assert!(!p.pin(b, 100), "the pinned share (1 block) is full");
+                p.release(b);
+            }
+            p.check_invariants();
+        }
+        assert_eq!(p.lookup(7), Some(a));
+        // A hit refreshes the pin: reused and pinned again until 200.
+        p.acquire(a);
+        assert!(p.pin(a, 200));
+        p.release(a);
+        p.expire_pins(150);
+        assert_eq!(p.num_pinned(), 1);
+        p.expire_pins(200);
+        assert_eq!(p.num_pinned(), 0);
+        assert_eq!(p.num_free(), 4);
+        p.check_invariants();
+        // Running work that needs the room takes it from idle pins.
+        p.acquire(a);
+        assert!(p.pin(a, 300));
+        p.release(a);
+        assert_eq!((p.num_free(), p.unpin_idle(), p.num_free(), p.num_pinned()), (3, 1, 4, 0));
+        p.check_invariants();
+        // Unpinned, it is evictable like any other (the LRU's newest, so evicted last).
+        let all: Vec<_> = (0..4).map(|_| p.allocate().unwrap()).collect();
+        assert!(all.contains(&a) && p.lookup(7).is_none());
         p.check_invariants();
     }
 

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
-use zerolayer_common::{KvEvent, SamplingParams, SeqEvent, Share, StopReason, Usage, WorkerSignals};
+use zerolayer_common::{CachePin, KvEvent, SamplingParams, SeqEvent, Share, StopReason, Usage, WorkerSignals};
 
 use crate::error::{Result, WorkerError};
 use crate::migrate::{Export, ImportReport, KvImport};
@@ -35,6 +35,8 @@ pub struct EngineConfig {
     pub min_prefill_chunk: usize,
     /// Output tokens of KV a sequence needs room for, beyond its prompt, to be admitted.
     pub reserve_output_tokens: usize,
+    /// The share of KV blocks that `cache_control` pins may hold at once (the rest is LRU's).
+    pub pinned_kv_share: f64,
 }
 
 impl Default for EngineConfig {
@@ -49,6 +51,7 @@ impl Default for EngineConfig {
             min_step_ms: 0.0,
             min_prefill_chunk: 32,
             reserve_output_tokens: 128,
+            pinned_kv_share: 0.5,
         }
     }
 }
@@ -60,11 +63,13 @@ struct SeqState {
     stop: StopChecker,
     /// The grammar the output must match, if the request set one.
     constraint: Option<Constraint>,
+    /// Prompt prefixes to pin once they are computed (`cache_control` TTLs).
+    pins: Vec<CachePin>,
 }
 
 impl SeqState {
     fn new(params: SamplingParams, sampled: u64) -> Self {
-        SeqState { sampler: Sampler::new(&params, sampled), decoder: IncrementalDecoder::default(), stop: StopChecker::new(&params.stop_sequences), params, constraint: None }
+        SeqState { sampler: Sampler::new(&params, sampled), decoder: IncrementalDecoder::default(), stop: StopChecker::new(&params.stop_sequences), params, constraint: None, pins: Vec::new() }
     }
 
     /// The text the newest token of `generated` completes (the token is `generated`'s last),
@@ -145,7 +150,7 @@ struct StepBufs {
 impl Engine {
     pub fn new(model: Model, tokenizer: Arc<Tokenizer>, cfg: &EngineConfig) -> Result<Self> {
         let cache = KvCache::with_budget(&model.cfg, cfg.block_size, cfg.kv_cache_bytes)?;
-        let sched = Scheduler::new(SchedulerConfig {
+        let mut sched = Scheduler::new(SchedulerConfig {
             block_size: cfg.block_size,
             num_blocks: cache.num_blocks,
             max_batch_tokens: cfg.max_batch_tokens,
@@ -154,6 +159,7 @@ impl Engine {
             max_model_len: model.cfg.context_length,
             reserve_output_tokens: cfg.reserve_output_tokens,
         });
+        sched.set_max_pinned((cache.num_blocks as f64 * cfg.pinned_kv_share.clamp(0.0, 1.0)) as usize);
         Ok(Engine {
             model,
             tokenizer,
@@ -216,11 +222,21 @@ impl Engine {
 
     /// [`Engine::add_resumed`] for the API key `share` names (the scheduler's fair sharing).
     pub fn add_shared(&mut self, id: SeqId, prompt: Vec<u32>, generated: Vec<u32>, params: SamplingParams, share: Share) -> Result<()> {
+        self.add_pinned(id, prompt, generated, params, share, Vec::new())
+    }
+
+    /// [`Engine::add_shared`], keeping the prompt prefixes `pins` names cached for their TTLs
+    /// (each pin, or a later request's, refreshes them) inside the pinned share of the KV.
+    pub fn add_pinned(&mut self, id: SeqId, prompt: Vec<u32>, generated: Vec<u32>, params: SamplingParams, share: Share, pins: Vec<CachePin>) -> Result<()> {
+        if !CachePin::all_valid(&pins, prompt.len()) {
+            return Err(WorkerError::Invalid(format!("cache pins {pins:?} are outside the limits")));
+        }
         let vocab = self.model.cfg.vocab_size;
         if let Some(&bad) = prompt.iter().chain(&generated).find(|&&t| t as usize >= vocab) {
             return Err(WorkerError::Invalid(format!("token id {bad} is outside the vocabulary")));
         }
         let mut st = SeqState::new(params, generated.len() as u64);
+        st.pins = pins;
         let mut ended = None;
         for k in 1..=generated.len() {
             if let (_, Some(reason)) = st.advance(&self.tokenizer, &generated[..k])? {
@@ -406,6 +422,7 @@ impl Engine {
         let vocab = self.model.cfg.vocab_size;
         out.tokens_computed = plan.items.iter().map(|it| it.len).sum();
         self.sched.on_computed(plan);
+        self.pin_computed(plan);
         let (ev, overflowed) = self.sched.drain_kv_events();
         if overflowed {
             self.kv_events.clear();
@@ -434,6 +451,17 @@ impl Engine {
             took_ms = took * 1e3, warm = self.step_time.is_warm(), coefficients = ?self.step_time.coefficients(), "step");
         self.step_time.observe(shape, took);
         Ok(out)
+    }
+
+    /// Pins the prefixes the step's sequences asked for, once computed, and ends expired pins.
+    fn pin_computed(&mut self, plan: &Plan) {
+        let now = self.started_at.elapsed().as_millis() as u64;
+        self.sched.expire_pins(now);
+        for it in &plan.items {
+            let Some(st) = self.states.get_mut(&it.seq) else { continue };
+            let sched = &mut self.sched;
+            st.pins.retain(|p| sched.pin_prefix(it.seq, p.tokens as usize, now + u64::from(p.ttl_secs) * 1000).is_none());
+        }
     }
 
     /// The learnt step time (for signals, logs and benchmarks).

@@ -374,6 +374,11 @@ impl Scheduler {
                 if capacity >= n {
                     break;
                 }
+                // Pins hold against cached traffic, not against work: before anything running
+                // is preempted, idle pinned prefixes become evictable.
+                if self.pool.unpin_idle() > 0 {
+                    continue;
+                }
                 if capacity > 0 && need > 1 {
                     n = capacity;
                     break;
@@ -535,6 +540,39 @@ impl Scheduler {
                 s.num_registered += 1;
             }
         }
+    }
+
+    /// Pins the cached full blocks of sequence `id`'s first `tokens` tokens until `until` (the
+    /// pool's clock), once they are computed: None while they are not yet (or the sequence is
+    /// gone), else how many blocks took the pin (fewer when the pinned share is full).
+    pub fn pin_prefix(&mut self, id: SeqId, tokens: usize, until: u64) -> Option<usize> {
+        let s = self.seqs.get(&id)?;
+        if s.num_computed < tokens {
+            return None;
+        }
+        let n = (tokens / self.cfg.block_size).min(s.hashes.len());
+        let mut pinned = 0;
+        for &h in &s.hashes[..n] {
+            if let Some(b) = self.pool.lookup(h) {
+                pinned += usize::from(self.pool.pin(b, until));
+            }
+        }
+        Some(pinned)
+    }
+
+    /// Ends the pins that expired by `now` (the pool's clock).
+    pub fn expire_pins(&mut self, now: u64) {
+        self.pool.expire_pins(now);
+    }
+
+    /// Sets how many blocks may hold a pin at once.
+    pub fn set_max_pinned(&mut self, n: usize) {
+        self.pool.set_max_pinned(n);
+    }
+
+    /// Blocks holding a live pin.
+    pub fn num_pinned(&self) -> usize {
+        self.pool.num_pinned()
     }
 
     /// Appends a sampled token to a sequence.

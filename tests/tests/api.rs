@@ -499,7 +499,7 @@ async fn no_new_work_while_draining() {
     let open = zerolayer_coordinator::auth::Caller::Open;
     let admitted = coordinator.admit(&open, true).ok().expect("admitted: the refusal is placement's (no worker takes work)");
     let ids = coordinator.prompt_ids(&req).unwrap();
-    let refused = coordinator.start(admitted, &open, req, ids, "req_test").await.err().expect("refused while draining");
+    let refused = coordinator.start(admitted, &open, req, ids, vec![], "req_test").await.err().expect("refused while draining");
     assert_eq!(refused.status(), 529);
     gate.release();
     while let Some(chunk) = within(60, "the running stream finishes", stream.next()).await {

@@ -1,6 +1,7 @@
 //! Anthropic prompt-caching semantics on the prefix cache, through HTTP on the real model:
 //! `cache_control` breakpoints decide how `usage` splits the prompt into tokens read from the
-//! cache, written to it (by TTL), and plain input.
+//! cache, written to it (by TTL), and plain input; and the prefixes they name stay pinned in the
+//! worker's prefix cache for their TTL.
 
 use std::time::Duration;
 
@@ -102,5 +103,49 @@ async fn breakpoints_split_usage_into_written_read_and_input() {
     .await;
     assert_eq!(st, 400, "{v}");
     assert!(v["error"]["message"].as_str().unwrap().contains("A maximum of 4 blocks with cache_control"), "{v}");
+    s.stop().await.unwrap();
+}
+
+/// A `cache_control` prefix is pinned for its TTL: a flood of unrelated prompts, several times
+/// the KV cache, evicts an unpinned prefix under LRU, and the pinned one is still read from the
+/// cache afterwards. (With `pinned_kv_share = 0` the pinned prefix is evicted too: checked by
+/// hand, 0 tokens read.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pinned_prefix_survives_a_flood_that_evicts_an_unpinned_one() {
+    let _g = heavy();
+    // About 1,000 tokens of KV (SmolLM2 keeps 45 KiB a token), half of it open to pins.
+    let s = TestServer::start(|c| c.nodes[0].workers[0].kv_cache_mb = 44).await;
+    let c = client();
+    let post = |b: Value| {
+        let c = c.clone();
+        let url = s.url("/v1/messages");
+        async move {
+            let r = c.post(url).json(&b).send().await.unwrap();
+            assert_eq!(r.status(), 200);
+            r.json::<Value>().await.unwrap()["usage"].clone()
+        }
+    };
+    let text = &LOREM[..LOREM.len().min(700)];
+    let pinned = body(&format!("Reference A. {text}"), None, "One word?");
+    let unpinned = json!({"model": MODEL, "max_tokens": 2, "temperature": 0, "system": format!("Reference B. {text}"),
+                          "messages": [{"role": "user", "content": "One word?"}]});
+    let written = post(pinned.clone()).await["cache_creation_input_tokens"].as_u64().unwrap();
+    assert!(written > 100, "the pinned system prompt was written: {written}");
+    let u = post(unpinned.clone()).await;
+    assert_eq!(u["cache_creation_input_tokens"], 0, "no breakpoint, nothing written: {u}");
+    // Both are in the cache now.
+    assert!(post(unpinned.clone()).await["cache_read_input_tokens"].as_u64().unwrap() > 100);
+
+    // The flood: 16 prompts of ~180 tokens, none sharing more than the template's first tokens.
+    for i in 0..16 {
+        let flood = json!({"model": MODEL, "max_tokens": 1, "temperature": 0, "system": format!("Flood {i}: {text}"),
+                           "messages": [{"role": "user", "content": format!("Item {i}?")}]});
+        post(flood).await;
+    }
+    let a = post(pinned).await;
+    let read = a["cache_read_input_tokens"].as_u64().unwrap();
+    assert!(read + 4 >= written, "the pinned prefix ({written} tokens, all but its last partial block) survived the flood: {a}");
+    let b = post(unpinned).await;
+    assert!(b["cache_read_input_tokens"].as_u64().unwrap() < 16, "the unpinned prefix was evicted under LRU (only shared scaffolding is read): {b}");
     s.stop().await.unwrap();
 }

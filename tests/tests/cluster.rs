@@ -329,6 +329,7 @@ mod mtls {
             params: zerolayer_common::SamplingParams::greedy(4),
             share: Default::default(),
             resume: vec![],
+            pins: vec![],
         }))
         .unwrap();
         let submit = |mat: tls::TlsMaterial| {
@@ -458,6 +459,7 @@ mod identity {
             params: zerolayer_common::SamplingParams::greedy(4),
             share: Default::default(),
             resume: vec![],
+            pins: vec![],
         };
         s.write_all(&zerolayer_common::wire::encode_open(&zerolayer_common::wire::Open::Submit(sub)).unwrap()).await.unwrap();
         let mut len = [0u8; 4];

@@ -249,6 +249,10 @@ pub struct WorkerConfig {
     /// (all of its `max_tokens` once it has been preempted), so admission does not overcommit
     /// the cache into preemption loops.
     pub reserve_output_tokens: usize,
+    /// The share of the KV cache that `cache_control` pins may hold at once: a pinned prefix
+    /// stays cached for its TTL (refreshed on each hit) whatever LRU pressure other traffic
+    /// brings; the rest of the cache is LRU's alone. 0 turns pinning off.
+    pub pinned_kv_share: f64,
 }
 
 impl Default for WorkerConfig {
@@ -266,6 +270,7 @@ impl Default for WorkerConfig {
             min_step_ms: 40.0,
             min_prefill_chunk: 32,
             reserve_output_tokens: 128,
+            pinned_kv_share: 0.5,
         }
     }
 }
@@ -355,6 +360,9 @@ impl ClusterConfig {
                 }
                 if !(w.step_stretch == 0.0 || (1.0..=100.0).contains(&w.step_stretch)) || !(0.0..=10_000.0).contains(&w.min_step_ms) {
                     return bad(format!("worker {}/{}: step_stretch must be 0 (off) or 1 to 100, min_step_ms 0 to 10000", n.id, w.id));
+                }
+                if !(0.0..=1.0).contains(&w.pinned_kv_share) {
+                    return bad(format!("worker {}/{}: pinned_kv_share must be in 0..=1", n.id, w.id));
                 }
                 if w.kv_cache_mb == 0 {
                     return bad(format!("worker {}/{}: kv_cache_mb must be > 0", n.id, w.id));

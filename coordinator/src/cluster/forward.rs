@@ -109,7 +109,10 @@ pub async fn serve(cluster: Arc<Cluster>, sub: Submit, mut send: quinn::SendStre
             return write_reply(&mut send, &refuse(false, format!("share weight {} is outside (0, 1000]", sub.share.weight))).await;
         }
         tracing::debug!(request_id = %sub.request_id, origin = %sub.origin_node, worker = %sub.worker, prompt_tokens = sub.prompt.len(), "serving a forwarded request");
-        let mut stream = match w.handle.submit(SubmitRequest { prompt: sub.prompt, params: sub.params, resume: sub.resume, share: sub.share }).await {
+        if !zerolayer_common::CachePin::all_valid(&sub.pins, sub.prompt.len()) {
+            return write_reply(&mut send, &refuse(false, format!("cache pins {:?} are outside the limits", sub.pins))).await;
+        }
+        let mut stream = match w.handle.submit(SubmitRequest { prompt: sub.prompt, params: sub.params, resume: sub.resume, share: sub.share, pins: sub.pins }).await {
             Ok(s) => s,
             Err(e) => {
                 let overloaded = matches!(e, WorkerError::QueueFull(_) | WorkerError::ShuttingDown);

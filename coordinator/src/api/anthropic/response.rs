@@ -159,8 +159,7 @@ pub async fn messages(
         let admitted = c.admit(&caller, true)?;
         let (req, ids, breakpoints) = prepare(&c, headers, body, Endpoint::Messages).await?;
         let (model, stream, offered) = (req.generation.model.clone(), req.generation.stream, req.generation.calls());
-        let mut acc = c.start(admitted, &caller, req.generation, ids, &rid.0).await?;
-        acc.breakpoints = breakpoints;
+        let acc = c.start(admitted, &caller, req.generation, ids, breakpoints, &rid.0).await?;
         Ok::<_, ApiError>((acc, model, stream, offered, req.diagnostics, req.context_management))
     };
     let (acc, model, stream, offered, diagnostics, context_management) = match started.await {

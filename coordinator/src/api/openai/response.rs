@@ -90,7 +90,7 @@ pub async fn chat_completions(
             })
             .await??;
         let (model, stream, offered) = (req.generation.model.clone(), req.generation.stream, req.generation.calls());
-        let acc = c.start(admitted, &caller, req.generation, ids, &rid.0).await?;
+        let acc = c.start(admitted, &caller, req.generation, ids, vec![], &rid.0).await?;
         Ok::<_, ApiError>((acc, model, stream, offered, req.include_usage))
     };
     let (acc, model, stream, offered, include_usage) = match started.await {
