@@ -26,6 +26,16 @@ fn body(system: &str, ttl: Option<&str>, user: &str) -> Value {
     })
 }
 
+/// POSTs `b` to `/v1/messages`: the status and the JSON body.
+fn messages(c: &reqwest::Client, s: &TestServer, b: Value) -> impl std::future::Future<Output = (u16, Value)> {
+    let req = c.post(s.url("/v1/messages")).json(&b);
+    async move {
+        let r = req.send().await.unwrap();
+        let status = r.status().as_u16();
+        (status, r.json::<Value>().await.unwrap())
+    }
+}
+
 fn total(u: &Value) -> u64 {
     ["input_tokens", "cache_creation_input_tokens", "cache_read_input_tokens"].iter().map(|k| u[k].as_u64().unwrap()).sum()
 }
@@ -35,15 +45,7 @@ async fn breakpoints_split_usage_into_written_read_and_input() {
     let _g = heavy();
     let s = TestServer::start(|_| {}).await;
     let c = client();
-    let post = |b: Value| {
-        let c = c.clone();
-        let url = s.url("/v1/messages");
-        async move {
-            let r = c.post(url).json(&b).send().await.unwrap();
-            let status = r.status().as_u16();
-            (status, r.json::<Value>().await.unwrap())
-        }
-    };
+    let post = |b: Value| messages(&c, &s, b);
     let system = LOREM.repeat(2);
 
     // First call: the system prompt up to its breakpoint is written, nothing is read.
@@ -117,12 +119,11 @@ async fn a_pinned_prefix_survives_a_flood_that_evicts_an_unpinned_one() {
     let s = TestServer::start(|c| c.nodes[0].workers[0].kv_cache_mb = 44).await;
     let c = client();
     let post = |b: Value| {
-        let c = c.clone();
-        let url = s.url("/v1/messages");
+        let r = messages(&c, &s, b);
         async move {
-            let r = c.post(url).json(&b).send().await.unwrap();
-            assert_eq!(r.status(), 200);
-            r.json::<Value>().await.unwrap()["usage"].clone()
+            let (status, v) = r.await;
+            assert_eq!(status, 200, "{v}");
+            v["usage"].clone()
         }
     };
     let text = &LOREM[..LOREM.len().min(700)];
