@@ -27,7 +27,7 @@ use crate::request::{resolve_max_tokens, CacheTtl, GenerationRequest};
 use crate::resume::LiveSequence;
 use crate::view::NodeState;
 
-/// The model this node serves.
+/// A model the cluster serves: its names and its context.
 #[derive(Clone, Debug)]
 pub struct ModelInfo {
     pub id: String,
@@ -41,6 +41,16 @@ impl ModelInfo {
     pub fn matches(&self, name: &str) -> bool {
         self.id == name || self.aliases.iter().any(|a| a == name)
     }
+}
+
+/// A model as this node's front end serves it: what it is, and the tokenizer and chat template
+/// that render and tokenize its prompts (this node renders prompts for every model in the
+/// cluster, whichever worker runs them).
+pub struct Served {
+    pub info: ModelInfo,
+    pub tokenizer: Arc<Tokenizer>,
+    pub template: Arc<ChatTemplate>,
+    pub special_tokens_in_content: bool,
 }
 
 /// A sequence accepted by a worker.
@@ -70,9 +80,8 @@ pub struct Admitted {
 pub struct Coordinator {
     pub node_id: String,
     pub config: ClusterConfig,
-    pub model: ModelInfo,
-    pub tokenizer: Arc<Tokenizer>,
-    pub template: Arc<ChatTemplate>,
+    /// Every model of the cluster, `[model]` (the default) first.
+    pub models: Vec<Served>,
     pub workers: Vec<LocalWorker>,
     pub guard: Guard,
     pub cluster: Arc<Cluster>,
@@ -149,8 +158,18 @@ impl Coordinator {
         self.workers.iter().map(|w| (w.id.clone(), w.handle.signals())).collect()
     }
 
-    pub fn tokenize(&self, text: &str) -> Result<Vec<u32>, ApiError> {
-        self.tokenizer.encode(text).map_err(|e| ApiError::Internal(e.to_string()))
+    /// The model a request names (its id or an alias), if the cluster serves it.
+    pub fn served(&self, name: &str) -> Option<&Served> {
+        self.models.iter().find(|m| m.info.matches(name))
+    }
+
+    /// The default model (`[model]`).
+    pub fn default_model(&self) -> &Served {
+        &self.models[0]
+    }
+
+    fn model_of(&self, req: &GenerationRequest) -> Result<&Served, ApiError> {
+        self.served(&req.model).ok_or_else(|| ApiError::NotFound(format!("model: {}", req.model)))
     }
 
     /// Lets a request in, before any work on its body: not shutting down, the key's limits
@@ -179,11 +198,12 @@ impl Coordinator {
     /// The length check that needs no tokenizer: a prompt whose text alone must be more tokens
     /// than the context holds is refused before the template runs.
     pub fn check_length(&self, req: &GenerationRequest) -> Result<(), ApiError> {
-        let at_least = self.tokenizer.min_tokens(req.text_bytes());
-        if at_least >= self.model.context_length {
+        let m = self.model_of(req)?;
+        let at_least = m.tokenizer.min_tokens(req.text_bytes());
+        if at_least >= m.info.context_length {
             return Err(ApiError::invalid(format!(
                 "prompt is too long: at least {at_least} tokens > {} maximum",
-                self.model.context_length.saturating_sub(1)
+                m.info.context_length.saturating_sub(1)
             )));
         }
         Ok(())
@@ -191,7 +211,8 @@ impl Coordinator {
 
     /// The prompt's token ids (`prompt::prompt_ids`: what the client wrote stays text).
     pub fn prompt_ids(&self, req: &GenerationRequest) -> Result<Vec<u32>, ApiError> {
-        crate::prompt::prompt_ids(req, &self.template, &self.tokenizer, self.config.model.special_tokens_in_content)
+        let m = self.model_of(req)?;
+        crate::prompt::prompt_ids(req, &m.template, &m.tokenizer, m.special_tokens_in_content)
     }
 
     /// Sets the grammar the reply is held to (`tool_choice`, the output format: see
@@ -200,7 +221,7 @@ impl Coordinator {
     pub fn constrain(&self, req: &mut GenerationRequest) -> Result<(), ApiError> {
         req.params.grammar = req.grammar()?;
         if let Some(g) = &req.params.grammar {
-            self.tokenizer.grammars()?.compile(g)?;
+            self.model_of(req)?.tokenizer.grammars()?.compile(g)?;
         }
         Ok(())
     }
@@ -224,9 +245,10 @@ impl Coordinator {
             return Err(ApiError::Permission("ignore_eos is not enabled for this API key (an operator option: allow_ignore_eos in [[auth.keys]])".into()));
         }
         let started_at = Instant::now();
-        let fingerprint = Arc::new(Fingerprint::of(&req, &self.model.id, &ids));
+        let model = self.model_of(&req)?.info.clone();
+        let fingerprint = Arc::new(Fingerprint::of(&req, &model.id, &ids));
         let mut params = req.params;
-        params.max_tokens = resolve_max_tokens(req.max_tokens, ids.len(), self.model.context_length)?;
+        params.max_tokens = resolve_max_tokens(req.max_tokens, ids.len(), model.context_length)?;
         if params.temperature > 0.0 {
             // Fixed here, so that a continuation on another worker samples what this one would.
             params.seed.get_or_insert_with(rand::random);
@@ -235,7 +257,7 @@ impl Coordinator {
         let prompt_tokens = ids.len();
         let tenant = self.guard.tenant(caller);
         let pins = breakpoints.iter().map(|&(tokens, ttl)| CachePin { tokens: tokens as u32, ttl_secs: ttl.secs() }).collect();
-        let job = Job { request_id: request_id.to_string(), prompt: ids, params, share: Share::of(&tenant.name, tenant.weight), pins };
+        let job = Job { request_id: request_id.to_string(), prompt: ids, params, share: Share::of(&tenant.name, tenant.weight), pins, model: model.id };
         let placed = self.dispatch.submit(&job, &[], &[], None).await?;
         let served_by = placed.served_by();
         Ok(Accepted { stream: LiveSequence::new(self.dispatch.clone(), job, placed), prompt_tokens, served_by, started_at, fingerprint, ticket, breakpoints, _permit: permit })

@@ -50,6 +50,8 @@ pub struct Job {
     pub share: Share,
     /// Prompt prefixes the worker keeps cached (`cache_control`).
     pub pins: Vec<CachePin>,
+    /// The id of the model it runs on: only workers that serve it are placed on.
+    pub model: String,
 }
 
 /// A submission that a worker accepted.
@@ -115,12 +117,13 @@ impl Dispatcher {
         view
     }
 
-    /// Where a sequence holding `tokens` (prompt and output so far) would go now, among the
-    /// workers of nodes not in `exclude`: for a drain, which moves each sequence's KV there.
-    pub fn target(&self, tokens: &[u32], max_tokens: usize, exclude: &[String]) -> Option<Target> {
+    /// Where a sequence of `model` holding `tokens` (prompt and output so far) would go now,
+    /// among the workers serving that model on nodes not in `exclude`: for a drain, which moves
+    /// each sequence's KV there.
+    pub fn target(&self, model: &str, tokens: &[u32], max_tokens: usize, exclude: &[String]) -> Option<Target> {
         let summary = RequestSummary { block_hashes: block_hashes(tokens, self.block_size), prompt_tokens: tokens.len(), max_tokens };
         let mut view = self.view();
-        view.workers.retain(|w| !exclude.contains(&w.node));
+        view.workers.retain(|w| !exclude.contains(&w.node) && w.model == model);
         match placement::place(&view, &summary, &self.config.placement, self.rr.fetch_add(1, Ordering::Relaxed)) {
             Decision::Place { index, .. } => {
                 let w = &view.workers[index];
@@ -142,7 +145,7 @@ impl Dispatcher {
             max_tokens: (job.params.max_tokens as usize).saturating_sub(resume.len()),
         };
         let mut view = self.view();
-        view.workers.retain(|w| !exclude.contains(&w.node));
+        view.workers.retain(|w| !exclude.contains(&w.node) && w.model == job.model);
         let mut order: Vec<(usize, usize)> = Vec::new(); // (view index, cached blocks)
         if let Some((node, worker)) = prefer {
             if let Some(i) = view.workers.iter().position(|w| w.node == node && w.worker == worker) {

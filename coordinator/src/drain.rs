@@ -187,7 +187,7 @@ async fn drain(ctx: DrainContext, report: Arc<Mutex<DrainReport>>) {
         for w in &ctx.workers {
             let ids = w.handle.sequences().await.unwrap_or_default();
             left += ids.len();
-            if ids.is_empty() || ctx.dispatch.target(&[0], 1, &[ctx.node_id.clone()]).is_none() {
+            if ids.is_empty() || ctx.dispatch.target(&w.model, &[0], 1, &[ctx.node_id.clone()]).is_none() {
                 continue; // nothing here, or nowhere to go: they finish here
             }
             // Their full blocks ahead, while they run; then all at one step boundary, and (a few
@@ -233,7 +233,7 @@ async fn precopy(ctx: &DrainContext, w: &LocalWorker, ids: Vec<SeqId>) -> HashMa
     futures::stream::iter(snapshots.into_iter().filter(|(_, ex)| !ex.block_hashes.is_empty()).map(|(id, ex)| async move {
         let t0 = Instant::now();
         let tokens: Vec<u32> = ex.prompt.iter().chain(&ex.generated).copied().collect();
-        let target = ctx.dispatch.target(&tokens, ex.generated.len().max(1), std::slice::from_ref(&ctx.node_id))?;
+        let target = ctx.dispatch.target(&w.model, &tokens, ex.generated.len().max(1), std::slice::from_ref(&ctx.node_id))?;
         let request_id = format!("precopy-{}-{}-{id}", ctx.node_id, w.id);
         match transfer(ctx, &target, &ex, &HashSet::new(), &request_id).await {
             Ok(t) => {
@@ -283,7 +283,7 @@ async fn move_one(ctx: &DrainContext, w: &LocalWorker, handover: Handover, repor
     let remaining = ex.generated.len().max(1);
     let target = match pre {
         Some(p) => Some(p.target.clone()),
-        None => ctx.dispatch.target(&tokens, remaining, &exclude),
+        None => ctx.dispatch.target(&w.model, &tokens, remaining, &exclude),
     };
     let Some(target) = target else {
         handover.finish(StopReason::Lost(format!("node {} drains and no worker could take the sequence", ctx.node_id))).await;

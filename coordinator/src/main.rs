@@ -268,7 +268,7 @@ fn up(config: Option<PathBuf>, node: Option<String>, http: Option<String>, model
         tracing::info!(
             "zerolayer ready: node {} serving {} on http://{}{} ({} worker{})",
             c.node_id,
-            c.model.id,
+            c.models.iter().map(|m| m.info.id.as_str()).collect::<Vec<_>>().join(", "),
             local,
             quic,
             c.workers.len(),

@@ -1,6 +1,7 @@
 //! Starting a node (this process): load the model onto each worker, build the coordinator, serve HTTP on an
 //! already-bound listener until a shutdown future resolves, then drain within the grace period.
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
@@ -9,11 +10,13 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 use zerolayer_common::ClusterConfig;
 use zerolayer_worker::engine::{Engine, EngineConfig};
+use zerolayer_worker::chat::ChatTemplate;
 use zerolayer_worker::loader;
+use zerolayer_worker::tokenizer::Tokenizer;
 use zerolayer_worker::WorkerHandle;
 
 use crate::cluster::{Cluster, LocalWorker};
-use crate::coordinator::{Admission, Coordinator, ModelInfo};
+use crate::coordinator::{Admission, Coordinator, ModelInfo, Served};
 use crate::dispatch::Dispatcher;
 use crate::drain::{DrainActor, DrainContext};
 use crate::view::NodeState;
@@ -44,13 +47,13 @@ impl Node {
         // to the no-op recorder and be lost.
         crate::metrics::handle();
         let mut workers = Vec::new();
-        let mut front = None;
-        // The context a request may use: the model's, or less where a worker's KV cache holds
-        // fewer tokens (max_tokens is clamped to it).
-        let mut context_length = usize::MAX;
+        // Per model id: the front end a local worker loaded, and the context a request may use
+        // (the model's, or less where a local worker's KV cache holds fewer tokens).
+        let mut fronts: HashMap<String, (Arc<Tokenizer>, Arc<ChatTemplate>, usize)> = HashMap::new();
         for wc in &node.workers {
-            let path = config.model.path.clone();
-            let tok = config.model.tokenizer.clone();
+            let mc = config.model_of(wc);
+            let path = mc.path.clone();
+            let tok = mc.tokenizer.clone();
             let threads = wc.threads;
             let wid = wc.id.clone();
             let loaded = {
@@ -69,28 +72,30 @@ impl Node {
                 reserve_output_tokens: wc.reserve_output_tokens,
                 pinned_kv_share: wc.pinned_kv_share,
             };
-            if front.is_none() {
-                front = Some((loaded.tokenizer.clone(), loaded.template.clone()));
-            }
+            let (tokenizer, template) = (loaded.tokenizer.clone(), loaded.template.clone());
             let engine = Engine::new(loaded.model, loaded.tokenizer, &ecfg)?;
-            context_length = context_length.min(engine.max_sequence_tokens());
+            let room = engine.max_sequence_tokens();
+            let f = fronts.entry(mc.id.clone()).or_insert((tokenizer, template, usize::MAX));
+            f.2 = f.2.min(room);
             let handle = WorkerHandle::spawn(engine, &format!("{node_id}-{}", wc.id)).await?;
-            workers.push(LocalWorker { id: wc.id.clone(), handle, max_waiting: wc.max_waiting, device: wc.device.clone() });
+            workers.push(LocalWorker { id: wc.id.clone(), handle, max_waiting: wc.max_waiting, device: wc.device.clone(), model: mc.id.clone() });
         }
-        let (tokenizer, template) = front.ok_or_else(|| anyhow::anyhow!("node {node_id:?} has no workers"))?;
-        let created_unix = std::fs::metadata(&config.model.path)
-            .and_then(|m| m.modified())
-            .ok()
-            .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
-            .map(|d| d.as_secs() as i64)
-            .unwrap_or(0);
-        let model = ModelInfo {
-            id: config.model.id.clone(),
-            aliases: config.model.aliases.clone(),
-            display_name: config.model.display_name.clone(),
-            created_unix,
-            context_length,
-        };
+        let mut models = Vec::new();
+        for mc in config.all_models() {
+            let (tokenizer, template, context_length) = match fronts.remove(&mc.id) {
+                Some(f) => f,
+                // No local worker runs it: only its text front end, from the file's metadata.
+                None => loader::load_frontend(&mc.path).map_err(|e| anyhow::anyhow!("model {:?}: {e}", mc.id))?,
+            };
+            let created_unix = std::fs::metadata(&mc.path)
+                .and_then(|m| m.modified())
+                .ok()
+                .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+                .map(|d| d.as_secs() as i64)
+                .unwrap_or(0);
+            let info = ModelInfo { id: mc.id.clone(), aliases: mc.aliases.clone(), display_name: mc.display_name.clone(), created_unix, context_length };
+            models.push(Served { info, tokenizer, template, special_tokens_in_content: mc.special_tokens_in_content });
+        }
         let guard = crate::auth::Guard::from_config(&config)?;
         if !guard.enabled() {
             tracing::warn!("auth disabled: no API keys configured, so the API is open (development mode)");
@@ -106,9 +111,7 @@ impl Node {
         let coordinator = Arc::new(Coordinator {
             node_id,
             config,
-            model,
-            tokenizer,
-            template,
+            models,
             workers,
             guard,
             cluster,

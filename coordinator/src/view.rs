@@ -49,6 +49,8 @@ pub struct WorkerView {
     pub local: bool,
     pub state: NodeState,
     pub device: String,
+    /// The id of the model it serves.
+    pub model: String,
     pub max_waiting: u32,
     pub signals: WorkerSignals,
     /// Block hashes the worker caches (exact, from its KV events).
@@ -70,6 +72,7 @@ pub(crate) fn test_worker(node: &str, local: bool, signals: WorkerSignals) -> Wo
         local,
         state: NodeState::Ready,
         device: "cpu".into(),
+        model: "m".into(),
         max_waiting: 8,
         signals,
         cached: Arc::new(HashSet::new()),

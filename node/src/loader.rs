@@ -59,8 +59,6 @@ pub fn load(path: &Path, tokenizer: Option<&Path>, threads: usize, progress: imp
     Ok(Loaded { model, tokenizer: Arc::new(tok), template: Arc::new(template) })
 }
 
-/// Just the text front end of a GGUF model (tokenizer and chat template), from its metadata,
-/// without loading any weights. Used by fuzzing and tools.
 /// Writes a GGUF model's tokenizer as a Hugging Face tokenizer directory: `tokenizer.json` and
 /// `tokenizer_config.json` (the chat template, BOS and EOS), for tools that tokenize on their
 /// own, such as benchmark clients.
@@ -83,7 +81,10 @@ pub fn export_tokenizer(path: &Path, out: &Path) -> Result<()> {
         .map_err(|e| WorkerError::Model(format!("writing {}: {e}", out.display())))
 }
 
-pub fn load_frontend(path: &Path) -> Result<(Arc<Tokenizer>, Arc<ChatTemplate>)> {
+/// Just the text front end of a GGUF model (tokenizer and chat template) and its context
+/// length, from its metadata, without loading any weights: for a coordinator that renders
+/// prompts for a model no local worker runs, for fuzzing, and for tools.
+pub fn load_frontend(path: &Path) -> Result<(Arc<Tokenizer>, Arc<ChatTemplate>, usize)> {
     let mut f = std::fs::File::open(path).map_err(|e| WorkerError::Model(format!("opening {}: {e}", path.display())))?;
     let content = candle_core::quantized::gguf_file::Content::read(&mut f).map_err(WorkerError::candle)?;
     let md = &content.metadata;
@@ -93,5 +94,6 @@ pub fn load_frontend(path: &Path) -> Result<(Arc<Tokenizer>, Arc<ChatTemplate>)>
         md.get(key).and_then(|v| v.to_u32().ok()).and_then(|id| tok.decode_with_special(&[id]).ok()).unwrap_or_default()
     };
     let template = ChatTemplate::new(tmpl_src.as_deref(), &token_str("tokenizer.ggml.bos_token_id"), &token_str("tokenizer.ggml.eos_token_id"))?;
-    Ok((Arc::new(tok), Arc::new(template)))
+    let context = md.iter().find(|(k, _)| k.ends_with(".context_length")).and_then(|(_, v)| v.to_u32().ok()).unwrap_or(4096) as usize;
+    Ok((Arc::new(tok), Arc::new(template), context))
 }

@@ -367,7 +367,7 @@ async fn stop_sequences_spanning_several_tokens() {
     let full: Value = c.post(s.url("/v1/messages")).json(&msg_body(q, 48, false)).send().await.unwrap().json().await.unwrap();
     let full = full["content"][0]["text"].as_str().unwrap().to_string();
     // A stop string from the middle of the answer that the tokenizer splits into 3+ tokens.
-    let tok = &s.coordinator.tokenizer;
+    let tok = &s.coordinator.default_model().tokenizer;
     let words: Vec<&str> = full.split(' ').collect();
     let stop = (3..words.len().saturating_sub(3))
         .map(|i| format!(" {} {}", words[i], words[i + 1]))

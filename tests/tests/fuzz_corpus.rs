@@ -6,7 +6,7 @@ use zerolayer_tests::model_path;
 
 #[test]
 fn fuzz_corpus_never_panics() {
-    let (tok, tmpl) = load_frontend(&model_path()).unwrap();
+    let (tok, tmpl, _) = load_frontend(&model_path()).unwrap();
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz");
     let mut n = 0;
     let mut ok = 0;

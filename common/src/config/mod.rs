@@ -23,7 +23,12 @@ pub enum ConfigError {
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(default)]
 pub struct ClusterConfig {
+    /// The default model: workers that name no `model` load it.
     pub model: ModelSection,
+    /// More models the cluster serves (`[[models]]`): a worker loads one with `model = "<id>"`.
+    /// Every node reads the tokenizer and chat template of every model (it renders prompts for
+    /// all of them), so each node needs every model's file.
+    pub models: Vec<ModelSection>,
     pub server: ServerSection,
     pub auth: AuthSection,
     pub limits: LimitsSection,
@@ -218,6 +223,8 @@ impl Default for NodeConfig {
 #[serde(default)]
 pub struct WorkerConfig {
     pub id: String,
+    /// The id of the model it loads (`[model]`'s when absent).
+    pub model: Option<String>,
     /// `cpu` (a `cuda:N` backend comes later).
     pub device: String,
     /// Kernel threads (0: all cores).
@@ -259,6 +266,7 @@ impl Default for WorkerConfig {
     fn default() -> Self {
         WorkerConfig {
             id: "cpu0".into(),
+            model: None,
             device: "cpu".into(),
             threads: 0,
             kv_cache_mb: 1024,
@@ -279,6 +287,7 @@ impl Default for ClusterConfig {
     fn default() -> Self {
         ClusterConfig {
             model: ModelSection::default(),
+            models: Vec::new(),
             server: ServerSection::default(),
             auth: AuthSection::default(),
             limits: LimitsSection::default(),
@@ -317,9 +326,32 @@ impl ClusterConfig {
         Ok(cfg)
     }
 
+    /// Every model the cluster serves: `[model]`, then `[[models]]`.
+    pub fn all_models(&self) -> impl Iterator<Item = &ModelSection> {
+        std::iter::once(&self.model).chain(&self.models)
+    }
+
+    /// The model worker `w` loads.
+    pub fn model_of(&self, w: &WorkerConfig) -> &ModelSection {
+        match &w.model {
+            Some(id) => self.all_models().find(|m| &m.id == id).unwrap_or(&self.model),
+            None => &self.model,
+        }
+    }
+
     fn resolve_paths(&mut self, dir: &Path) {
-        if self.model.path.is_relative() && !dir.as_os_str().is_empty() {
-            self.model.path = dir.join(&self.model.path);
+        if dir.as_os_str().is_empty() {
+            return;
+        }
+        for m in std::iter::once(&mut self.model).chain(&mut self.models) {
+            if m.path.is_relative() {
+                m.path = dir.join(&m.path);
+            }
+            if let Some(t) = &m.tokenizer {
+                if t.is_relative() {
+                    m.tokenizer = Some(dir.join(t));
+                }
+            }
         }
         if let Some(f) = &self.auth.api_keys_file {
             if f.is_relative() && !dir.as_os_str().is_empty() {
@@ -331,17 +363,23 @@ impl ClusterConfig {
                 self.cluster.tls_dir = Some(dir.join(t));
             }
         }
-        if let Some(t) = &self.model.tokenizer {
-            if t.is_relative() && !dir.as_os_str().is_empty() {
-                self.model.tokenizer = Some(dir.join(t));
-            }
-        }
     }
 
     pub fn validate(&self) -> Result<(), ConfigError> {
         let bad = |m: String| Err(ConfigError::Invalid(m));
         if self.nodes.is_empty() {
             return bad("at least one [[nodes]] entry is required".into());
+        }
+        let mut names = std::collections::HashSet::new();
+        for m in self.all_models() {
+            for name in std::iter::once(&m.id).chain(&m.aliases) {
+                if name.is_empty() || name.len() > 64 || !name.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.:".contains(&b)) {
+                    return bad(format!("model name {name:?}: 1 to 64 ASCII letters, digits, '-', '_', '.' or ':'"));
+                }
+                if !names.insert(name) {
+                    return bad(format!("model name {name:?} is used twice"));
+                }
+            }
         }
         let mut ids = std::collections::HashSet::new();
         for n in &self.nodes {
@@ -360,6 +398,11 @@ impl ClusterConfig {
                 }
                 if !(w.step_stretch == 0.0 || (1.0..=100.0).contains(&w.step_stretch)) || !(0.0..=10_000.0).contains(&w.min_step_ms) {
                     return bad(format!("worker {}/{}: step_stretch must be 0 (off) or 1 to 100, min_step_ms 0 to 10000", n.id, w.id));
+                }
+                if let Some(m) = &w.model {
+                    if !self.all_models().any(|x| &x.id == m) {
+                        return bad(format!("worker {}/{}: model {m:?} is not a [model] or [[models]] id", n.id, w.id));
+                    }
                 }
                 if !(0.0..=1.0).contains(&w.pinned_kv_share) {
                     return bad(format!("worker {}/{}: pinned_kv_share must be in 0..=1", n.id, w.id));
@@ -424,6 +467,35 @@ impl ClusterConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn several_models_each_worker_names_one() {
+        let c = ClusterConfig::from_toml(
+            r#"
+            [[models]]
+            path = "models/qwen.gguf"
+            id = "qwen"
+            aliases = ["Qwen2.5-Coder"]
+            [[nodes]]
+            id = "a"
+            [[nodes.workers]]
+            id = "cpu0"
+            [[nodes.workers]]
+            id = "cpu1"
+            model = "qwen"
+            "#,
+        )
+        .unwrap();
+        let ids: Vec<&str> = c.all_models().map(|m| m.id.as_str()).collect();
+        assert_eq!(ids, ["smollm2-135m-instruct", "qwen"]);
+        assert_eq!(c.model_of(&c.nodes[0].workers[0]).id, "smollm2-135m-instruct");
+        assert_eq!(c.model_of(&c.nodes[0].workers[1]).id, "qwen");
+        let base = "[[models]]\npath='q.gguf'\nid='qwen'\n[[nodes]]\nid='a'\n[[nodes.workers]]\nid='cpu0'\n";
+        assert!(ClusterConfig::from_toml(&format!("{base}model='llama'\n")).is_err(), "a worker names a model that is not configured");
+        assert!(ClusterConfig::from_toml(&base.replace("id='qwen'", "id='smollm2-135m-instruct'")).is_err(), "two models share an id");
+        assert!(ClusterConfig::from_toml(&base.replace("id='qwen'", "id='SmolLM2-135M-Instruct'")).is_err(), "an id is another's alias");
+        assert!(ClusterConfig::from_toml(&base.replace("id='qwen'", "id='q w'")).is_err(), "a model id with a space");
+    }
 
     #[test]
     fn toml_overrides_defaults() {

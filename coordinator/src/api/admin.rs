@@ -21,7 +21,7 @@ pub async fn status(State(c): State<AppState>) -> Json<Value> {
     // Per key (tenant): this node's totals, requests open here and cluster-wide, and what is left
     // of each limit as this node knows it (every node's charges included).
     let keys = c.guard.quota.usage();
-    Json(json!({"node": c.node_id, "ready": c.is_ready(), "model": c.model.id, "in_flight": c.in_flight(), "workers": workers, "keys": keys}))
+    Json(json!({"node": c.node_id, "ready": c.is_ready(), "model": c.default_model().info.id, "models": c.models.iter().map(|m| &m.info.id).collect::<Vec<_>>(), "in_flight": c.in_flight(), "workers": workers, "keys": keys}))
 }
 
 /// The cluster as this node sees it: every node's state and every worker's signals.
@@ -84,7 +84,7 @@ pub async fn ready(State(c): State<AppState>) -> Response {
 
 pub async fn prometheus(State(c): State<AppState>) -> Response {
     let peers: Vec<(String, &'static str)> = c.cluster.nodes().into_iter().map(|n| (n.id, n.state.as_str())).collect();
-    let body = metrics::render(&c.node_id, &c.model.id, &c.worker_signals(), &peers);
+    let body = metrics::render(&c.node_id, &c.default_model().info.id, &c.worker_signals(), &peers);
     ([("content-type", "text/plain; version=0.0.4")], body).into_response()
 }
 

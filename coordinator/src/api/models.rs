@@ -7,25 +7,27 @@ use serde_json::{json, Value};
 
 use super::shared::{AppState, RequestId};
 use crate::clock::rfc3339;
-use crate::coordinator::Coordinator;
+use crate::coordinator::ModelInfo;
 use crate::error::ApiError;
 
-fn model_json(c: &Coordinator) -> Value {
+fn model_json(m: &ModelInfo) -> Value {
     json!({
-        "id": c.model.id, "type": "model", "display_name": c.model.display_name,
-        "created_at": rfc3339(c.model.created_unix),
-        "object": "model", "created": c.model.created_unix, "owned_by": "zerolayer",
+        "id": m.id, "type": "model", "display_name": m.display_name,
+        "created_at": rfc3339(m.created_unix),
+        "object": "model", "created": m.created_unix, "owned_by": "zerolayer",
     })
 }
 
+/// Every model of the cluster, the default first.
 pub async fn list(State(c): State<AppState>) -> Json<Value> {
-    Json(json!({"data": [model_json(&c)], "has_more": false, "first_id": c.model.id, "last_id": c.model.id, "object": "list"}))
+    let data: Vec<Value> = c.models.iter().map(|m| model_json(&m.info)).collect();
+    let (first, last) = (&c.models[0].info.id, &c.models[c.models.len() - 1].info.id);
+    Json(json!({"data": data, "has_more": false, "first_id": first, "last_id": last, "object": "list"}))
 }
 
 pub async fn get(State(c): State<AppState>, Extension(rid): Extension<RequestId>, Path(id): Path<String>) -> Response {
-    if c.model.matches(&id) {
-        Json(model_json(&c)).into_response()
-    } else {
-        ApiError::NotFound(format!("model: {id}")).into_anthropic(&rid.0)
+    match c.served(&id) {
+        Some(m) => Json(model_json(&m.info)).into_response(),
+        None => ApiError::NotFound(format!("model: {id}")).into_anthropic(&rid.0),
     }
 }

@@ -110,6 +110,8 @@ pub fn valid_name(s: &str) -> bool {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct WorkerDesc {
     pub device: String,
+    /// The id of the model it serves (a name as `valid_name` allows).
+    pub model: String,
     pub max_waiting: u32,
 }
 
@@ -129,6 +131,9 @@ pub fn decode_desc(v: &str) -> Result<WorkerDesc, GossipError> {
     let d: WorkerDesc = serde_json::from_str(v).map_err(|e| GossipError::Malformed(e.to_string()))?;
     if !valid_name(&d.device) {
         return Err(GossipError::Malformed(format!("device name {:?}", d.device)));
+    }
+    if !valid_name(&d.model) {
+        return Err(GossipError::Malformed(format!("model id {:?}", d.model)));
     }
     if d.max_waiting > 1 << 20 {
         return Err(GossipError::OutOfRange(format!("max_waiting {}", d.max_waiting)));
@@ -460,9 +465,9 @@ mod tests {
         nan.prefix_hit_ratio = f32::NAN;
         assert!(decode_signals(&encode_signals(&nan)).is_err());
 
-        let d = WorkerDesc { device: "cuda:0".into(), max_waiting: 256 };
+        let d = WorkerDesc { device: "cuda:0".into(), model: "qwen2.5-coder-0.5b".into(), max_waiting: 256 };
         assert_eq!(decode_desc(&encode_desc(&d)).unwrap(), d);
-        for bad in [r#"{"device":"cpu é","max_waiting":1}"#, r#"{"device":"","max_waiting":1}"#, r#"{"device":"cpu","max_waiting":4294967295}"#, "[]"] {
+        for bad in [r#"{"device":"cpu é","model":"m","max_waiting":1}"#, r#"{"device":"","model":"m","max_waiting":1}"#, r#"{"device":"cpu","model":"m","max_waiting":4294967295}"#, r#"{"device":"cpu","model":"m m","max_waiting":1}"#, r#"{"device":"cpu","max_waiting":1}"#, "[]"] {
             assert!(decode_desc(bad).is_err(), "{bad}");
         }
         assert_eq!(worker_of_key("w:cpu0"), Some("cpu0"));

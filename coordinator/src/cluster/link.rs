@@ -27,6 +27,8 @@ pub struct LocalWorker {
     pub max_waiting: usize,
     /// `cpu`, `cuda:0`, … (from the config).
     pub device: String,
+    /// The id of the model it serves.
+    pub model: String,
 }
 
 /// A node as seen through membership (for `/admin/cluster` and forwarding).
@@ -172,6 +174,7 @@ impl Cluster {
                 local: true,
                 state,
                 device: l.worker.device.clone(),
+                model: l.worker.model.clone(),
                 max_waiting: l.worker.max_waiting as u32,
                 signals: l.worker.handle.signals(),
                 cached: l.cached.read().unwrap().clone(),

@@ -138,7 +138,7 @@ fn publish(c: &Cluster, chitchat: &mut Chitchat, digests: &mut [LocalDigest], si
     for (l, digest) in c.local.iter().zip(digests) {
         let id = &l.worker.id;
         if describe {
-            let d = gossip::WorkerDesc { device: l.worker.device.clone(), max_waiting: l.worker.max_waiting as u32 };
+            let d = gossip::WorkerDesc { device: l.worker.device.clone(), model: l.worker.model.clone(), max_waiting: l.worker.max_waiting as u32 };
             signed.set(signer, me, gossip::worker_key(id), gossip::encode_desc(&d));
         }
         signed.set(signer, me, gossip::signals_key(id), gossip::encode_signals(&l.worker.handle.signals()));
@@ -265,6 +265,7 @@ impl Remote {
                     local: false,
                     state,
                     device: desc.device,
+                    model: desc.model,
                     max_waiting: desc.max_waiting,
                     signals,
                     cached,

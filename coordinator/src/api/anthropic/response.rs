@@ -41,7 +41,7 @@ fn parse(c: &Coordinator, headers: &HeaderMap, body: Result<Bytes, BytesRejectio
     check_headers(headers)?;
     let v = json_body(body, c.config.server.max_body_bytes)?;
     let req = request::parse(&v, endpoint)?;
-    if !c.model.matches(&req.generation.model) {
+    if c.served(&req.generation.model).is_none() {
         return Err(ApiError::NotFound(format!("model: {}", req.generation.model)));
     }
     Ok(req)
@@ -62,7 +62,10 @@ async fn prepare(c: &AppState, headers: HeaderMap, body: Result<Bytes, BytesReje
             c2.constrain(&mut req.generation)?;
         }
         let breakpoints = match endpoint {
-            Endpoint::Messages => caching::breakpoint_tokens(&req.generation, &c2.template, &c2.tokenizer),
+            Endpoint::Messages => {
+                let m = c2.served(&req.generation.model).expect("parse checked the model");
+                caching::breakpoint_tokens(&req.generation, &m.template, &m.tokenizer)
+            }
             Endpoint::CountTokens => vec![],
         };
         Ok((req, ids, breakpoints))

@@ -65,7 +65,7 @@ fn usage_json(u: &Usage) -> Value {
 fn parse(c: &Coordinator, body: Result<Bytes, BytesRejection>) -> Result<ChatRequest, ApiError> {
     let v = json_body(body, c.config.server.max_body_bytes)?;
     let req = request::parse(&v)?;
-    if !c.model.matches(&req.generation.model) {
+    if c.served(&req.generation.model).is_none() {
         return Err(ApiError::NotFound(format!("The model `{}` does not exist", req.generation.model)));
     }
     Ok(req)
