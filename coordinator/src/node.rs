@@ -94,6 +94,14 @@ impl Node {
                 .map(|d| d.as_secs() as i64)
                 .unwrap_or(0);
             let info = ModelInfo { id: mc.id.clone(), aliases: mc.aliases.clone(), display_name: mc.display_name.clone(), created_unix, context_length };
+            // The grammar compiler indexes the vocabulary once (about half a second for 150k
+            // tokens): built in the background now, not on the first constrained request.
+            let t = tokenizer.clone();
+            std::thread::Builder::new().name("zl-grammars".into()).spawn(move || {
+                if let Err(e) = t.grammars() {
+                    tracing::info!(error = %e, "constrained decoding is unavailable for this model");
+                }
+            })?;
             models.push(Served { info, tokenizer, template, special_tokens_in_content: mc.special_tokens_in_content });
         }
         let guard = crate::auth::Guard::from_config(&config)?;

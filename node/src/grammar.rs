@@ -49,11 +49,19 @@ impl TokenizerEnv for Vocab {
     }
 }
 
+/// Compiled grammars kept for reuse (an agent sends the same tools on every turn).
+pub const COMPILED_CACHE: usize = 64;
+
 /// One vocabulary's grammar compiler: shared by every constrained sequence of a model.
 pub struct Grammars {
     factory: ParserFactory,
     /// The model's end tokens (allowed wherever llguidance allows its EOS).
     end_tokens: Vec<u32>,
+    /// Fresh parsers of recently compiled grammars, newest last (at most [`COMPILED_CACHE`]):
+    /// the coordinator's check compiles a request's grammar, and the worker that runs it (or
+    /// the next request with the same tools) starts from a copy instead of compiling again on
+    /// the engine thread.
+    compiled: std::sync::Mutex<std::collections::VecDeque<(Arc<str>, Matcher)>>,
 }
 
 impl Grammars {
@@ -72,7 +80,7 @@ impl Grammars {
         let env: TokEnv = Arc::new(Vocab { trie, text });
         let mut factory = ParserFactory::new_simple(&env).map_err(|e| bad(e.to_string()))?;
         factory.quiet();
-        Ok(Grammars { factory, end_tokens: end_tokens.to_vec() })
+        Ok(Grammars { factory, end_tokens: end_tokens.to_vec(), compiled: Default::default() })
     }
 
     /// Compiles `lark` into a fresh parser, checking it: the coordinator calls this before a
@@ -82,8 +90,24 @@ impl Grammars {
         if lark.len() > MAX_GRAMMAR_BYTES {
             return Err(WorkerError::Grammar(format!("the grammar is {} bytes; at most {MAX_GRAMMAR_BYTES} are allowed", lark.len())));
         }
+        let cached = |c: &mut std::collections::VecDeque<(Arc<str>, Matcher)>| {
+            let i = c.iter().position(|(text, _)| &**text == lark)?;
+            let hit = c.remove(i)?;
+            let copy = hit.1.deep_clone();
+            c.push_back(hit);
+            Some(copy)
+        };
+        if let Some(m) = cached(&mut self.compiled.lock().unwrap_or_else(|e| e.into_inner())) {
+            return Ok(m);
+        }
         let parser = self.factory.create_parser(TopLevelGrammar::from_lark(lark.to_string())).map_err(|e| WorkerError::Grammar(without_listing(&e.to_string())))?;
-        Ok(Matcher::new(Ok(parser)))
+        let m = Matcher::new(Ok(parser));
+        let mut c = self.compiled.lock().unwrap_or_else(|e| e.into_inner());
+        if c.len() >= COMPILED_CACHE {
+            c.pop_front();
+        }
+        c.push_back((Arc::from(lark), m.deep_clone()));
+        Ok(m)
     }
 }
 
