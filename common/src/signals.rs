@@ -10,6 +10,10 @@ pub struct WorkerSignals {
     pub kv_blocks_free: u32,
     /// Free blocks that still hold a cached prefix (evictable).
     pub kv_blocks_cached: u32,
+    /// Blocks holding a `cache_control` pin (referenced or not; unreferenced pinned blocks are
+    /// not free: nothing evicts them until the pin expires).
+    #[serde(default)]
+    pub kv_blocks_pinned: u32,
     /// 1 − live token slots ÷ slots in allocated blocks.
     pub kv_fragmentation_ratio: f32,
     pub block_size: u32,

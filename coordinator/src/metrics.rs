@@ -68,6 +68,7 @@ pub fn render(node: &str, model: &str, workers: &[(String, WorkerSignals)], peer
     gauge("zerolayer_kv_fragmentation_ratio", "1 - live token slots / allocated slots", "gauge", &|s| s.kv_fragmentation_ratio as f64);
     gauge("zerolayer_memory_used_bytes", "Weights plus KV blocks held by sequences", "gauge", &|s| s.memory_used_bytes as f64);
     gauge("zerolayer_memory_limit_bytes", "Weights plus the whole KV pool", "gauge", &|s| s.memory_limit_bytes as f64);
+    gauge("zerolayer_kv_blocks_pinned", "KV blocks holding a cache_control pin", "gauge", &|s| s.kv_blocks_pinned as f64);
     gauge("zerolayer_running_sequences", "Sequences in the running batch", "gauge", &|s| s.running as f64);
     gauge("zerolayer_waiting_sequences", "Sequences waiting for admission", "gauge", &|s| s.waiting as f64);
     gauge("zerolayer_waiting_prefill_tokens", "Prompt tokens not yet computed", "gauge", &|s| s.waiting_prefill_tokens as f64);

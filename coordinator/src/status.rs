@@ -28,7 +28,7 @@ pub fn render(v: &Value) -> String {
     );
     let mut t = Table::new();
     t.load_style(UTF8_FULL_CONDENSED);
-    t.set_header(vec!["node", "state", "worker", "device", "kv free/total", "cached", "frag", "prefix hit", "run/wait", "tok/s", "http"]);
+    t.set_header(vec!["node", "state", "worker", "model", "device", "kv free/total", "cached/pinned", "frag", "prefix hit", "run/wait", "tok/s", "http"]);
     let state = |n: &Value| match (s(n, "state"), f(n, "moving")) {
         ("draining", m) if m > 0.0 => format!("draining, {m} moving"),
         (st, _) => st.to_string(),
@@ -37,16 +37,17 @@ pub fn render(v: &Value) -> String {
         let id = s(n, "id");
         let ws: Vec<&Value> = workers.iter().filter(|w| s(w, "node") == id).collect();
         if ws.is_empty() {
-            t.add_row(vec![id, &state(n), "-", "-", "-", "-", "-", "-", "-", "-", s(n, "http")]);
+            t.add_row(vec![id, &state(n), "-", "-", "-", "-", "-", "-", "-", "-", "-", s(n, "http")]);
         }
         for w in ws {
             t.add_row(vec![
                 Cell::new(id),
                 Cell::new(state(n)),
                 Cell::new(s(w, "worker")),
+                Cell::new(s(w, "model")),
                 Cell::new(s(w, "device")),
                 Cell::new(format!("{}/{}", f(w, "kv_blocks_free"), f(w, "kv_blocks_total"))),
-                Cell::new(f(w, "kv_blocks_cached")),
+                Cell::new(format!("{}/{}", f(w, "kv_blocks_cached"), f(w, "kv_blocks_pinned"))),
                 Cell::new(format!("{:.1}%", 100.0 * f(w, "kv_fragmentation_ratio"))),
                 Cell::new(format!("{:.1}%", 100.0 * f(w, "prefix_hit_ratio"))),
                 Cell::new(format!("{}/{}", f(w, "running"), f(w, "waiting"))),
@@ -68,13 +69,13 @@ mod tests {
             "node": "a", "policy": "cache_aware", "prefix_hit_ratio": 0.5,
             "nodes": [{"id": "a", "state": "ready", "http": "127.0.0.1:1"}, {"id": "b", "state": "dead", "http": "127.0.0.1:2"},
                       {"id": "c", "state": "draining", "moving": 3, "http": "127.0.0.1:3"}],
-            "workers": [{"node": "a", "worker": "cpu0", "device": "cpu", "kv_blocks_free": 10, "kv_blocks_total": 12,
-                         "kv_blocks_cached": 3, "kv_fragmentation_ratio": 0.01, "prefix_hit_ratio": 0.25, "running": 1, "waiting": 0, "tokens_per_second": 80.5}]
+            "workers": [{"node": "a", "worker": "cpu0", "model": "qwen", "device": "cpu", "kv_blocks_free": 10, "kv_blocks_total": 12,
+                         "kv_blocks_cached": 3, "kv_blocks_pinned": 2, "kv_fragmentation_ratio": 0.01, "prefix_hit_ratio": 0.25, "running": 1, "waiting": 0, "tokens_per_second": 80.5}]
         });
         let out = super::render(&v);
         assert!(out.lines().any(|l| l.contains(" c ") && l.contains("draining, 3 moving")), "{out}");
         assert!(out.starts_with("cluster seen from node a: 3 nodes, 1 ready; placement cache_aware; cluster prefix-hit ratio 50.0%"), "{out}");
-        assert!(out.contains("cpu0") && out.contains("10/12") && out.contains("80.5") && out.contains("25.0%"), "{out}");
+        assert!(out.contains("cpu0") && out.contains("qwen") && out.contains("10/12") && out.contains("3/2") && out.contains("80.5") && out.contains("25.0%"), "{out}");
         assert!(out.lines().any(|l| l.contains(" b ") && l.contains("dead")), "{out}");
     }
 }

@@ -529,6 +529,7 @@ impl Engine {
             kv_blocks_total: kv.total as u32,
             kv_blocks_free: kv.free as u32,
             kv_blocks_cached: kv.cached_evictable as u32,
+            kv_blocks_pinned: self.sched.num_pinned() as u32,
             kv_fragmentation_ratio: self.sched.fragmentation(),
             block_size: kv.block_size as u32,
             // The device picture: weights plus the KV blocks sequences hold, against weights

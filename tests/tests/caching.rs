@@ -132,6 +132,17 @@ async fn a_pinned_prefix_survives_a_flood_that_evicts_an_unpinned_one() {
                           "messages": [{"role": "user", "content": "One word?"}]});
     let written = post(pinned.clone()).await["cache_creation_input_tokens"].as_u64().unwrap();
     assert!(written > 100, "the pinned system prompt was written: {written}");
+    // Every full block up to the breakpoint is pinned (block size 4), as the signals say once
+    // they are next published.
+    let mut pinned_blocks = 0;
+    for _ in 0..50 {
+        pinned_blocks = s.coordinator.worker_signals()[0].1.kv_blocks_pinned as u64;
+        if pinned_blocks == written / 4 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(pinned_blocks, written / 4, "pinned blocks in the worker's signals");
     let u = post(unpinned.clone()).await;
     assert_eq!(u["cache_creation_input_tokens"], 0, "no breakpoint, nothing written: {u}");
     // Both are in the cache now.

@@ -155,8 +155,8 @@ pub fn decode_signals(v: &str) -> Result<WorkerSignals, GossipError> {
     if s.block_size == 0 || s.block_size > 4096 {
         return bad(format!("block_size {}", s.block_size));
     }
-    if s.kv_blocks_free > s.kv_blocks_total || s.kv_blocks_cached > s.kv_blocks_free {
-        return bad(format!("blocks: free {} cached {} total {}", s.kv_blocks_free, s.kv_blocks_cached, s.kv_blocks_total));
+    if s.kv_blocks_free > s.kv_blocks_total || s.kv_blocks_cached > s.kv_blocks_free || s.kv_blocks_pinned > s.kv_blocks_total {
+        return bad(format!("blocks: free {} cached {} pinned {} total {}", s.kv_blocks_free, s.kv_blocks_cached, s.kv_blocks_pinned, s.kv_blocks_total));
     }
     for (name, r) in [("kv_fragmentation_ratio", s.kv_fragmentation_ratio), ("prefix_hit_ratio", s.prefix_hit_ratio)] {
         if !(0.0..=1.0).contains(&r) {
@@ -446,6 +446,7 @@ mod tests {
         for f in [
             |s: &mut WorkerSignals| s.kv_blocks_free = 11,
             |s: &mut WorkerSignals| s.kv_blocks_cached = 6,
+            |s: &mut WorkerSignals| s.kv_blocks_pinned = 11,
             |s: &mut WorkerSignals| s.block_size = 0,
             |s: &mut WorkerSignals| s.kv_fragmentation_ratio = 2.0,
             |s: &mut WorkerSignals| s.prefix_hit_ratio = -0.5,
