@@ -101,6 +101,15 @@ async fn forty_plus_bad_requests_get_precise_errors_and_the_node_keeps_serving()
         400,
         "invalid_request_error",
     );
+    // A schema nested 30 objects deep (90 JSON levels, under the body's nesting limit):
+    // compiled within llguidance's fuel limits and answered, or refused, never a stalled node.
+    let mut deep = json!({"type": "integer"});
+    for _ in 0..30 {
+        deep = json!({"type": "object", "properties": {"a": deep}, "required": ["a"]});
+    }
+    let nested_schema = with(ok_body(), |b| b["output_config"] = json!({"format": {"type": "json_schema", "schema": deep}}));
+    let st = c.post(s.url("/v1/messages")).json(&nested_schema).send().await.unwrap().status().as_u16();
+    assert!(st == 200 || st == 400, "a deeply nested schema: {st}");
     j(
         "final assistant turn ends in whitespace",
         with(ok_body(), |b| b["messages"] = json!([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure "}])),
