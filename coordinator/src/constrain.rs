@@ -73,8 +73,9 @@ pub fn grammar(shape: Shape<'_>) -> Result<Option<String>, ApiError> {
             g.push_str("calls: call\n");
         }
     }
+    // A forced call leaves no room for an answer: the format is still checked, not used.
     let answer = match shape.format {
-        Some(f) => Some(format!("answer: %json {}\n", schema(f, false)?)),
+        Some(f) => Some(format!("answer: %json {}\n", schema(f, false)?)).filter(|_| !forced),
         None => None,
     };
     let start = match (forced, callable.is_empty(), &answer) {
@@ -166,5 +167,7 @@ mod tests {
         assert!(g.contains("\"lenient\":false"), "{g}");
         assert!(g.contains("\"lenient\":true"), "{g}");
         assert!(grammar(Shape { tools: &[], choice: &ToolChoice::Auto, format: Some(&json!([1])), parallel: false }).is_err());
+        let forced = grammar(Shape { tools: &tools, choice: &ToolChoice::Any, format: Some(&f), parallel: false }).unwrap().unwrap();
+        assert!(!forced.contains("answer"), "a forced call has no answer rule: {forced}");
     }
 }

@@ -93,7 +93,7 @@ impl Node {
                 .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
                 .map(|d| d.as_secs() as i64)
                 .unwrap_or(0);
-            let info = ModelInfo { id: mc.id.clone(), aliases: mc.aliases.clone(), display_name: mc.display_name.clone(), created_unix, context_length };
+            let info = ModelInfo { id: mc.id.clone(), aliases: mc.aliases.clone(), display_name: mc.shown_name().to_string(), created_unix, context_length };
             // The grammar compiler indexes the vocabulary once (about half a second for 150k
             // tokens): built in the background now, not on the first constrained request.
             let t = tokenizer.clone();

@@ -163,15 +163,32 @@ pub struct ModelSection {
     pub special_tokens_in_content: bool,
 }
 
+/// Empty: what a `[[models]]` entry's missing fields are (a `display_name` left empty is the
+/// id). `[model]`'s missing fields come from [`ModelSection::default_model`] instead.
 impl Default for ModelSection {
     fn default() -> Self {
+        ModelSection { path: PathBuf::new(), tokenizer: None, id: String::new(), aliases: vec![], display_name: String::new(), special_tokens_in_content: false }
+    }
+}
+
+impl ModelSection {
+    /// The default model, SmolLM2-135M-Instruct (`scripts/fetch-model` fetches it).
+    pub fn default_model() -> Self {
         ModelSection {
             path: PathBuf::from("models/SmolLM2-135M-Instruct.Q4_1.gguf"),
-            tokenizer: None,
             id: "smollm2-135m-instruct".into(),
             aliases: vec!["SmolLM2-135M-Instruct".into()],
             display_name: "SmolLM2 135M Instruct (Q4_1)".into(),
-            special_tokens_in_content: false,
+            ..ModelSection::default()
+        }
+    }
+
+    /// The name `/v1/models` shows.
+    pub fn shown_name(&self) -> &str {
+        if self.display_name.is_empty() {
+            &self.id
+        } else {
+            &self.display_name
         }
     }
 }
@@ -225,7 +242,7 @@ pub struct WorkerConfig {
     pub id: String,
     /// The id of the model it loads (`[model]`'s when absent).
     pub model: Option<String>,
-    /// `cpu` (a `cuda:N` backend comes later).
+    /// `cpu`. (`cuda:N` is refused by `validate` until the CUDA backend exists.)
     pub device: String,
     /// Kernel threads (0: all cores).
     pub threads: usize,
@@ -286,7 +303,7 @@ impl Default for WorkerConfig {
 impl Default for ClusterConfig {
     fn default() -> Self {
         ClusterConfig {
-            model: ModelSection::default(),
+            model: ModelSection::default_model(),
             models: Vec::new(),
             server: ServerSection::default(),
             auth: AuthSection::default(),
@@ -314,16 +331,34 @@ impl ClusterConfig {
         if let Some(dir) = path.and_then(|p| p.parent()) {
             cfg.resolve_paths(dir);
         }
+        cfg.forget_default_names();
         cfg.validate()?;
         Ok(cfg)
     }
 
     /// Parses a TOML string over the defaults (no env), for tests.
     pub fn from_toml(s: &str) -> Result<Self, ConfigError> {
-        let cfg: ClusterConfig =
+        let mut cfg: ClusterConfig =
             Figment::from(Serialized::defaults(ClusterConfig::default())).merge(Toml::string(s)).extract().map_err(Box::new)?;
+        cfg.forget_default_names();
         cfg.validate()?;
         Ok(cfg)
+    }
+
+    /// A `[model]` that loads another file than the default's does not keep the default's
+    /// aliases and display name (the defaults the file is merged over): a request for
+    /// `SmolLM2-135M-Instruct` must not reach another model. (The default file under a new id
+    /// keeps them: they still name it.)
+    fn forget_default_names(&mut self) {
+        let d = ModelSection::default_model();
+        if self.model.path.file_name() != d.path.file_name() {
+            if self.model.aliases == d.aliases {
+                self.model.aliases.clear();
+            }
+            if self.model.display_name == d.display_name {
+                self.model.display_name.clear();
+            }
+        }
     }
 
     /// Every model the cluster serves: `[model]`, then `[[models]]`.
@@ -411,7 +446,12 @@ impl ClusterConfig {
                     return bad(format!("worker {}/{}: kv_cache_mb must be > 0", n.id, w.id));
                 }
                 if w.device != "cpu" {
-                    return bad(format!("worker {}/{}: device {:?} is not supported yet (use \"cpu\")", n.id, w.id, w.device));
+                    let why = if w.device.starts_with("cuda:") {
+                        "the CUDA backend is not built yet (the GPU probes compile, no forward runs on a GPU); this build runs workers on the CPU only"
+                    } else {
+                        "unknown device"
+                    };
+                    return bad(format!("worker {}/{}: device {:?}: {why}; use device = \"cpu\"", n.id, w.id, w.device));
                 }
             }
         }
@@ -491,10 +531,21 @@ mod tests {
         assert_eq!(c.model_of(&c.nodes[0].workers[0]).id, "smollm2-135m-instruct");
         assert_eq!(c.model_of(&c.nodes[0].workers[1]).id, "qwen");
         let base = "[[models]]\npath='q.gguf'\nid='qwen'\n[[nodes]]\nid='a'\n[[nodes.workers]]\nid='cpu0'\n";
+        // An entry inherits nothing from the default model: no aliases, its id as its name.
+        let plain = ClusterConfig::from_toml(base).unwrap();
+        assert_eq!((plain.models[0].aliases.len(), plain.models[0].shown_name()), (0, "qwen"));
+        assert_eq!(plain.model.aliases, ["SmolLM2-135M-Instruct"]);
+        // A [model] naming another model keeps none of the default's names.
+        let other = ClusterConfig::from_toml("[model]\npath='q.gguf'\nid='qwen'\n").unwrap();
+        assert_eq!((other.model.aliases.len(), other.model.shown_name()), (0, "qwen"));
         assert!(ClusterConfig::from_toml(&format!("{base}model='llama'\n")).is_err(), "a worker names a model that is not configured");
         assert!(ClusterConfig::from_toml(&base.replace("id='qwen'", "id='smollm2-135m-instruct'")).is_err(), "two models share an id");
         assert!(ClusterConfig::from_toml(&base.replace("id='qwen'", "id='SmolLM2-135M-Instruct'")).is_err(), "an id is another's alias");
         assert!(ClusterConfig::from_toml(&base.replace("id='qwen'", "id='q w'")).is_err(), "a model id with a space");
+        assert!(ClusterConfig::from_toml(&base.replace("id='qwen'\n", "")).is_err(), "a model without an id");
+        // A GPU worker is refused at startup, saying why, never silently run on the CPU.
+        let gpu = ClusterConfig::from_toml(&format!("{base}device='cuda:0'\n")).unwrap_err().to_string();
+        assert!(gpu.contains("cuda:0") && gpu.contains("CUDA backend is not built yet") && gpu.contains("device = \"cpu\""), "{gpu}");
     }
 
     #[test]
