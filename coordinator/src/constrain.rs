@@ -23,11 +23,7 @@
 use serde_json::{json, Value};
 
 use crate::error::ApiError;
-use crate::tools::{Tool, ToolChoice};
-
-/// The text that opens and closes a call in the Hermes format.
-pub const CALL_OPEN: &str = "<tool_call>";
-pub const CALL_CLOSE: &str = "</tool_call>";
+use crate::tools::{Tool, ToolChoice, CLOSE as CALL_CLOSE, OPEN as CALL_OPEN};
 
 /// Most calls one reply may make when parallel calls are allowed.
 pub const MAX_PARALLEL_CALLS: usize = 8;

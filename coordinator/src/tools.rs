@@ -87,8 +87,10 @@ pub enum Piece {
     Call { name: String, arguments: Value },
 }
 
-const OPEN: &str = "<tool_call>";
-const CLOSE: &str = "</tool_call>";
+/// The text that opens and closes a call in the Hermes format (what [`CallParser`] finds and
+/// what `constrain` writes grammars for).
+pub const OPEN: &str = "<tool_call>";
+pub const CLOSE: &str = "</tool_call>";
 /// A call longer than this is not a call (the text is passed on as it is).
 const MAX_CALL_BYTES: usize = 256 << 10;
 
