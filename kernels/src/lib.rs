@@ -5,11 +5,13 @@
 //! - [`attention`]: paged attention reading K/V through block tables.
 //! - [`ops`]: RMSNorm, RoPE, SiLU·mul, and a correctly rounded vectorizable `exp`.
 //! - [`pool`]: a spin-then-park thread pool with no per-call spawn cost.
+//! - [`collective`]: the all-reduce of tensor-parallel shards, in a fixed rank order.
 //!
 //! Invariant: every kernel computes each output element with a fixed reduction order that does
 //! not depend on batch size, batch position, thread count or chunking (batch invariance).
 
 pub mod attention;
+pub mod collective;
 pub mod ops;
 pub mod pool;
 pub mod quant;

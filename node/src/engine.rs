@@ -10,7 +10,8 @@ use zerolayer_common::{CachePin, KvEvent, SamplingParams, SeqEvent, Share, StopR
 
 use crate::error::{Result, WorkerError};
 use crate::migrate::{Export, ImportReport, KvImport};
-use crate::model::{recycle, ForwardItem, KvCache, Model};
+use crate::backend::{self, Backend};
+use crate::model::{recycle, ForwardItem, Model, ModelConfig};
 use crate::grammar::Constraint;
 use crate::sampler::Sampler;
 use crate::scheduler::{Plan, Scheduler, SchedulerConfig, SeqId};
@@ -109,9 +110,9 @@ pub struct StepOutput {
 }
 
 pub struct Engine {
-    pub model: Model,
+    /// The model, its KV cache and the device they run on.
+    backend: Box<dyn Backend>,
     pub tokenizer: Arc<Tokenizer>,
-    cache: KvCache,
     sched: Scheduler,
     states: HashMap<SeqId, SeqState>,
     kv_events: Vec<KvEvent>,
@@ -148,22 +149,30 @@ struct StepBufs {
 }
 
 impl Engine {
+    /// An engine running `model` on the CPU, with a KV cache of `cfg.kv_cache_bytes`.
     pub fn new(model: Model, tokenizer: Arc<Tokenizer>, cfg: &EngineConfig) -> Result<Self> {
-        let cache = KvCache::with_budget(&model.cfg, cfg.block_size, cfg.kv_cache_bytes)?;
+        Self::with_backend(Box::new(backend::Cpu::new(model, cfg.block_size, cfg.kv_cache_bytes)?), tokenizer, cfg)
+    }
+
+    /// An engine over `backend`, whose KV cache has `cfg.block_size`-token blocks.
+    pub fn with_backend(backend: Box<dyn Backend>, tokenizer: Arc<Tokenizer>, cfg: &EngineConfig) -> Result<Self> {
+        let kv = backend.kv();
+        if kv.block_size != cfg.block_size {
+            return Err(WorkerError::Invalid(format!("the backend's KV blocks hold {} tokens, the engine's {}", kv.block_size, cfg.block_size)));
+        }
         let mut sched = Scheduler::new(SchedulerConfig {
             block_size: cfg.block_size,
-            num_blocks: cache.num_blocks,
+            num_blocks: kv.num_blocks,
             max_batch_tokens: cfg.max_batch_tokens,
             max_running: cfg.max_running,
             max_waiting: cfg.max_waiting,
-            max_model_len: model.cfg.context_length,
+            max_model_len: backend.config().context_length,
             reserve_output_tokens: cfg.reserve_output_tokens,
         });
-        sched.set_max_pinned((cache.num_blocks as f64 * cfg.pinned_kv_share.clamp(0.0, 1.0)) as usize);
+        sched.set_max_pinned((kv.num_blocks as f64 * cfg.pinned_kv_share.clamp(0.0, 1.0)) as usize);
         Ok(Engine {
-            model,
+            backend,
             tokenizer,
-            cache,
             sched,
             states: HashMap::new(),
             kv_events: Vec::new(),
@@ -195,13 +204,24 @@ impl Engine {
     }
 
     pub fn num_blocks(&self) -> usize {
-        self.cache.num_blocks
+        self.backend.kv().num_blocks
+    }
+
+    /// The model's architecture.
+    pub fn config(&self) -> &ModelConfig {
+        self.backend.config()
+    }
+
+    /// What runs this engine's forward steps.
+    pub fn backend(&self) -> &dyn Backend {
+        &*self.backend
     }
 
     /// The longest sequence (prompt and output) this engine can hold: the model's context, or
     /// its whole KV cache if that is smaller.
     pub fn max_sequence_tokens(&self) -> usize {
-        self.model.cfg.context_length.min(self.cache.num_blocks * self.cache.layout.block_size)
+        let kv = self.backend.kv();
+        self.config().context_length.min(kv.num_blocks * kv.block_size)
     }
 
     /// Queues a request. Errors: too long for the model or the cache, or the queue is full.
@@ -231,7 +251,7 @@ impl Engine {
         if !CachePin::all_valid(&pins, prompt.len()) {
             return Err(WorkerError::Invalid(format!("cache pins {pins:?} are outside the limits")));
         }
-        let vocab = self.model.cfg.vocab_size;
+        let vocab = self.backend.config().vocab_size;
         if let Some(&bad) = prompt.iter().chain(&generated).find(|&&t| t as usize >= vocab) {
             return Err(WorkerError::Invalid(format!("token id {bad} is outside the vocabulary")));
         }
@@ -288,12 +308,13 @@ impl Engine {
         let bs = self.sched.config().block_size;
         let full = s.num_computed / bs;
         let block_hashes = zerolayer_common::block_hashes(&s.tokens[..full * bs], bs);
-        let mut kv = Vec::with_capacity(full * self.cache.block_bytes());
+        let block_bytes = self.backend.kv().block_bytes;
+        let mut kv = Vec::with_capacity(full * block_bytes);
         for &b in &s.blocks[..full] {
-            self.cache.read_block(b, &mut kv);
+            self.backend.read_block(b, &mut kv);
         }
         let (prompt, generated) = (s.tokens[..s.prompt_len].to_vec(), s.tokens[s.prompt_len..].to_vec());
-        Some(Export { prompt, generated, seed: st.sampler.seed(), block_hashes, kv, block_bytes: self.cache.block_bytes(), block_size: bs })
+        Some(Export { prompt, generated, seed: st.sampler.seed(), block_hashes, kv, block_bytes, block_size: bs })
     }
 
     /// Writes the blocks of `imp` this worker does not cache into its prefix cache, in chain
@@ -301,12 +322,13 @@ impl Engine {
     /// the rest is written, so the import cannot evict its own chain.
     pub fn import(&mut self, imp: &KvImport) -> Result<ImportReport> {
         let bs = self.sched.config().block_size;
-        if imp.block_size != bs || imp.block_bytes != self.cache.block_bytes() {
+        let block_bytes = self.backend.kv().block_bytes;
+        if imp.block_size != bs || imp.block_bytes != block_bytes {
             return Err(WorkerError::Invalid(format!(
                 "KV import of {}-token blocks of {} bytes into a worker with {bs}-token blocks of {} bytes",
                 imp.block_size,
                 imp.block_bytes,
-                self.cache.block_bytes()
+                block_bytes
             )));
         }
         let mut report = ImportReport::default();
@@ -328,7 +350,7 @@ impl Engine {
                 report.skipped = imp.blocks.len() - i;
                 break;
             };
-            self.cache.write_block(b, bytes);
+            self.backend.write_block(b, bytes);
             self.sched.commit_import(b, *hash);
             report.imported += 1;
         }
@@ -406,7 +428,7 @@ impl Engine {
                 let s = self.sched.get(it.seq).unwrap();
                 ForwardItem { tokens: &s.tokens[it.start..it.start + it.len], start_pos: it.start, block_table: &s.blocks, want_logits: w }
             }));
-            let rows = self.model.forward_into(&mut self.cache, &items, &mut self.logits);
+            let rows = self.backend.forward_into(&items, &mut self.logits);
             bufs.items = recycle(items);
             match rows {
                 Ok(rows) => rows,
@@ -419,7 +441,7 @@ impl Engine {
         };
         // Taken out for the sampling loop (which needs `&mut self`) and put back below.
         let logits_buf = std::mem::take(&mut self.logits);
-        let vocab = self.model.cfg.vocab_size;
+        let vocab = self.backend.config().vocab_size;
         out.tokens_computed = plan.items.iter().map(|it| it.len).sum();
         self.sched.on_computed(plan);
         self.pin_computed(plan);
@@ -534,8 +556,8 @@ impl Engine {
             block_size: kv.block_size as u32,
             // The device picture: weights plus the KV blocks sequences hold, against weights
             // plus the whole (preallocated) KV pool.
-            memory_used_bytes: (self.model.weight_bytes() + self.cache.bytes() / kv.total.max(1) * (kv.total - kv.free)) as u64,
-            memory_limit_bytes: (self.model.weight_bytes() + self.cache.bytes()) as u64,
+            memory_used_bytes: (self.backend.weight_bytes() + self.backend.kv().bytes / kv.total.max(1) * (kv.total - kv.free)) as u64,
+            memory_limit_bytes: (self.backend.weight_bytes() + self.backend.kv().bytes) as u64,
             running: self.sched.num_running() as u32,
             waiting: self.sched.num_waiting() as u32,
             waiting_prefill_tokens: self.sched.waiting_prefill_tokens(),

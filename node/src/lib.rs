@@ -2,7 +2,9 @@
 //! `node/`, the directory name the design card fixes; "node" itself always means one zerolayer
 //! process, and a node runs one worker per device.)
 //!
-//! - [`model`]: our Llama-family forward pass over a paged KV cache (GGUF and safetensors).
+//! - [`model`]: our Llama-family forward pass over a paged KV cache (GGUF and safetensors),
+//!   whole or as one tensor-parallel shard.
+//! - [`backend`]: what the engine runs the model on: the CPU, or a tensor-parallel group.
 //! - [`tokenizer`], [`chat`]: text in and out (GGUF-embedded BPE, minijinja chat templates).
 //! - [`block_pool`]: paged KV blocks with reference counts and automatic prefix caching.
 //! - [`scheduler`]: continuous batching with chunked prefill and preemption (sans-IO).
@@ -14,6 +16,7 @@
 //! This crate speaks neither HTTP nor QUIC.
 
 pub mod actor;
+pub mod backend;
 pub mod block_pool;
 pub mod chat;
 pub mod engine;

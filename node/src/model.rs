@@ -9,6 +9,10 @@
 //! architecture is read from metadata; nothing about a particular model is hard-coded. Llama
 //! and its relatives, and Qwen2 (biases on Q, K and V; half-split RoPE), run here.
 //!
+//! A model may be one shard of a tensor-parallel group (`shard`): it then computes its ranks'
+//! attention heads and FFN columns, and sums the attention output and FFN down projections with
+//! the other ranks through a [`Collective`] (in rank order, so this stays batch invariant).
+//!
 //! Invariant (batch invariance): each row's arithmetic depends only on that row, its cached
 //! K/V and the weights — never on the batch size, its position in the batch, or chunk
 //! boundaries — because every kernel in `zerolayer-kernels` keeps a fixed per-row reduction order.
@@ -16,11 +20,15 @@
 use std::sync::Arc;
 
 use zerolayer_kernels::attention::{paged_attention, write_kv, AttnRow, KvElem, KvLayout, KvView, KV_ZERO};
+use zerolayer_kernels::collective::{Collective, Solo};
 use zerolayer_kernels::ops::{add_assign, rms_norm_row, silu_mul, RopeStyle, RopeTable};
 use zerolayer_kernels::pool::ThreadPool;
 use zerolayer_kernels::quant::{matmul, matmul_rows, MatmulScratch, Weight};
 
 mod load;
+mod shard;
+
+pub use shard::ShardPlan;
 
 use crate::error::{WorkerError, Result};
 
@@ -170,13 +178,19 @@ struct Scratch {
 
 /// A loaded model, ready to run forward steps.
 pub struct Model {
+    /// The architecture (the whole model's, also in a shard).
     pub cfg: ModelConfig,
+    /// What this model computes: `cfg` itself, or in a tensor-parallel shard its share of the
+    /// query heads, KV heads and FFN width (what its KV cache is sized by).
+    shard_cfg: ModelConfig,
     embed: Arc<Weight>,
     layers: Vec<Layer>,
-    norm: Vec<f32>,
+    norm: Arc<Vec<f32>>,
     output: Arc<Weight>,
-    rope: RopeTable,
+    rope: Arc<RopeTable>,
     pool: ThreadPool,
+    /// The shard's group ([`Solo`] when unsharded); rank 0 computes the logits.
+    group: Box<dyn Collective>,
     scratch: Scratch,
     weight_bytes: usize,
 }
@@ -212,13 +226,35 @@ impl Model {
             + if Arc::ptr_eq(&embed, &output) { 0 } else { output.bytes() }
             + layers.iter().map(|l| l.wqkv.bytes() + l.wo.bytes() + l.wgate_up.bytes() + l.wdown.bytes()).sum::<usize>();
         let threads = if threads == 0 { std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) } else { threads };
-        let rope = RopeTable::new(cfg.head_dim, cfg.context_length, cfg.rope_base, cfg.rope_style);
-        Ok(Model { cfg, embed, layers, norm, output, rope, pool: ThreadPool::new(threads), scratch: Scratch::default(), weight_bytes })
+        let rope = Arc::new(RopeTable::new(cfg.head_dim, cfg.context_length, cfg.rope_base, cfg.rope_style));
+        Ok(Model {
+            shard_cfg: cfg.clone(),
+            cfg,
+            embed,
+            layers,
+            norm: Arc::new(norm),
+            output,
+            rope,
+            pool: ThreadPool::new(threads),
+            group: Box::new(Solo),
+            scratch: Scratch::default(),
+            weight_bytes,
+        })
     }
 
-    /// Bytes of weights held in memory.
+    /// Bytes of weights held in memory (a shard's own, plus the embedding and output head).
     pub fn weight_bytes(&self) -> usize {
         self.weight_bytes
+    }
+
+    /// What this model computes and caches: [`Model::cfg`], or a shard's share of it.
+    pub fn shard_cfg(&self) -> &ModelConfig {
+        &self.shard_cfg
+    }
+
+    /// Kernel threads.
+    pub fn threads(&self) -> usize {
+        self.pool.n_threads()
     }
 
     /// Runs one engine step. Writes K/V for every token through the block tables and returns
@@ -235,7 +271,8 @@ impl Model {
     /// returning how many rows there are. `logits` is reused across steps, so a step allocates
     /// nothing once the buffers have grown to the largest batch.
     pub fn forward_into(&mut self, cache: &mut KvCache, items: &[ForwardItem<'_>], logits: &mut Vec<f32>) -> Result<usize> {
-        let cfg = &self.cfg;
+        // The shard's widths (the whole model's when unsharded); `dim` and the vocabulary are whole.
+        let cfg = &self.shard_cfg;
         let (d, qd, kvd, hd) = (cfg.dim, cfg.q_dim(), cfg.kv_dim(), cfg.head_dim);
         let qkv_w = qd + 2 * kvd;
         let t_total: usize = items.iter().map(|it| it.tokens.len()).sum();
@@ -292,6 +329,7 @@ impl Model {
             }
             paged_attention(&self.pool, &KvView { layout: &cache.layout, k: kc, v: vc }, &rows, &s.qkv, qkv_w, cfg.n_heads, scale, &mut s.att);
             matmul(&self.pool, &layer.wo, &s.att, &mut s.proj, &mut s.mm);
+            self.group.all_reduce_sum(&mut s.proj);
             add_assign(&mut s.x, &s.proj);
             let x = &s.x;
             matmul_rows(&self.pool, &layer.wgate_up, t_total, &mut s.gu, &mut s.mm, |i, out| rms_norm_row(&x[i * d..(i + 1) * d], &layer.ffn_norm, eps, out));
@@ -302,6 +340,7 @@ impl Model {
                 out.copy_from_slice(g);
                 silu_mul(out, u);
             });
+            self.group.all_reduce_sum(&mut s.proj);
             add_assign(&mut s.x, &s.proj);
         }
         // Final norm and logits, only for the rows that are sampled.
@@ -313,6 +352,10 @@ impl Model {
             if it.want_logits {
                 last_rows.push(r - 1);
             }
+        }
+        // Every rank holds the same final activations; rank 0 alone computes the logits.
+        if self.group.rank() != 0 {
+            last_rows.clear();
         }
         let n_last = last_rows.len();
         if n_last > 0 {

@@ -275,7 +275,7 @@ fn preemption_under_a_small_kv_budget() {
     for block_size in [16usize, 4] {
         // Each sequence needs 160-230 tokens of KV; 8 together need ~1,600. Give 640.
         let blocks = 640 / block_size;
-        let bytes_per_block = solo_engine.model.cfg.kv_bytes_per_token() * block_size;
+        let bytes_per_block = solo_engine.config().kv_bytes_per_token() * block_size;
         for reserve in [0, EngineConfig::default().reserve_output_tokens] {
             let cfg = EngineConfig { block_size, kv_cache_bytes: blocks * bytes_per_block, reserve_output_tokens: reserve, ..Default::default() };
             let mut small = engine(cfg);

@@ -244,9 +244,13 @@ pub struct WorkerConfig {
     pub model: Option<String>,
     /// `cpu`. (`cuda:N` is refused by `validate` until the CUDA backend exists.)
     pub device: String,
-    /// Kernel threads (0: all cores).
+    /// Kernel threads (0: all cores), shared among tensor-parallel ranks.
     pub threads: usize,
-    /// KV cache memory budget.
+    /// Ranks the model is sharded over (Megatron style: attention heads and the FFN's width
+    /// split, an all-reduce after each attention output and FFN down projection). At most the
+    /// model's KV heads. On the CPU the ranks are threads of this process.
+    pub tensor_parallel: usize,
+    /// KV cache memory budget (all ranks together).
     pub kv_cache_mb: usize,
     /// Tokens per KV block. Small blocks waste few slots (a sequence's last block is on
     /// average half empty: ~1% of slots at 4 tokens against ~5% at 16 for short chats, measured)
@@ -286,6 +290,7 @@ impl Default for WorkerConfig {
             model: None,
             device: "cpu".into(),
             threads: 0,
+            tensor_parallel: 1,
             kv_cache_mb: 1024,
             block_size: 4,
             max_batch_tokens: 512,
@@ -445,6 +450,9 @@ impl ClusterConfig {
                 if w.kv_cache_mb == 0 {
                     return bad(format!("worker {}/{}: kv_cache_mb must be > 0", n.id, w.id));
                 }
+                if w.tensor_parallel == 0 || w.tensor_parallel > 64 {
+                    return bad(format!("worker {}/{}: tensor_parallel must be 1..=64, got {}", n.id, w.id, w.tensor_parallel));
+                }
                 if w.device != "cpu" {
                     let why = if w.device.starts_with("cuda:") {
                         "the CUDA backend is not built yet (the GPU probes compile, no forward runs on a GPU); this build runs workers on the CPU only"
@@ -543,6 +551,8 @@ mod tests {
         assert!(ClusterConfig::from_toml(&base.replace("id='qwen'", "id='SmolLM2-135M-Instruct'")).is_err(), "an id is another's alias");
         assert!(ClusterConfig::from_toml(&base.replace("id='qwen'", "id='q w'")).is_err(), "a model id with a space");
         assert!(ClusterConfig::from_toml(&base.replace("id='qwen'\n", "")).is_err(), "a model without an id");
+        assert!(ClusterConfig::from_toml(&format!("{base}tensor_parallel=0\n")).unwrap_err().to_string().contains("tensor_parallel"));
+        assert_eq!(ClusterConfig::from_toml(&format!("{base}tensor_parallel=2\n")).unwrap().nodes[0].workers[0].tensor_parallel, 2);
         // A GPU worker is refused at startup, saying why, never silently run on the CPU.
         let gpu = ClusterConfig::from_toml(&format!("{base}device='cuda:0'\n")).unwrap_err().to_string();
         assert!(gpu.contains("cuda:0") && gpu.contains("CUDA backend is not built yet") && gpu.contains("device = \"cpu\""), "{gpu}");

@@ -364,7 +364,7 @@ impl Weight {
     }
 
     /// Stacks weights with the same format and column count into one (rows concatenated), so
-    /// that e.g. Q, K and V projections run as a single matmul.
+    /// that e.g. Q, K and V projections run as a single matmul. Every block is copied exactly.
     pub fn concat_rows(parts: &[&Weight]) -> Option<Weight> {
         let first = parts.first()?;
         if parts.iter().any(|p| p.format != first.format || p.cols != first.cols) {
@@ -376,14 +376,43 @@ impl Weight {
             let data = parts.iter().flat_map(|p| p.data.iter().copied()).collect();
             return Some(Weight { format: first.format, rows, cols: first.cols, data });
         }
-        if matches!(first.format, WeightFormat::Q4K | WeightFormat::Q6K) {
-            return None;
-        }
-        let mut data = Vec::with_capacity(parts.iter().map(|p| p.rows * p.row_bytes()).sum());
+        let mut w = Weight::empty(first.format, rows, first.cols);
+        let mut r0 = 0;
         for p in parts {
-            data.extend_from_slice(&p.to_gguf());
+            w.copy_blocks(p, 0..p.rows, 0, r0);
+            r0 += p.rows;
         }
-        Some(Weight::new(first.format, rows, first.cols, data))
+        Some(w)
+    }
+
+    /// The sub-matrix of `rows` × `cols`, in the same format. For quantized formats `cols` must
+    /// start and end on 32-element block boundaries. Blocks are copied exactly (scales and
+    /// quants), so each product with the slice is bit-identical to the same block's product with
+    /// the whole: what tensor-parallel shards rely on.
+    pub fn slice(&self, rows: std::ops::Range<usize>, cols: std::ops::Range<usize>) -> Weight {
+        assert!(rows.end <= self.rows && cols.end <= self.cols && rows.start <= rows.end && cols.start <= cols.end, "slice {rows:?} × {cols:?} of {}x{}", self.rows, self.cols);
+        if self.format == WeightFormat::F32 {
+            let rb = self.row_bytes();
+            let mut data = Vec::with_capacity(rows.len() * cols.len() * 4);
+            for r in rows.clone() {
+                data.extend_from_slice(&self.data[r * rb + cols.start * 4..r * rb + cols.end * 4]);
+            }
+            return Weight { format: self.format, rows: rows.len(), cols: cols.len(), data };
+        }
+        assert!(cols.start.is_multiple_of(QK) && cols.end.is_multiple_of(QK), "quantized columns {cols:?} must lie on {QK}-element blocks");
+        let mut w = Weight::empty(self.format, rows.len(), cols.len());
+        w.copy_blocks(self, rows, cols.start / QK, 0);
+        w
+    }
+
+    /// Copies rows `rows` of `src`, blocks `j0..j0 + self.cols / 32`, to rows `to..` of `self`.
+    fn copy_blocks(&mut self, src: &Weight, rows: std::ops::Range<usize>, j0: usize, to: usize) {
+        for (i, r) in rows.enumerate() {
+            for j in 0..self.cols / QK {
+                let (d, m, c) = src.codes(r, j0 + j);
+                self.set_block(to + i, j, &d, &m, &c);
+            }
+        }
     }
 }
 

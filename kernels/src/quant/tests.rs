@@ -376,3 +376,48 @@ fn q5_0_loads_exactly_as_q8_0() {
         assert_every_kernel_gives(&w, &x, &act, b, &want, &format!("Q5_0 {rows}x{cols} b {b}"));
     }
 }
+
+/// A slice holds exactly the blocks it names (every format, partial panels, K-quants too), and
+/// rows stacked from slices of unaligned heights come back the same: what tensor-parallel
+/// shards are cut with. A row-split matmul is the full one's rows bit for bit.
+#[test]
+fn slices_keep_their_blocks_exactly() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(21);
+    let pool = ThreadPool::new(2);
+    let (rows, cols) = (27usize, 256usize);
+    let mut weights: Vec<Weight> = QFORMATS.iter().map(|&f| quantize_weight(f, rows, cols, &rand_vec(&mut rng, rows * cols))).collect();
+    weights.push(random_k(&mut rng, WeightFormat::Q4K, rows, cols));
+    weights.push(random_k(&mut rng, WeightFormat::Q6K, rows, cols));
+    weights.push(Weight::from_f32(rows, cols, &rand_vec(&mut rng, rows * cols)));
+    for w in &weights {
+        let (r0, r1, c0, c1) = (3, 20, 64, 192);
+        let s = w.slice(r0..r1, c0..c1);
+        assert_eq!((s.rows, s.cols, s.format), (r1 - r0, c1 - c0, w.format));
+        let (mut full, mut part) = (vec![0f32; cols], vec![0f32; c1 - c0]);
+        for r in 0..s.rows {
+            w.dequantize_row(r0 + r, &mut full);
+            s.dequantize_row(r, &mut part);
+            assert_eq!(part, full[c0..c1], "{:?} row {r}", w.format);
+        }
+        // Uneven row pieces stacked again are the whole.
+        let cat = Weight::concat_rows(&[&w.slice(0..5, 0..cols), &w.slice(5..19, 0..cols), &w.slice(19..rows, 0..cols)]).unwrap();
+        for r in 0..rows {
+            w.dequantize_row(r, &mut full);
+            let mut back = vec![0f32; cols];
+            cat.dequantize_row(r, &mut back);
+            assert_eq!(back, full, "{:?} stacked row {r}", w.format);
+        }
+        // Output rows split across two matmuls give the same bits as one.
+        let x = rand_vec(&mut rng, 3 * cols);
+        let mut whole = vec![0f32; 3 * rows];
+        matmul(&pool, w, &x, &mut whole, &mut MatmulScratch::default());
+        let (top, bottom) = (w.slice(0..11, 0..cols), w.slice(11..rows, 0..cols));
+        let (mut yt, mut yb) = (vec![0f32; 3 * 11], vec![0f32; 3 * (rows - 11)]);
+        matmul(&pool, &top, &x, &mut yt, &mut MatmulScratch::default());
+        matmul(&pool, &bottom, &x, &mut yb, &mut MatmulScratch::default());
+        for b in 0..3 {
+            assert_eq!(yt[b * 11..(b + 1) * 11], whole[b * rows..b * rows + 11], "{:?}", w.format);
+            assert_eq!(yb[b * (rows - 11)..(b + 1) * (rows - 11)], whole[b * rows + 11..(b + 1) * rows], "{:?}", w.format);
+        }
+    }
+}

@@ -1,0 +1,239 @@
+//! One worker over a tensor-parallel group of CPU ranks: rank 0 runs on the engine's thread,
+//! ranks 1.. on threads of their own, each owning its shard of the model ([`ShardPlan`]) and of
+//! the KV cache (its KV heads, for every block). A step is sent to every rank as an owned copy
+//! of the batch; the ranks meet in the collective twice per layer; rank 0 returns the logits.
+//!
+//! Every rank validates the batch the same way before its first collective, so a refused batch
+//! is refused by all of them and none waits for the others.
+
+use std::ops::Range;
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use zerolayer_kernels::collective::thread_group;
+
+use super::{Backend, Cpu, KvGeometry};
+use crate::error::{Result, WorkerError};
+use crate::model::{ForwardItem, Model, ModelConfig, ShardPlan};
+
+/// A step's batch, owned, for the other ranks.
+struct Batch {
+    tokens: Vec<u32>,
+    tables: Vec<u32>,
+    /// Per item: its tokens and its block table (ranges of the two vectors), start, logits.
+    items: Vec<(Range<usize>, Range<usize>, usize, bool)>,
+}
+
+impl Batch {
+    fn of(items: &[ForwardItem<'_>]) -> Self {
+        let mut b = Batch { tokens: Vec::new(), tables: Vec::new(), items: Vec::with_capacity(items.len()) };
+        for it in items {
+            let (t0, b0) = (b.tokens.len(), b.tables.len());
+            b.tokens.extend_from_slice(it.tokens);
+            b.tables.extend_from_slice(it.block_table);
+            b.items.push((t0..b.tokens.len(), b0..b.tables.len(), it.start_pos, it.want_logits));
+        }
+        b
+    }
+
+    fn items(&self) -> Vec<ForwardItem<'_>> {
+        self.items
+            .iter()
+            .map(|(t, tb, start, want)| ForwardItem { tokens: &self.tokens[t.clone()], start_pos: *start, block_table: &self.tables[tb.clone()], want_logits: *want })
+            .collect()
+    }
+}
+
+enum Command {
+    Forward(Arc<Batch>),
+    Read(u32, SyncSender<Vec<u8>>),
+    Write(u32, Vec<u8>),
+}
+
+struct Rank {
+    commands: SyncSender<Command>,
+    done: Receiver<Result<()>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+/// A worker's model over a group of CPU ranks (module docs).
+pub struct TensorParallel {
+    cfg: ModelConfig,
+    lead: Cpu,
+    others: Vec<Rank>,
+    /// Bytes of one layer's K (or V) part of a block, per rank.
+    part_bytes: Vec<usize>,
+    geometry: KvGeometry,
+    weight_bytes: usize,
+    threads_per_rank: usize,
+}
+
+impl TensorParallel {
+    /// Shards `model` over `size` ranks that share `threads` kernel threads (0: all cores), with
+    /// as many KV blocks as the whole model's cache would have in `kv_budget_bytes`.
+    pub fn new(model: Model, size: usize, threads: usize, block_size: usize, kv_budget_bytes: usize) -> Result<Self> {
+        let cfg = model.cfg.clone();
+        let plans = ShardPlan::for_group(&cfg, size)?;
+        let total = if threads == 0 { std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) } else { threads };
+        let threads_per_rank = (total / size).max(1);
+        let per_block = cfg.kv_bytes_per_token() * block_size;
+        let num_blocks = kv_budget_bytes / per_block;
+        if num_blocks == 0 {
+            return Err(WorkerError::Invalid(format!("KV budget {kv_budget_bytes} B is below one block ({per_block} B)")));
+        }
+        let mut shards = Vec::with_capacity(size);
+        for (plan, group) in plans.iter().zip(thread_group(size)) {
+            shards.push(Cpu::with_blocks(model.shard(plan, Box::new(group), threads_per_rank)?, block_size, num_blocks));
+        }
+        drop(model);
+        let part_bytes: Vec<usize> = plans.iter().map(|p| block_size * p.kv_heads.len() * cfg.head_dim * std::mem::size_of::<f32>()).collect();
+        let weight_bytes = shards.iter().map(|s| s.weight_bytes()).sum();
+        let mut shards = shards.into_iter();
+        let lead = shards.next().expect("a group has rank 0");
+        let mut others = Vec::with_capacity(size - 1);
+        for (i, shard) in shards.enumerate() {
+            let (commands, inbox) = sync_channel::<Command>(2);
+            let (report, done) = sync_channel::<Result<()>>(2);
+            let thread = std::thread::Builder::new()
+                .name(format!("zl-tp-rank-{}", i + 1))
+                .spawn(move || serve(shard, inbox, report))
+                .map_err(|e| WorkerError::Invalid(format!("starting a tensor-parallel rank: {e}")))?;
+            others.push(Rank { commands, done, thread: Some(thread) });
+        }
+        let geometry = KvGeometry {
+            block_size,
+            num_blocks,
+            block_bytes: cfg.kv_bytes_per_token() * block_size,
+            bytes: cfg.kv_bytes_per_token() * block_size * num_blocks,
+        };
+        Ok(TensorParallel { cfg, lead, others, part_bytes, geometry, weight_bytes, threads_per_rank })
+    }
+}
+
+/// A rank's loop: commands in order until the group is dropped.
+fn serve(mut shard: Cpu, inbox: Receiver<Command>, report: SyncSender<Result<()>>) {
+    let mut logits = Vec::new();
+    while let Ok(cmd) = inbox.recv() {
+        match cmd {
+            Command::Forward(batch) => {
+                let r = shard.forward_into(&batch.items(), &mut logits).map(|_| ());
+                if report.send(r).is_err() {
+                    return;
+                }
+            }
+            Command::Read(b, reply) => {
+                let mut out = Vec::new();
+                shard.read_block(b, &mut out);
+                let _ = reply.send(out);
+            }
+            Command::Write(b, bytes) => shard.write_block(b, &bytes),
+        }
+    }
+}
+
+/// The common block layout from each rank's own (`[K₀ V₀ K₁ V₁ …]` over its heads): per layer,
+/// K is every rank's K part in rank order (heads are contiguous per rank), then V likewise.
+fn gather(parts: &[Vec<u8>], part_bytes: &[usize], n_layers: usize, out: &mut Vec<u8>) {
+    for l in 0..n_layers {
+        for kv in 0..2 {
+            for (p, &pb) in parts.iter().zip(part_bytes) {
+                let at = (2 * l + kv) * pb;
+                out.extend_from_slice(&p[at..at + pb]);
+            }
+        }
+    }
+}
+
+/// Each rank's own layout from the common one ([`gather`]'s inverse).
+fn scatter(bytes: &[u8], part_bytes: &[usize], n_layers: usize) -> Vec<Vec<u8>> {
+    let mut parts: Vec<Vec<u8>> = part_bytes.iter().map(|pb| Vec::with_capacity(2 * n_layers * pb)).collect();
+    let mut at = 0;
+    for _ in 0..n_layers {
+        for _ in 0..2 {
+            for (p, &pb) in parts.iter_mut().zip(part_bytes) {
+                p.extend_from_slice(&bytes[at..at + pb]);
+                at += pb;
+            }
+        }
+    }
+    parts
+}
+
+fn rank_gone() -> WorkerError {
+    WorkerError::Invalid("a tensor-parallel rank has stopped".into())
+}
+
+impl Backend for TensorParallel {
+    fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+    fn weight_bytes(&self) -> usize {
+        self.weight_bytes
+    }
+    fn kv(&self) -> KvGeometry {
+        self.geometry
+    }
+    fn forward_into(&mut self, items: &[ForwardItem<'_>], logits: &mut Vec<f32>) -> Result<usize> {
+        let batch = Arc::new(Batch::of(items));
+        for r in &self.others {
+            r.commands.send(Command::Forward(batch.clone())).map_err(|_| rank_gone())?;
+        }
+        let lead = self.lead.forward_into(items, logits);
+        // Every rank's report is taken, so none is left over for the next step.
+        let others: Vec<Result<()>> = self.others.iter().map(|r| r.done.recv().map_err(|_| rank_gone()).and_then(|r| r)).collect();
+        let rows = lead?;
+        others.into_iter().collect::<Result<()>>()?;
+        Ok(rows)
+    }
+    fn read_block(&self, b: u32, out: &mut Vec<u8>) {
+        let mut parts = vec![Vec::new()];
+        self.lead.read_block(b, &mut parts[0]);
+        for r in &self.others {
+            let (tx, rx) = sync_channel(1);
+            r.commands.send(Command::Read(b, tx)).expect("tensor-parallel rank alive");
+            parts.push(rx.recv().expect("tensor-parallel rank alive"));
+        }
+        gather(&parts, &self.part_bytes, self.cfg.n_layers, out);
+    }
+    fn write_block(&mut self, b: u32, bytes: &[u8]) {
+        assert_eq!(bytes.len(), self.geometry.block_bytes, "KV block size");
+        let mut parts = scatter(bytes, &self.part_bytes, self.cfg.n_layers).into_iter();
+        self.lead.write_block(b, &parts.next().expect("rank 0"));
+        for (r, p) in self.others.iter().zip(parts) {
+            r.commands.send(Command::Write(b, p)).expect("tensor-parallel rank alive");
+        }
+    }
+    fn describe(&self) -> String {
+        format!("cpu, tensor parallel over {} ranks of {} kernel threads", self.others.len() + 1, self.threads_per_rank)
+    }
+}
+
+impl Drop for TensorParallel {
+    fn drop(&mut self) {
+        let threads: Vec<_> = self.others.iter_mut().filter_map(|r| r.thread.take()).collect();
+        // Closing the command channels ends each rank's loop.
+        self.others.clear();
+        for t in threads {
+            let _ = t.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gather_and_scatter_are_inverse() {
+        let part_bytes = [8usize, 4];
+        let n_layers = 3;
+        let parts: Vec<Vec<u8>> = part_bytes.iter().enumerate().map(|(r, &pb)| (0..2 * n_layers * pb).map(|i| (r * 100 + i) as u8).collect()).collect();
+        let mut whole = Vec::new();
+        gather(&parts, &part_bytes, n_layers, &mut whole);
+        assert_eq!(whole.len(), 2 * n_layers * 12);
+        // Layer 1's K: rank 0's bytes 16..24, then rank 1's 8..12.
+        assert_eq!(&whole[24..36], &[16, 17, 18, 19, 20, 21, 22, 23, 108, 109, 110, 111]);
+        assert_eq!(scatter(&whole, &part_bytes, n_layers), parts);
+    }
+}
