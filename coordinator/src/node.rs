@@ -73,7 +73,7 @@ impl Node {
                 pinned_kv_share: wc.pinned_kv_share,
             };
             let (tokenizer, template) = (loaded.tokenizer.clone(), loaded.template.clone());
-            let backend = zerolayer_worker::backend::cpu(loaded.model, wc.tensor_parallel, wc.threads, wc.block_size, wc.kv_cache_mb << 20)?;
+            let backend = zerolayer_worker::backend::open(wc, loaded.model)?;
             tracing::info!(worker = %wc.id, backend = %backend.describe(), "worker backend");
             let engine = Engine::with_backend(backend, loaded.tokenizer, &ecfg)?;
             let room = engine.max_sequence_tokens();

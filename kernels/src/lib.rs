@@ -16,7 +16,7 @@ pub mod ops;
 pub mod pool;
 pub mod quant;
 
-#[cfg(feature = "cuda")]
+#[cfg(feature = "gpu")]
 pub mod cuda;
 
 /// Whether the AVX2+FMA+F16C code paths may run on this CPU (detected once).

@@ -60,6 +60,11 @@ impl RopeTable {
         RopeTable { head_dim, style, cos, sin }
     }
 
+    /// The tables, `max_pos × head_dim / 2` each (position-major): what device backends upload.
+    pub fn cos_sin(&self) -> (&[f32], &[f32]) {
+        (&self.cos, &self.sin)
+    }
+
     pub fn max_pos(&self) -> usize {
         self.cos.len() / (self.head_dim / 2)
     }

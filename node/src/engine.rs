@@ -547,6 +547,7 @@ impl Engine {
         let (hits, queries) = self.hit_window.iter().fold((0u64, 0u64), |a, b| (a.0 + b.0, a.1 + b.1));
         let kv = self.sched.kv_blocks();
         let st = &self.sched.stats;
+        let device = self.backend.device_memory();
         WorkerSignals {
             kv_blocks_total: kv.total as u32,
             kv_blocks_free: kv.free as u32,
@@ -554,10 +555,11 @@ impl Engine {
             kv_blocks_pinned: self.sched.num_pinned() as u32,
             kv_fragmentation_ratio: self.sched.fragmentation(),
             block_size: kv.block_size as u32,
-            // The device picture: weights plus the KV blocks sequences hold, against weights
-            // plus the whole (preallocated) KV pool.
-            memory_used_bytes: (self.backend.weight_bytes() + self.backend.kv().bytes / kv.total.max(1) * (kv.total - kv.free)) as u64,
-            memory_limit_bytes: (self.backend.weight_bytes() + self.backend.kv().bytes) as u64,
+            // The device picture: a GPU's own memory (used, total), or on the CPU the weights
+            // plus the KV blocks sequences hold, against weights plus the whole (preallocated)
+            // KV pool.
+            memory_used_bytes: device.map_or((self.backend.weight_bytes() + self.backend.kv().bytes / kv.total.max(1) * (kv.total - kv.free)) as u64, |d| d.0),
+            memory_limit_bytes: device.map_or((self.backend.weight_bytes() + self.backend.kv().bytes) as u64, |d| d.1),
             running: self.sched.num_running() as u32,
             waiting: self.sched.num_waiting() as u32,
             waiting_prefill_tokens: self.sched.waiting_prefill_tokens(),

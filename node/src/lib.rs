@@ -9,6 +9,7 @@
 //! - [`block_pool`]: paged KV blocks with reference counts and automatic prefix caching.
 //! - [`scheduler`]: continuous batching with chunked prefill and preemption (sans-IO).
 //! - [`sampler`], [`stop`]: sampling and stop sequences.
+//! - [`synthetic`]: a small random-weight GGUF in every native format, for device checks.
 //! - [`engine`]: one `step()` at a time over all of the above; [`migrate`]: what a sequence
 //!   that leaves its worker takes with it, and how KV blocks enter another worker's cache.
 //! - [`actor`]: the worker actor and its engine thread; [`WorkerHandle`] is the API.
@@ -28,6 +29,7 @@ pub mod model;
 pub mod sampler;
 pub mod scheduler;
 pub mod step_time;
+pub mod synthetic;
 pub mod stop;
 pub mod tokenizer;
 

@@ -195,6 +195,26 @@ pub struct Model {
     weight_bytes: usize,
 }
 
+/// A model's weights by reference, for device backends to upload.
+pub struct ModelParts<'a> {
+    pub embed: &'a Weight,
+    pub output: &'a Weight,
+    pub norm: &'a [f32],
+    pub rope: &'a RopeTable,
+    pub layers: Vec<LayerParts<'a>>,
+}
+
+/// One layer's weights by reference (Q/K/V stacked, gate/up stacked, as [`Model`] holds them).
+pub struct LayerParts<'a> {
+    pub attn_norm: &'a [f32],
+    pub wqkv: &'a Weight,
+    pub bqkv: Option<&'a [f32]>,
+    pub wo: &'a Weight,
+    pub ffn_norm: &'a [f32],
+    pub wgate_up: &'a Weight,
+    pub wdown: &'a Weight,
+}
+
 /// An emptied vector's allocation reused for another element type of the same size and
 /// alignment (here: `AttnRow` with another lifetime). The standard library collects
 /// `into_iter().map(..)` in place when layouts match, so no allocation happens.
@@ -250,6 +270,29 @@ impl Model {
     /// What this model computes and caches: [`Model::cfg`], or a shard's share of it.
     pub fn shard_cfg(&self) -> &ModelConfig {
         &self.shard_cfg
+    }
+
+    /// The weights, for a device backend to upload.
+    pub fn parts(&self) -> ModelParts<'_> {
+        ModelParts {
+            embed: &self.embed,
+            output: &self.output,
+            norm: &self.norm,
+            rope: &self.rope,
+            layers: self
+                .layers
+                .iter()
+                .map(|l| LayerParts {
+                    attn_norm: &l.attn_norm,
+                    wqkv: &l.wqkv,
+                    bqkv: l.bqkv.as_deref(),
+                    wo: &l.wo,
+                    ffn_norm: &l.ffn_norm,
+                    wgate_up: &l.wgate_up,
+                    wdown: &l.wdown,
+                })
+                .collect(),
+        }
     }
 
     /// Kernel threads.

@@ -147,8 +147,29 @@ pub fn argmax(logits: &[f32]) -> u32 {
     best as u32
 }
 
+/// The gap between the largest and second-largest logit: how near a greedy choice is to a tie.
+pub fn top_margin(logits: &[f32]) -> f32 {
+    let (mut a, mut b) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
+    for &v in logits {
+        if v > a {
+            (a, b) = (v, a);
+        } else if v > b {
+            b = v;
+        }
+    }
+    a - b
+}
+
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn top_margin_is_the_gap_to_the_runner_up() {
+        assert_eq!(top_margin(&[1.0, 3.0, 2.5, -1.0]), 0.5);
+        assert_eq!(top_margin(&[3.0, 1.0, 3.0]), 0.0);
+        assert_eq!(top_margin(&[0.5, 2.0]), 1.5);
+    }
+
     use super::*;
 
     #[test]

@@ -18,6 +18,7 @@ use zerolayer_worker::engine::{Engine, EngineConfig};
 use zerolayer_worker::loader::{load, Loaded};
 use zerolayer_worker::migrate::KvImport;
 use zerolayer_worker::model::ForwardItem;
+use zerolayer_worker::sampler::{argmax, top_margin};
 use zerolayer_tests::*;
 
 const BLOCK: usize = 16;
@@ -53,22 +54,7 @@ fn greedy(b: &mut dyn Backend, prompt: &[u32], n: usize) -> (Vec<u32>, Vec<Vec<f
     (toks, all)
 }
 
-fn argmax(l: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &x) in l.iter().enumerate() {
-        if x > l[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
 
-/// The gap between the best and second-best logit.
-fn margin(l: &[f32]) -> f32 {
-    let mut v = l.to_vec();
-    v.sort_by(|a, b| b.total_cmp(a));
-    v[0] - v[1]
-}
 
 fn prompts(qwen: bool) -> Vec<Vec<u32>> {
     let l = load_model(qwen);
@@ -107,7 +93,7 @@ fn assert_same_function(qwen: bool, tp: usize, max_rel_l2: f64) {
             let n2: f64 = l1[step].iter().map(|a| (*a as f64).powi(2)).sum();
             worst_rel = worst_rel.max((d2 / n2).sqrt());
             if t1[step] != t2[step] {
-                let m = margin(&l1[step]);
+                let m = top_margin(&l1[step]);
                 let rms = (d2 / l1[step].len() as f64).sqrt() as f32;
                 assert!(m < 2.0 * rms, "prompt {pi} step {step}: TP={tp} chose {} where TP=1 chose {} by a margin of {m}, beyond the noise (RMS Δlogit {rms})", t2[step], t1[step]);
                 eprintln!("prompt {pi}: diverges at step {step} on a near-tie (margin {m:.4}, RMS Δlogit {rms:.4})");
@@ -265,4 +251,43 @@ fn sequences_move_between_sharded_and_unsharded_engines() {
             assert_eq!(all, reference, "moved between TP=2 engines: the tokens of an uninterrupted run");
         }
     }
+}
+
+/// A node whose worker is sharded over two ranks serves the API, and answers the same
+/// greedy request the same way every time (alone, and beside other requests).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_serves_with_a_tensor_parallel_worker() {
+    let _g = heavy();
+    let ask = |q: &str| serde_json::json!({"model": "SmolLM2-135M-Instruct", "max_tokens": 8, "temperature": 0, "messages": [{"role": "user", "content": q}]});
+    let c = reqwest::Client::builder().timeout(std::time::Duration::from_secs(120)).build().unwrap();
+    let s = TestServer::start(|cfg| cfg.nodes[0].workers[0].tensor_parallel = 2).await;
+    let text = |v: serde_json::Value| v["content"][0]["text"].as_str().unwrap().to_string();
+    let alone = c.post(s.url("/v1/messages")).json(&ask("What is the capital of France?")).send().await.unwrap();
+    assert_eq!(alone.status(), 200);
+    let alone = text(alone.json().await.unwrap());
+    assert!(!alone.is_empty());
+    let (a, b) = tokio::join!(
+        c.post(s.url("/v1/messages")).json(&ask("What is the capital of France?")).send(),
+        c.post(s.url("/v1/messages")).json(&ask("Name a color.")).send()
+    );
+    let (a, b) = (a.unwrap(), b.unwrap());
+    assert_eq!((a.status().as_u16(), b.status().as_u16()), (200, 200));
+    assert_eq!(text(a.json().await.unwrap()), alone, "the same greedy request beside another");
+    s.stop().await.unwrap();
+}
+
+/// A GPU worker in a build without the CUDA backend (as CI's) stops the node at startup, saying
+/// so and what to do: never a silent fall back to the CPU.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gpu_worker_without_a_cuda_build_is_refused_saying_why() {
+    let mut cfg = zerolayer_common::ClusterConfig::default();
+    cfg.model.path = model_path();
+    cfg.nodes[0].http = "127.0.0.1:0".into();
+    cfg.nodes[0].workers[0].device = "cuda:0".into();
+    cfg.nodes[0].workers[0].kv_cache_mb = 64;
+    let err = match zerolayer_coordinator::node::Node::start(cfg, "n1", |_, _, _| {}).await {
+        Ok(_) => panic!("a cuda:0 worker started in a build without the CUDA backend"),
+        Err(e) => format!("{e:#}"),
+    };
+    assert!(err.contains("cuda:0") && err.contains("no CUDA backend") && err.contains("--features cuda"), "{err}");
 }

@@ -41,5 +41,5 @@ mod simd;
 mod tests;
 
 pub use activation::{quantize_row, ActBlock};
-pub use format::{Weight, WeightFormat, PANEL, QK, QK_K};
+pub use format::{FlatBlocks, Weight, WeightFormat, PANEL, QK, QK_K};
 pub use matmul::{dot_f32, matmul, matmul_rows, MatmulScratch};

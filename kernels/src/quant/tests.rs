@@ -421,3 +421,27 @@ fn slices_keep_their_blocks_exactly() {
         }
     }
 }
+
+/// Flat blocks (the device layout) decode to the panels' values exactly, every format.
+#[test]
+fn flat_blocks_hold_every_value() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(23);
+    let (rows, cols) = (11usize, 256usize);
+    let mut weights: Vec<Weight> = QFORMATS.iter().map(|&f| quantize_weight(f, rows, cols, &rand_vec(&mut rng, rows * cols))).collect();
+    weights.push(random_k(&mut rng, WeightFormat::Q4K, rows, cols));
+    weights.push(random_k(&mut rng, WeightFormat::Q6K, rows, cols));
+    for w in &weights {
+        let f = w.flat_blocks().unwrap();
+        assert_eq!((f.rows, f.cols, f.scales.len(), f.codes.len()), (rows, cols, rows * cols / QK * 2, rows * cols / QK * f.code_bytes()));
+        let mut row = vec![0f32; cols];
+        for r in 0..rows {
+            w.dequantize_row(r, &mut row);
+            for (i, v) in row.iter().enumerate() {
+                assert_eq!(f.value(r, i).to_bits(), v.to_bits(), "{:?} row {r} elem {i}", w.format);
+            }
+        }
+    }
+    let dense = Weight::from_f32(2, 32, &rand_vec(&mut rng, 64));
+    assert!(dense.flat_blocks().is_none());
+    assert_eq!(dense.f32_values().unwrap().len(), 64);
+}

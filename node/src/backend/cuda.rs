@@ -1,0 +1,252 @@
+//! A worker on one GPU: its weights uploaded once (quantized formats kept quantized, as flat
+//! blocks), its paged KV cache in device memory, and every step's forward run by the kernels of
+//! `zerolayer_kernels::cuda` (compiled at run time with NVRTC for the device's architecture).
+//! Only the batch's bookkeeping (token ids, positions, block tables) goes up each step, and only
+//! the sampled rows' logits come back.
+//!
+//! The forward is [`crate::model::Model::forward_into`]'s, step for step, and each kernel
+//! repeats the CPU kernel's operations in the same order, so a GPU worker is batch invariant
+//! and meant to give the CPU worker's greedy tokens (checked on the GPU by `gpu-check`).
+
+use zerolayer_kernels::cuda::{ActScratch, CudaSlice, DeviceMemory, DeviceWeight, Gpu};
+
+use super::{step_rows, Backend, KvGeometry, StepRows};
+use crate::error::{Result, WorkerError};
+use crate::model::{ForwardItem, Model, ModelConfig};
+
+struct Layer {
+    attn_norm: CudaSlice<f32>,
+    wqkv: DeviceWeight,
+    bqkv: Option<CudaSlice<f32>>,
+    wo: DeviceWeight,
+    ffn_norm: CudaSlice<f32>,
+    wgate_up: DeviceWeight,
+    wdown: DeviceWeight,
+}
+
+/// Per-step device buffers, grown to the largest step and reused.
+struct Scratch {
+    x: CudaSlice<f32>,
+    h: CudaSlice<f32>,
+    qkv: CudaSlice<f32>,
+    att: CudaSlice<f32>,
+    proj: CudaSlice<f32>,
+    gu: CudaSlice<f32>,
+    ff: CudaSlice<f32>,
+    logits: CudaSlice<f32>,
+    scores: CudaSlice<f32>,
+    act: ActScratch,
+    tokens: CudaSlice<i32>,
+    pos: CudaSlice<i32>,
+    blk: CudaSlice<i32>,
+    slot: CudaSlice<i32>,
+    tables: CudaSlice<i32>,
+    table_at: CudaSlice<i32>,
+    last: CudaSlice<i32>,
+}
+
+/// A model on one GPU (module docs).
+pub struct Cuda {
+    gpu: Gpu,
+    cfg: ModelConfig,
+    embed: DeviceWeight,
+    output: DeviceWeight,
+    norm: CudaSlice<f32>,
+    layers: Vec<Layer>,
+    cos: CudaSlice<f32>,
+    sin: CudaSlice<f32>,
+    half_split: bool,
+    max_pos: usize,
+    k: Vec<CudaSlice<f32>>,
+    v: Vec<CudaSlice<f32>>,
+    geometry: KvGeometry,
+    weight_bytes: usize,
+    s: Scratch,
+}
+
+fn gpu_err(device: usize) -> impl Fn(zerolayer_kernels::cuda::GpuError) -> WorkerError {
+    move |e| WorkerError::Invalid(format!("device cuda:{device}: {e}"))
+}
+
+impl Cuda {
+    /// Uploads `model` to device `ordinal`, with a KV cache of `kv_budget_bytes`, or (0) of
+    /// `free_share` of the device memory free once the weights are in.
+    pub fn new(model: Model, ordinal: usize, block_size: usize, kv_budget_bytes: usize, free_share: f64) -> Result<Self> {
+        let e = gpu_err(ordinal);
+        let gpu = Gpu::open(ordinal).map_err(&e)?;
+        let cfg = model.cfg.clone();
+        let parts = model.parts();
+        let mut weight_bytes = 0;
+        let mut up = |w: &zerolayer_kernels::quant::Weight| -> Result<DeviceWeight> {
+            let d = gpu.weight(w).map_err(&e)?;
+            weight_bytes += d.bytes();
+            Ok(d)
+        };
+        let embed = up(parts.embed)?;
+        let output = up(parts.output)?;
+        let mut layers = Vec::with_capacity(parts.layers.len());
+        for l in &parts.layers {
+            layers.push(Layer {
+                attn_norm: gpu.upload(l.attn_norm).map_err(&e)?,
+                wqkv: up(l.wqkv)?,
+                bqkv: l.bqkv.map(|b| gpu.upload(b)).transpose().map_err(&e)?,
+                wo: up(l.wo)?,
+                ffn_norm: gpu.upload(l.ffn_norm).map_err(&e)?,
+                wgate_up: up(l.wgate_up)?,
+                wdown: up(l.wdown)?,
+            });
+        }
+        let (cos, sin) = parts.rope.cos_sin();
+        let (cos, sin) = (gpu.upload(cos).map_err(&e)?, gpu.upload(sin).map_err(&e)?);
+        let max_pos = parts.rope.max_pos();
+        let half_split = parts.rope.style == zerolayer_kernels::ops::RopeStyle::HalfSplit;
+        let norm = gpu.upload(parts.norm).map_err(&e)?;
+        drop(model);
+        let per_block = cfg.kv_bytes_per_token() * block_size;
+        let budget = if kv_budget_bytes > 0 {
+            kv_budget_bytes
+        } else {
+            let m = gpu.memory().map_err(&e)?;
+            (m.free as f64 * free_share.clamp(0.0, 0.95)) as usize
+        };
+        let num_blocks = budget / per_block;
+        if num_blocks == 0 {
+            return Err(WorkerError::Invalid(format!("KV budget {budget} B is below one block ({per_block} B)")));
+        }
+        let layer_elems = num_blocks * block_size * cfg.kv_dim();
+        let mut k = Vec::with_capacity(cfg.n_layers);
+        let mut v = Vec::with_capacity(cfg.n_layers);
+        for _ in 0..cfg.n_layers {
+            k.push(gpu.zeros::<f32>(layer_elems).map_err(&e)?);
+            v.push(gpu.zeros::<f32>(layer_elems).map_err(&e)?);
+        }
+        let s = Scratch {
+            x: gpu.zeros(1).map_err(&e)?,
+            h: gpu.zeros(1).map_err(&e)?,
+            qkv: gpu.zeros(1).map_err(&e)?,
+            att: gpu.zeros(1).map_err(&e)?,
+            proj: gpu.zeros(1).map_err(&e)?,
+            gu: gpu.zeros(1).map_err(&e)?,
+            ff: gpu.zeros(1).map_err(&e)?,
+            logits: gpu.zeros(1).map_err(&e)?,
+            scores: gpu.zeros(1).map_err(&e)?,
+            act: gpu.act_scratch().map_err(&e)?,
+            tokens: gpu.zeros(1).map_err(&e)?,
+            pos: gpu.zeros(1).map_err(&e)?,
+            blk: gpu.zeros(1).map_err(&e)?,
+            slot: gpu.zeros(1).map_err(&e)?,
+            tables: gpu.zeros(1).map_err(&e)?,
+            table_at: gpu.zeros(1).map_err(&e)?,
+            last: gpu.zeros(1).map_err(&e)?,
+        };
+        let geometry = KvGeometry { block_size, num_blocks, block_bytes: per_block, bytes: per_block * num_blocks };
+        Ok(Cuda { gpu, cfg, embed, output, norm, layers, cos, sin, half_split, max_pos, k, v, geometry, weight_bytes, s })
+    }
+
+    /// The device's memory now.
+    pub fn device_memory(&self) -> Option<DeviceMemory> {
+        self.gpu.memory().ok()
+    }
+
+    /// One step on the device: the CPU forward's sequence of operations (see `Model::forward_into`).
+    fn run(&mut self, rows: &StepRows, logits: &mut Vec<f32>) -> std::result::Result<usize, zerolayer_kernels::cuda::GpuError> {
+        let (g, s, c) = (&self.gpu, &mut self.s, &self.cfg);
+        let t = rows.tokens.len();
+        let (d, qd, kvd, hd, f) = (c.dim, c.q_dim(), c.kv_dim(), c.head_dim, c.ffn_dim);
+        let width = qd + 2 * kvd;
+        for (buf, host) in [(&mut s.tokens, &rows.tokens), (&mut s.pos, &rows.pos), (&mut s.blk, &rows.blk), (&mut s.slot, &rows.slot), (&mut s.tables, &rows.tables), (&mut s.table_at, &rows.table_at), (&mut s.last, &rows.last)] {
+            g.ensure(buf, host.len())?;
+            if !host.is_empty() {
+                g.write_at(host, buf, 0)?;
+            }
+        }
+        g.ensure(&mut s.x, t * d)?;
+        g.ensure(&mut s.h, t * d)?;
+        g.ensure(&mut s.qkv, t * width)?;
+        g.ensure(&mut s.att, t * qd)?;
+        g.ensure(&mut s.proj, t * d)?;
+        g.ensure(&mut s.gu, t * 2 * f)?;
+        g.ensure(&mut s.ff, t * f)?;
+        g.embed(&self.embed, &s.tokens, t, &mut s.x)?;
+        let scale = 1.0 / (hd as f32).sqrt();
+        let bs = self.geometry.block_size;
+        for (l, layer) in self.layers.iter().enumerate() {
+            g.rms_norm(&s.x, None, t, &layer.attn_norm, c.rms_eps, d, &mut s.h)?;
+            g.matmul(&layer.wqkv, &s.h, t, &mut s.act, &mut s.qkv)?;
+            g.qkv_rope_store(
+                &mut s.qkv,
+                t,
+                width,
+                layer.bqkv.as_ref(),
+                (c.n_heads, c.n_kv_heads, hd),
+                &s.pos,
+                (&self.cos, &self.sin, self.half_split),
+                (&s.blk, &s.slot, bs),
+                (&mut self.k[l], &mut self.v[l]),
+            )?;
+            g.attention(&s.qkv, t, width, (&self.k[l], &self.v[l]), (&s.tables, &s.table_at, &s.pos), (c.n_heads, c.n_kv_heads, hd), bs, scale, &mut s.scores, rows.max_ctx, &mut s.att)?;
+            g.matmul(&layer.wo, &s.att, t, &mut s.act, &mut s.proj)?;
+            g.add_assign(&mut s.x, &s.proj, t * d)?;
+            g.rms_norm(&s.x, None, t, &layer.ffn_norm, c.rms_eps, d, &mut s.h)?;
+            g.matmul(&layer.wgate_up, &s.h, t, &mut s.act, &mut s.gu)?;
+            g.silu_mul(&s.gu, f, t, &mut s.ff)?;
+            g.matmul(&layer.wdown, &s.ff, t, &mut s.act, &mut s.proj)?;
+            g.add_assign(&mut s.x, &s.proj, t * d)?;
+        }
+        let n_last = rows.last.len();
+        if n_last > 0 {
+            let vocab = c.vocab_size;
+            g.rms_norm(&s.x, Some(&s.last), n_last, &self.norm, c.rms_eps, d, &mut s.h)?;
+            g.ensure(&mut s.logits, n_last * vocab)?;
+            g.matmul(&self.output, &s.h, n_last, &mut s.act, &mut s.logits)?;
+            *logits = g.download(&s.logits, n_last * vocab)?;
+        }
+        Ok(n_last)
+    }
+}
+
+impl Backend for Cuda {
+    fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+    fn weight_bytes(&self) -> usize {
+        self.weight_bytes
+    }
+    fn kv(&self) -> KvGeometry {
+        self.geometry
+    }
+    fn forward_into(&mut self, items: &[ForwardItem<'_>], logits: &mut Vec<f32>) -> Result<usize> {
+        let rows = step_rows(items, self.max_pos, self.geometry.block_size, self.geometry.num_blocks, self.cfg.vocab_size)?;
+        if rows.tokens.is_empty() {
+            return Ok(0);
+        }
+        let ordinal = self.gpu.ordinal;
+        self.run(&rows, logits).map_err(gpu_err(ordinal))
+    }
+    fn read_block(&self, b: u32, out: &mut Vec<u8>) {
+        let be = self.geometry.block_size * self.cfg.kv_dim();
+        for (k, v) in self.k.iter().zip(&self.v) {
+            for part in [k, v] {
+                let vals = self.gpu.read_at(part, b as usize * be, be).expect("reading a KV block from the device");
+                out.extend_from_slice(zerolayer_kernels::f32_bytes(&vals));
+            }
+        }
+    }
+    fn write_block(&mut self, b: u32, bytes: &[u8]) {
+        assert_eq!(bytes.len(), self.geometry.block_bytes, "KV block size");
+        let be = self.geometry.block_size * self.cfg.kv_dim();
+        let vals: Vec<f32> = bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+        let mut parts = vals.chunks_exact(be);
+        for (k, v) in self.k.iter_mut().zip(self.v.iter_mut()) {
+            for part in [k, v] {
+                self.gpu.write_at(parts.next().expect("a part per layer"), part, b as usize * be).expect("writing a KV block to the device");
+            }
+        }
+    }
+    fn describe(&self) -> String {
+        format!("cuda:{} ({}, kernels for {})", self.gpu.ordinal, self.gpu.name, self.gpu.arch)
+    }
+    fn device_memory(&self) -> Option<(u64, u64)> {
+        self.gpu.memory().ok().map(|m| (m.total - m.free, m.total))
+    }
+}
