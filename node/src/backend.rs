@@ -16,7 +16,7 @@ mod cuda;
 mod tensor_parallel;
 
 #[cfg(feature = "gpu")]
-pub use cuda::Cuda;
+pub use cuda::{group as cuda_group, Cuda};
 pub use tensor_parallel::TensorParallel;
 
 use crate::error::{Result, WorkerError};
@@ -108,18 +108,21 @@ pub fn open(wc: &zerolayer_common::config::WorkerConfig, model: Model) -> Result
     let budget = wc.kv_cache_mb << 20;
     match wc.gpu() {
         Ok(None) => cpu(model, wc.tensor_parallel, wc.threads, wc.block_size, budget),
-        Ok(Some(n)) => gpu(model, n, wc.block_size, budget, wc.gpu_kv_share),
+        Ok(Some(n)) => gpu(model, n, wc.tensor_parallel, wc.block_size, budget, wc.gpu_kv_share),
         Err(()) => Err(WorkerError::Invalid(format!("unknown device {:?}", wc.device))),
     }
 }
 
 #[cfg(feature = "gpu")]
-fn gpu(model: Model, ordinal: usize, block_size: usize, budget: usize, free_share: f64) -> Result<Box<dyn Backend>> {
-    Ok(Box::new(Cuda::new(model, ordinal, block_size, budget, free_share)?))
+fn gpu(model: Model, ordinal: usize, tensor_parallel: usize, block_size: usize, budget: usize, free_share: f64) -> Result<Box<dyn Backend>> {
+    if tensor_parallel <= 1 {
+        return Ok(Box::new(Cuda::new(model, ordinal, block_size, budget, free_share)?));
+    }
+    Ok(Box::new(cuda_group(model, ordinal..ordinal + tensor_parallel, block_size, budget, free_share)?))
 }
 
 #[cfg(not(feature = "gpu"))]
-fn gpu(_: Model, ordinal: usize, _: usize, _: usize, _: f64) -> Result<Box<dyn Backend>> {
+fn gpu(_: Model, ordinal: usize, _: usize, _: usize, _: usize, _: f64) -> Result<Box<dyn Backend>> {
     Err(WorkerError::Invalid(format!(
         "device cuda:{ordinal}: this build has no CUDA backend (build with `--features cuda`, or `cuda13` for CUDA 13 libraries); use device = \"cpu\" here"
     )))

@@ -189,8 +189,12 @@ pub struct Model {
     output: Arc<Weight>,
     rope: Arc<RopeTable>,
     pool: ThreadPool,
-    /// The shard's group ([`Solo`] when unsharded); rank 0 computes the logits.
+    /// The shard's group ([`Solo`] when unsharded).
     group: Box<dyn Collective>,
+    /// Its rank in its group, and the group's size (0 of 1 when whole); rank 0 computes the
+    /// logits.
+    rank: usize,
+    ranks: usize,
     scratch: Scratch,
     weight_bytes: usize,
 }
@@ -257,6 +261,8 @@ impl Model {
             rope,
             pool: ThreadPool::new(threads),
             group: Box::new(Solo),
+            rank: 0,
+            ranks: 1,
             scratch: Scratch::default(),
             weight_bytes,
         })
@@ -397,7 +403,7 @@ impl Model {
             }
         }
         // Every rank holds the same final activations; rank 0 alone computes the logits.
-        if self.group.rank() != 0 {
+        if self.rank != 0 {
             last_rows.clear();
         }
         let n_last = last_rows.len();

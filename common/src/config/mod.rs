@@ -249,7 +249,8 @@ pub struct WorkerConfig {
     pub threads: usize,
     /// Ranks the model is sharded over (Megatron style: attention heads and the FFN's width
     /// split, an all-reduce after each attention output and FFN down projection). At most the
-    /// model's KV heads. On the CPU the ranks are threads of this process.
+    /// model's KV heads. On the CPU the ranks are threads of this process; with `cuda:N` they
+    /// are GPUs N..N+tensor_parallel, summing through NCCL.
     pub tensor_parallel: usize,
     /// KV cache memory budget (all ranks together). On a GPU, 0 takes `gpu_kv_share` of the
     /// device memory free once the weights are in.
@@ -472,15 +473,8 @@ impl ClusterConfig {
                 if w.tensor_parallel == 0 || w.tensor_parallel > 64 {
                     return bad(format!("worker {}/{}: tensor_parallel must be 1..=64, got {}", n.id, w.id, w.tensor_parallel));
                 }
-                match w.gpu() {
-                    Err(()) => return bad(format!("worker {}/{}: device {:?}: unknown device; use \"cpu\" or \"cuda:N\"", n.id, w.id, w.device)),
-                    Ok(Some(_)) if w.tensor_parallel > 1 => {
-                        return bad(format!(
-                            "worker {}/{}: tensor_parallel = {} on {:?}: GPU tensor parallelism (NCCL) is not built yet; tensor parallelism runs on the CPU",
-                            n.id, w.id, w.tensor_parallel, w.device
-                        ))
-                    }
-                    _ => {}
+                if w.gpu().is_err() {
+                    return bad(format!("worker {}/{}: device {:?}: unknown device; use \"cpu\" or \"cuda:N\"", n.id, w.id, w.device));
                 }
             }
         }
@@ -579,8 +573,7 @@ mod tests {
         assert_eq!(ClusterConfig::from_toml(&format!("{base}device='cuda:1'\n")).unwrap().nodes[0].workers[0].gpu(), Ok(Some(1)));
         let bad_dev = ClusterConfig::from_toml(&format!("{base}device='gpu0'\n")).unwrap_err().to_string();
         assert!(bad_dev.contains("unknown device") && bad_dev.contains("cuda:N"), "{bad_dev}");
-        let tp = ClusterConfig::from_toml(&format!("{base}device='cuda:0'\ntensor_parallel=2\n")).unwrap_err().to_string();
-        assert!(tp.contains("NCCL") && tp.contains("not built yet"), "{tp}");
+        assert_eq!(ClusterConfig::from_toml(&format!("{base}device='cuda:2'\ntensor_parallel=2\n")).unwrap().nodes[0].workers[0].tensor_parallel, 2);
         assert!(ClusterConfig::from_toml(&format!("{base}kv_cache_mb=0\n")).is_err(), "a CPU cache needs a size");
         assert!(ClusterConfig::from_toml(&format!("{base}device='cuda:0'\nkv_cache_mb=0\n")).is_ok(), "a GPU cache may take a share of free memory");
     }

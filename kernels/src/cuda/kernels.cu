@@ -286,3 +286,13 @@ extern "C" __global__ void argmax_rows(const float* logits, int vocab, int* out)
 extern "C" __global__ void copy_f32(const float* src, float* dst, size_t n) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) dst[i] = src[i];
 }
+
+// The tensor-parallel reduction: out[i] = ((p0[i] + p1[i]) + p2[i]) + ..., the partials of every
+// rank gathered one after another (collective.rs's rank order, whatever the buffer's length).
+extern "C" __global__ void sum_ranks(const float* gathered, int ranks, int n, float* out) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    float s = gathered[i];
+    for (int r = 1; r < ranks; r++) s = __fadd_rn(s, gathered[(size_t)r * n + i]);
+    out[i] = s;
+}

@@ -7,11 +7,15 @@
 //! - [`DeviceWeight`]: a weight uploaded once, kept in its quantized format (flat blocks).
 //! - One method per kernel; each launch's grid depends on the batch, what a thread computes does
 //!   not (the batch invariance of `kernels.cu`).
+//! - [`NcclGroup`]: the tensor-parallel all-reduce of GPU ranks (an NCCL all-gather, then a
+//!   rank-order sum on each device, so batch invariance holds across a group).
 //! - [`driver_present`] / [`nccl_present`]: probes that load nothing else.
 
+mod nccl;
 mod runtime;
 
 pub use cudarc::driver::CudaSlice;
+pub use nccl::{group_id, NcclGroup};
 pub use runtime::{cached_ptx_path, compile, ActScratch, DeviceMemory, DeviceWeight, Gpu, GpuError, ACT_BLOCK, SOURCE};
 
 /// Whether a CUDA driver library can be loaded on this machine.
@@ -81,7 +85,7 @@ mod tests {
         }
         for arch in ["compute_90", "compute_80"] {
             let ptx = super::compile(arch).unwrap_or_else(|e| panic!("{e}"));
-            for k in ["embed_rows", "embed_rows_f32", "rms_norm", "quantize_act", "matmul_q", "matmul_f32", "qkv_rope_store", "attention", "silu_mul", "add_assign", "argmax_rows", "copy_f32"] {
+            for k in ["embed_rows", "embed_rows_f32", "rms_norm", "quantize_act", "matmul_q", "matmul_f32", "qkv_rope_store", "attention", "silu_mul", "add_assign", "argmax_rows", "copy_f32", "sum_ranks"] {
                 assert!(ptx.contains(&format!(".entry {k}(")), "{arch}: kernel {k} missing from the PTX");
             }
             assert!(ptx.contains(&format!(".target sm_{}", &arch[8..])), "{arch}: PTX target");

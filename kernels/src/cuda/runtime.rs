@@ -77,6 +77,7 @@ struct Kernels {
     add_assign: CudaFunction,
     argmax_rows: CudaFunction,
     copy_f32: CudaFunction,
+    sum_ranks: CudaFunction,
 }
 
 /// One GPU, opened for a worker (module docs).
@@ -193,9 +194,18 @@ impl Gpu {
             add_assign: f("add_assign")?,
             argmax_rows: f("argmax_rows")?,
             copy_f32: f("copy_f32")?,
+            sum_ranks: f("sum_ranks")?,
         };
         let name = ctx.name()?;
         Ok(Gpu { ctx, stream, k, arch: arch.to_string(), name, ordinal })
+    }
+
+    /// CUDA devices on this machine.
+    pub fn count() -> R<usize> {
+        if !super::driver_present() {
+            return Ok(0);
+        }
+        Ok(CudaContext::device_count()? as usize)
     }
 
     pub fn memory(&self) -> R<DeviceMemory> {
@@ -411,6 +421,26 @@ impl Gpu {
         // SAFETY: both hold at least n values.
         unsafe { b.launch(cfg((4 * 132, 1, 1), 512)) }?;
         Ok(())
+    }
+
+    /// `out[..n]` = the rank-order sum of `ranks` partials gathered back to back in `gathered`.
+    pub fn sum_ranks(&self, gathered: &CudaSlice<f32>, ranks: usize, n: usize, out: &mut CudaSlice<f32>) -> R<()> {
+        let (r_i, n_i) = (ranks as i32, n as i32);
+        let mut b = self.stream.launch_builder(&self.k.sum_ranks);
+        b.arg(gathered).arg(&r_i).arg(&n_i).arg(out);
+        // SAFETY: gathered holds ranks × n values, out n.
+        unsafe { b.launch(cfg((grid(n, 256), 1, 1), 256)) }?;
+        Ok(())
+    }
+
+    /// The device's stream (every kernel and copy of this `Gpu` runs on it, in order).
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// Makes this device's context current on the calling thread.
+    pub fn bind(&self) -> R<()> {
+        Ok(self.ctx.bind_to_thread()?)
     }
 
     /// Times `f` on the device's stream, in seconds (CUDA events).

@@ -8,9 +8,10 @@
 //! repeats the CPU kernel's operations in the same order, so a GPU worker is batch invariant
 //! and meant to give the CPU worker's greedy tokens (checked on the GPU by `gpu-check`).
 
-use zerolayer_kernels::cuda::{ActScratch, CudaSlice, DeviceMemory, DeviceWeight, Gpu};
+use zerolayer_kernels::cuda::{ActScratch, CudaSlice, DeviceMemory, DeviceWeight, Gpu, NcclGroup};
 
-use super::{step_rows, Backend, KvGeometry, StepRows};
+use super::{step_rows, Backend, KvGeometry, StepRows, TensorParallel};
+use crate::model::ShardPlan;
 use crate::error::{Result, WorkerError};
 use crate::model::{ForwardItem, Model, ModelConfig};
 
@@ -48,7 +49,13 @@ struct Scratch {
 /// A model on one GPU (module docs).
 pub struct Cuda {
     gpu: Gpu,
+    /// The architecture, and what this GPU computes of it (the same unless it is one rank of a
+    /// tensor-parallel group: then its heads and FFN columns).
     cfg: ModelConfig,
+    shard_cfg: ModelConfig,
+    /// The group it sums partials with, when it is a rank (rank 0 computes the logits).
+    group: Option<NcclGroup>,
+    rank: usize,
     embed: DeviceWeight,
     output: DeviceWeight,
     norm: CudaSlice<f32>,
@@ -68,13 +75,33 @@ fn gpu_err(device: usize) -> impl Fn(zerolayer_kernels::cuda::GpuError) -> Worke
     move |e| WorkerError::Invalid(format!("device cuda:{device}: {e}"))
 }
 
+/// How a GPU's KV cache is sized.
+#[derive(Clone, Copy, Debug)]
+pub enum KvSize {
+    /// As many blocks as fit in this many bytes (a worker's `kv_cache_mb`).
+    Budget(usize),
+    /// This share of the device memory free once the weights are in.
+    FreeShare(f64),
+    /// Exactly this many blocks (the ranks of a group agree on one count).
+    Blocks(usize),
+}
+
 impl Cuda {
     /// Uploads `model` to device `ordinal`, with a KV cache of `kv_budget_bytes`, or (0) of
     /// `free_share` of the device memory free once the weights are in.
     pub fn new(model: Model, ordinal: usize, block_size: usize, kv_budget_bytes: usize, free_share: f64) -> Result<Self> {
+        let gpu = Gpu::open(ordinal).map_err(gpu_err(ordinal))?;
+        let kv = if kv_budget_bytes > 0 { KvSize::Budget(kv_budget_bytes) } else { KvSize::FreeShare(free_share) };
+        Self::upload(gpu, model, None, block_size, kv)
+    }
+
+    /// Uploads `model` (whole, or one rank's shard summing through `group`) to `gpu`.
+    pub fn upload(gpu: Gpu, model: Model, group: Option<NcclGroup>, block_size: usize, kv: KvSize) -> Result<Self> {
+        let ordinal = gpu.ordinal;
         let e = gpu_err(ordinal);
-        let gpu = Gpu::open(ordinal).map_err(&e)?;
         let cfg = model.cfg.clone();
+        let shard_cfg = model.shard_cfg().clone();
+        let rank = model.rank();
         let parts = model.parts();
         let mut weight_bytes = 0;
         let mut up = |w: &zerolayer_kernels::quant::Weight| -> Result<DeviceWeight> {
@@ -102,18 +129,16 @@ impl Cuda {
         let half_split = parts.rope.style == zerolayer_kernels::ops::RopeStyle::HalfSplit;
         let norm = gpu.upload(parts.norm).map_err(&e)?;
         drop(model);
-        let per_block = cfg.kv_bytes_per_token() * block_size;
-        let budget = if kv_budget_bytes > 0 {
-            kv_budget_bytes
-        } else {
-            let m = gpu.memory().map_err(&e)?;
-            (m.free as f64 * free_share.clamp(0.0, 0.95)) as usize
+        let per_block = shard_cfg.kv_bytes_per_token() * block_size;
+        let num_blocks = match kv {
+            KvSize::Blocks(n) => n,
+            KvSize::Budget(b) => b / per_block,
+            KvSize::FreeShare(share) => (gpu.memory().map_err(&e)?.free as f64 * share.clamp(0.0, 0.95)) as usize / per_block,
         };
-        let num_blocks = budget / per_block;
         if num_blocks == 0 {
-            return Err(WorkerError::Invalid(format!("KV budget {budget} B is below one block ({per_block} B)")));
+            return Err(WorkerError::Invalid(format!("device cuda:{ordinal}: the KV cache would hold no block ({per_block} B each)")));
         }
-        let layer_elems = num_blocks * block_size * cfg.kv_dim();
+        let layer_elems = num_blocks * block_size * shard_cfg.kv_dim();
         let mut k = Vec::with_capacity(cfg.n_layers);
         let mut v = Vec::with_capacity(cfg.n_layers);
         for _ in 0..cfg.n_layers {
@@ -140,7 +165,7 @@ impl Cuda {
             last: gpu.zeros(1).map_err(&e)?,
         };
         let geometry = KvGeometry { block_size, num_blocks, block_bytes: per_block, bytes: per_block * num_blocks };
-        Ok(Cuda { gpu, cfg, embed, output, norm, layers, cos, sin, half_split, max_pos, k, v, geometry, weight_bytes, s })
+        Ok(Cuda { gpu, cfg, shard_cfg, group, rank, embed, output, norm, layers, cos, sin, half_split, max_pos, k, v, geometry, weight_bytes, s })
     }
 
     /// The device's memory now.
@@ -150,7 +175,8 @@ impl Cuda {
 
     /// One step on the device: the CPU forward's sequence of operations (see `Model::forward_into`).
     fn run(&mut self, rows: &StepRows, logits: &mut Vec<f32>) -> std::result::Result<usize, zerolayer_kernels::cuda::GpuError> {
-        let (g, s, c) = (&self.gpu, &mut self.s, &self.cfg);
+        let (g, s, c) = (&self.gpu, &mut self.s, &self.shard_cfg);
+        g.bind()?;
         let t = rows.tokens.len();
         let (d, qd, kvd, hd, f) = (c.dim, c.q_dim(), c.kv_dim(), c.head_dim, c.ffn_dim);
         let width = qd + 2 * kvd;
@@ -186,14 +212,21 @@ impl Cuda {
             )?;
             g.attention(&s.qkv, t, width, (&self.k[l], &self.v[l]), (&s.tables, &s.table_at, &s.pos), (c.n_heads, c.n_kv_heads, hd), bs, scale, &mut s.scores, rows.max_ctx, &mut s.att)?;
             g.matmul(&layer.wo, &s.att, t, &mut s.act, &mut s.proj)?;
+            if let Some(group) = self.group.as_mut() {
+                group.all_reduce_sum(g, &mut s.proj, t * d)?;
+            }
             g.add_assign(&mut s.x, &s.proj, t * d)?;
             g.rms_norm(&s.x, None, t, &layer.ffn_norm, c.rms_eps, d, &mut s.h)?;
             g.matmul(&layer.wgate_up, &s.h, t, &mut s.act, &mut s.gu)?;
             g.silu_mul(&s.gu, f, t, &mut s.ff)?;
             g.matmul(&layer.wdown, &s.ff, t, &mut s.act, &mut s.proj)?;
+            if let Some(group) = self.group.as_mut() {
+                group.all_reduce_sum(g, &mut s.proj, t * d)?;
+            }
             g.add_assign(&mut s.x, &s.proj, t * d)?;
         }
-        let n_last = rows.last.len();
+        // Every rank holds the same final activations; rank 0 alone computes the logits.
+        let n_last = if self.rank == 0 { rows.last.len() } else { 0 };
         if n_last > 0 {
             let vocab = c.vocab_size;
             g.rms_norm(&s.x, Some(&s.last), n_last, &self.norm, c.rms_eps, d, &mut s.h)?;
@@ -203,6 +236,66 @@ impl Cuda {
         }
         Ok(n_last)
     }
+}
+
+/// A worker over the GPUs `devices`, one tensor-parallel rank each, summing through NCCL: every
+/// rank joins the group and uploads its shard on a thread of its own (joining blocks until all
+/// have), then rank 0 serves on the engine thread and the others on their threads. The KV cache
+/// is `kv_budget_bytes` across the group, or (0) `free_share` of the free memory of the GPU
+/// with the least.
+pub fn group(model: Model, devices: std::ops::Range<usize>, block_size: usize, kv_budget_bytes: usize, free_share: f64) -> Result<TensorParallel> {
+    let cfg = model.cfg.clone();
+    let size = devices.len();
+    let plans = ShardPlan::for_group(&cfg, size)?;
+    let e0 = gpu_err(devices.start);
+    let id = zerolayer_kernels::cuda::group_id().map_err(&e0)?;
+    let mut shards = Vec::with_capacity(size);
+    for plan in &plans {
+        shards.push(model.shard(plan, 1)?);
+    }
+    drop(model);
+    // Each rank's blocks: the group's budget over the whole model's per-block bytes, or the
+    // smallest free-memory share a rank can give (decided after the weights are in, below).
+    let blocks = if kv_budget_bytes > 0 { Some(TensorParallel::blocks_for(&cfg, block_size, kv_budget_bytes)?) } else { None };
+    let opened: Vec<Result<(Gpu, Option<NcclGroup>, Model)>> = std::thread::scope(|sc| {
+        let hs: Vec<_> = shards
+            .into_iter()
+            .zip(devices.clone())
+            .enumerate()
+            .map(|(rank, (shard, dev))| {
+                let id = &id;
+                sc.spawn(move || -> Result<(Gpu, Option<NcclGroup>, Model)> {
+                    let e = gpu_err(dev);
+                    let gpu = Gpu::open(dev).map_err(&e)?;
+                    let group = NcclGroup::join(&gpu, rank, size, id).map_err(&e)?;
+                    Ok((gpu, Some(group), shard))
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(WorkerError::Invalid("a GPU rank panicked while joining its group".into())))).collect()
+    });
+    let mut ranks = Vec::with_capacity(size);
+    for r in opened {
+        ranks.push(r?);
+    }
+    let blocks = match blocks {
+        Some(b) => b,
+        None => {
+            let mut least = usize::MAX;
+            for ((gpu, _, shard), dev) in ranks.iter().zip(devices.clone()) {
+                let free = gpu.memory().map_err(gpu_err(dev))?.free as f64 * free_share.clamp(0.0, 0.95);
+                let weights: usize = shard.weight_bytes();
+                let per_block = shard.shard_cfg().kv_bytes_per_token() * block_size;
+                least = least.min((free as usize).saturating_sub(weights) / per_block);
+            }
+            least
+        }
+    };
+    let mut backends: Vec<Box<dyn Backend>> = Vec::with_capacity(size);
+    for (gpu, group, shard) in ranks {
+        backends.push(Box::new(Cuda::upload(gpu, shard, group, block_size, KvSize::Blocks(blocks))?));
+    }
+    TensorParallel::from_shards(cfg, &plans, backends)
 }
 
 impl Backend for Cuda {
@@ -224,7 +317,7 @@ impl Backend for Cuda {
         self.run(&rows, logits).map_err(gpu_err(ordinal))
     }
     fn read_block(&self, b: u32, out: &mut Vec<u8>) {
-        let be = self.geometry.block_size * self.cfg.kv_dim();
+        let be = self.geometry.block_size * self.shard_cfg.kv_dim();
         for (k, v) in self.k.iter().zip(&self.v) {
             for part in [k, v] {
                 let vals = self.gpu.read_at(part, b as usize * be, be).expect("reading a KV block from the device");
@@ -234,7 +327,7 @@ impl Backend for Cuda {
     }
     fn write_block(&mut self, b: u32, bytes: &[u8]) {
         assert_eq!(bytes.len(), self.geometry.block_bytes, "KV block size");
-        let be = self.geometry.block_size * self.cfg.kv_dim();
+        let be = self.geometry.block_size * self.shard_cfg.kv_dim();
         let vals: Vec<f32> = bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
         let mut parts = vals.chunks_exact(be);
         for (k, v) in self.k.iter_mut().zip(self.v.iter_mut()) {

@@ -1,6 +1,7 @@
-//! One worker over a tensor-parallel group of CPU ranks: rank 0 runs on the engine's thread,
-//! ranks 1.. on threads of their own, each owning its shard of the model ([`ShardPlan`]) and of
-//! the KV cache (its KV heads, for every block). A step is sent to every rank as an owned copy
+//! One worker over a tensor-parallel group of ranks: rank 0 runs on the engine's thread, ranks
+//! 1.. on threads of their own, each owning its shard of the model ([`ShardPlan`]) and of the KV
+//! cache (its KV heads, for every block). A rank is any backend: a CPU shard summing through a
+//! thread group, or (the `cuda` feature) a GPU shard summing through NCCL. A step is sent to every rank as an owned copy
 //! of the batch; the ranks meet in the collective twice per layer; rank 0 returns the logits.
 //!
 //! Every rank validates the batch the same way before its first collective, so a refused batch
@@ -60,13 +61,12 @@ struct Rank {
 /// A worker's model over a group of CPU ranks (module docs).
 pub struct TensorParallel {
     cfg: ModelConfig,
-    lead: Cpu,
+    lead: Box<dyn Backend>,
     others: Vec<Rank>,
     /// Bytes of one layer's K (or V) part of a block, per rank.
     part_bytes: Vec<usize>,
     geometry: KvGeometry,
     weight_bytes: usize,
-    threads_per_rank: usize,
 }
 
 impl TensorParallel {
@@ -77,16 +77,36 @@ impl TensorParallel {
         let plans = ShardPlan::for_group(&cfg, size)?;
         let total = if threads == 0 { std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) } else { threads };
         let threads_per_rank = (total / size).max(1);
-        let per_block = cfg.kv_bytes_per_token() * block_size;
-        let num_blocks = kv_budget_bytes / per_block;
-        if num_blocks == 0 {
-            return Err(WorkerError::Invalid(format!("KV budget {kv_budget_bytes} B is below one block ({per_block} B)")));
-        }
-        let mut shards = Vec::with_capacity(size);
+        let num_blocks = Self::blocks_for(&cfg, block_size, kv_budget_bytes)?;
+        let mut shards: Vec<Box<dyn Backend>> = Vec::with_capacity(size);
         for (plan, group) in plans.iter().zip(thread_group(size)) {
-            shards.push(Cpu::with_blocks(model.shard(plan, Box::new(group), threads_per_rank)?, block_size, num_blocks));
+            let mut shard = model.shard(plan, threads_per_rank)?;
+            shard.join(Box::new(group))?;
+            shards.push(Box::new(Cpu::with_blocks(shard, block_size, num_blocks)));
         }
         drop(model);
+        Self::from_shards(cfg, &plans, shards)
+    }
+
+    /// The blocks each rank of a group holds for a whole-model budget of `kv_budget_bytes`.
+    pub fn blocks_for(cfg: &ModelConfig, block_size: usize, kv_budget_bytes: usize) -> Result<usize> {
+        let per_block = cfg.kv_bytes_per_token() * block_size;
+        match kv_budget_bytes / per_block {
+            0 => Err(WorkerError::Invalid(format!("KV budget {kv_budget_bytes} B is below one block ({per_block} B)"))),
+            n => Ok(n),
+        }
+    }
+
+    /// A group of ready shards, one per plan in rank order, each with the same blocks (and rank
+    /// 0's logits): rank 0 stays here, the others get a thread each.
+    pub fn from_shards(cfg: ModelConfig, plans: &[ShardPlan], shards: Vec<Box<dyn Backend>>) -> Result<Self> {
+        let size = plans.len();
+        assert_eq!(shards.len(), size, "a shard per plan");
+        let first = shards[0].kv();
+        if shards.iter().any(|s| s.kv().num_blocks != first.num_blocks || s.kv().block_size != first.block_size) {
+            return Err(WorkerError::Invalid("the ranks of a group must hold the same KV blocks".into()));
+        }
+        let (block_size, num_blocks) = (first.block_size, first.num_blocks);
         let part_bytes: Vec<usize> = plans.iter().map(|p| block_size * p.kv_heads.len() * cfg.head_dim * std::mem::size_of::<f32>()).collect();
         let weight_bytes = shards.iter().map(|s| s.weight_bytes()).sum();
         let mut shards = shards.into_iter();
@@ -107,12 +127,12 @@ impl TensorParallel {
             block_bytes: cfg.kv_bytes_per_token() * block_size,
             bytes: cfg.kv_bytes_per_token() * block_size * num_blocks,
         };
-        Ok(TensorParallel { cfg, lead, others, part_bytes, geometry, weight_bytes, threads_per_rank })
+        Ok(TensorParallel { cfg, lead, others, part_bytes, geometry, weight_bytes })
     }
 }
 
 /// A rank's loop: commands in order until the group is dropped.
-fn serve(mut shard: Cpu, inbox: Receiver<Command>, report: SyncSender<Result<()>>) {
+fn serve(mut shard: Box<dyn Backend>, inbox: Receiver<Command>, report: SyncSender<Result<()>>) {
     let mut logits = Vec::new();
     while let Ok(cmd) = inbox.recv() {
         match cmd {
@@ -205,7 +225,7 @@ impl Backend for TensorParallel {
         }
     }
     fn describe(&self) -> String {
-        format!("cpu, tensor parallel over {} ranks of {} kernel threads", self.others.len() + 1, self.threads_per_rank)
+        format!("tensor parallel over {} ranks, rank 0 on {}", self.others.len() + 1, self.lead.describe())
     }
 }
 

@@ -6,7 +6,8 @@
 //!     weight format (and on a real GGUF if `--model` names one), and GPU batch invariance: a
 //!     prompt alone and in a batch of 16 gives the same logits, bit for bit;
 //! (c) decode tokens/s at batch 1, 16 and 64, and prefill tokens/s;
-//! (d) the paged-attention kernel's bytes/s on a long context against the device's copy bandwidth.
+//! (d) the paged-attention kernel's bytes/s on a long context against the device's copy bandwidth;
+//! (e) with two GPUs or more: two NCCL ranks against one GPU.
 //!
 //! Usage: gpu-check [--out FILE] [--model FILE.gguf] [--device N]. Exit status 0 when (a) and (b)
 //! pass.
@@ -196,6 +197,34 @@ fn equivalence(path: &std::path::Path, device: usize, label: &str) -> Res<Value>
     Ok(json!({"model": label, "cases": cases, "batch_invariant": invariant, "pass": pass}))
 }
 
+/// (e), with two GPUs or more: the synthetic model over two GPU ranks (NCCL) against one GPU,
+/// greedy, with the near-tie rule of the CPU tensor-parallel tests.
+fn tensor_parallel(path: &std::path::Path, device: usize) -> Res<Value> {
+    println!("(e) tensor parallel over cuda:{device} and cuda:{}, against cuda:{device} alone", device + 1);
+    let bs = 16;
+    let (one_m, _) = Model::from_gguf(path, 0, |_, _| {})?;
+    let (two_m, _) = Model::from_gguf(path, 0, |_, _| {})?;
+    let budget = one_m.cfg.kv_bytes_per_token() * bs * 256;
+    let mut one = Cuda::new(one_m, device, bs, budget, 0.9)?;
+    let mut two = zerolayer_worker::backend::cuda_group(two_m, device..device + 2, bs, budget, 0.9)?;
+    let table: Vec<u32> = (0..64).collect();
+    let vocab = one.config().vocab_size as u64;
+    let mut pass = true;
+    let mut cases = Vec::new();
+    for pi in 0..3u64 {
+        let p: Vec<u32> = (0..(11 + 7 * pi)).map(|j| ((j * 104_729 + pi * 7919) % vocab) as u32).collect();
+        let (t1, l1) = greedy(&mut one, &p, 16, &table)?;
+        let (t2, _) = greedy(&mut two, &p, 16, &table)?;
+        let (t2b, _) = greedy(&mut two, &p, 16, &table)?;
+        let same = t1.iter().zip(&t2).take_while(|(a, b)| a == b).count();
+        let ok = t2 == t2b && (same == 16 || top_margin(&l1[same]) < 0.1);
+        pass &= ok;
+        println!("  prompt {pi}: {same}/16 tokens equal, deterministic: {} {}", t2 == t2b, if ok { "pass" } else { "FAIL" });
+        cases.push(json!({"prompt": pi, "tokens_equal": same, "deterministic": t2 == t2b, "pass": ok}));
+    }
+    Ok(json!({"cases": cases, "pass": pass}))
+}
+
 /// (c): decode tokens/s at batch 1, 16, 64 and prefill tokens/s.
 fn throughput(path: &std::path::Path, device: usize, label: &str) -> Res<Value> {
     println!("(c) {label}: throughput");
@@ -307,6 +336,9 @@ fn run() -> Res<()> {
     report["equivalence"] = json!(equiv);
     report["throughput"] = json!(perf);
     report["bandwidth"] = bandwidth(&gpu)?;
+    if Gpu::count()? > device + 1 {
+        report["tensor_parallel"] = tensor_parallel(&synth, device)?;
+    }
     report["pass"] = json!({"a_kernels": kernels_pass, "b_equivalence": equiv_pass});
     report["seconds"] = json!(t0.elapsed().as_secs_f64());
     std::fs::write(&out, serde_json::to_string_pretty(&report)?)?;

@@ -10,7 +10,7 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use zerolayer_kernels::collective::Collective;
+use zerolayer_kernels::collective::{Collective, Solo};
 use zerolayer_kernels::pool::ThreadPool;
 use zerolayer_kernels::quant::{Weight, QK};
 
@@ -80,16 +80,14 @@ fn scaled(r: &Range<usize>, by: usize, plus: usize) -> Range<usize> {
 }
 
 impl Model {
-    /// This (whole) model's shard for `plan`, summing through `group` (which must be rank
-    /// `plan.rank` of a group of `plan.size`), with its own `threads` kernel threads. The
-    /// embedding, output head and norms are shared with `self`, not copied.
-    pub fn shard(&self, plan: &ShardPlan, group: Box<dyn Collective>, threads: usize) -> Result<Model> {
+    /// This (whole) model's shard for `plan`, with its own `threads` kernel threads. The
+    /// embedding, output head and norms are shared with `self`, not copied. It runs alone
+    /// ([`Solo`]) until [`Model::join`] gives it its group; a device backend uploads its
+    /// weights and sums through the device's own collective instead.
+    pub fn shard(&self, plan: &ShardPlan, threads: usize) -> Result<Model> {
         let cfg = &self.cfg;
         if self.shard_cfg != self.cfg {
             return Err(WorkerError::Invalid("only a whole model can be sharded".into()));
-        }
-        if group.rank() != plan.rank || group.size() != plan.size {
-            return Err(WorkerError::Invalid(format!("rank {}/{} of a group given for plan {}/{}", group.rank(), group.size(), plan.rank, plan.size)));
         }
         let (hd, qd, kvd, d, f) = (cfg.head_dim, cfg.q_dim(), cfg.kv_dim(), cfg.dim, cfg.ffn_dim);
         let (q_rows, k_rows, v_rows) = (scaled(&plan.q_heads(cfg), hd, 0), scaled(&plan.kv_heads, hd, qd), scaled(&plan.kv_heads, hd, qd + kvd));
@@ -121,10 +119,26 @@ impl Model {
             output: self.output.clone(),
             rope: self.rope.clone(),
             pool: ThreadPool::new(threads.max(1)),
-            group,
+            group: Box::new(Solo),
+            rank: plan.rank,
+            ranks: plan.size,
             scratch: Scratch::default(),
             weight_bytes: head_bytes + layer_bytes,
         })
+    }
+
+    /// Makes this shard sum through `group`, which must be its rank of a group of its size.
+    pub fn join(&mut self, group: Box<dyn Collective>) -> Result<()> {
+        if (group.rank(), group.size()) != (self.rank, self.ranks) {
+            return Err(WorkerError::Invalid(format!("rank {}/{} of a group given to shard {}/{}", group.rank(), group.size(), self.rank, self.ranks)));
+        }
+        self.group = group;
+        Ok(())
+    }
+
+    /// This shard's rank (0 for a whole model): rank 0 computes the logits.
+    pub fn rank(&self) -> usize {
+        self.rank
     }
 }
 
