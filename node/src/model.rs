@@ -26,9 +26,7 @@ use zerolayer_kernels::pool::ThreadPool;
 use zerolayer_kernels::quant::{matmul, matmul_rows, MatmulScratch, Weight};
 
 mod load;
-mod shard;
-
-pub use shard::ShardPlan;
+pub mod shard;
 
 use crate::error::{WorkerError, Result};
 

@@ -12,23 +12,13 @@
 //! - [`driver_present`] / [`nccl_present`]: probes that load nothing else.
 
 mod nccl;
+mod probe;
 mod runtime;
 
 pub use cudarc::driver::CudaSlice;
 pub use nccl::{group_id, NcclGroup};
+pub use probe::{driver_present, nccl_present};
 pub use runtime::{cached_ptx_path, compile, ActScratch, DeviceMemory, DeviceWeight, Gpu, GpuError, ACT_BLOCK, SOURCE};
-
-/// Whether a CUDA driver library can be loaded on this machine.
-pub fn driver_present() -> bool {
-    // SAFETY: only tries to dlopen the driver library; no CUDA call is made.
-    unsafe { cudarc::driver::sys::is_culib_present() }
-}
-
-/// Whether NCCL can be loaded on this machine.
-pub fn nccl_present() -> bool {
-    // SAFETY: only tries to dlopen libnccl; no NCCL call is made.
-    unsafe { cudarc::nccl::sys::is_culib_present() }
-}
 
 #[cfg(test)]
 mod tests {

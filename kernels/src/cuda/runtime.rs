@@ -167,7 +167,7 @@ pub fn compile(arch: &'static str) -> R<String> {
 impl Gpu {
     /// Opens device `ordinal`: errors say what is missing (no driver, no such device, NVRTC).
     pub fn open(ordinal: usize) -> R<Gpu> {
-        if !super::driver_present() {
+        if !super::probe::driver_present() {
             return Err(GpuError("no CUDA driver on this machine (libcuda.so cannot be loaded)".into()));
         }
         let count = CudaContext::device_count()?;
@@ -202,7 +202,7 @@ impl Gpu {
 
     /// CUDA devices on this machine.
     pub fn count() -> R<usize> {
-        if !super::driver_present() {
+        if !super::probe::driver_present() {
             return Ok(0);
         }
         Ok(CudaContext::device_count()? as usize)

@@ -10,8 +10,9 @@
 
 use zerolayer_kernels::cuda::{ActScratch, CudaSlice, DeviceMemory, DeviceWeight, Gpu, NcclGroup};
 
-use super::{step_rows, Backend, KvGeometry, StepRows, TensorParallel};
-use crate::model::ShardPlan;
+use super::step::{step_rows, Backend, KvGeometry, StepRows};
+use super::tensor_parallel::TensorParallel;
+use crate::model::shard::ShardPlan;
 use crate::error::{Result, WorkerError};
 use crate::model::{ForwardItem, Model, ModelConfig};
 

@@ -14,9 +14,11 @@ use std::thread::JoinHandle;
 
 use zerolayer_kernels::collective::thread_group;
 
-use super::{Backend, Cpu, KvGeometry};
+use super::cpu::Cpu;
+use super::step::{Backend, KvGeometry};
 use crate::error::{Result, WorkerError};
-use crate::model::{ForwardItem, Model, ModelConfig, ShardPlan};
+use crate::model::shard::ShardPlan;
+use crate::model::{ForwardItem, Model, ModelConfig};
 
 /// A step's batch, owned, for the other ranks.
 struct Batch {

@@ -1,0 +1,50 @@
+//! The CPU backend: a model (whole, or one tensor-parallel shard) and its KV cache in host memory.
+
+use super::step::{Backend, KvGeometry};
+use crate::error::Result;
+use crate::model::{ForwardItem, KvCache, Model, ModelConfig};
+
+/// The model and its KV cache in host memory.
+pub struct Cpu {
+    model: Model,
+    cache: KvCache,
+}
+
+impl Cpu {
+    /// `model` with a cache of as many `block_size`-token blocks as fit in `kv_budget_bytes`.
+    pub fn new(model: Model, block_size: usize, kv_budget_bytes: usize) -> Result<Self> {
+        let cache = KvCache::with_budget(model.shard_cfg(), block_size, kv_budget_bytes)?;
+        Ok(Cpu { model, cache })
+    }
+
+    /// `model` with exactly `num_blocks` blocks (a tensor-parallel rank sizes its cache by the
+    /// group's, so every rank has the same blocks).
+    pub fn with_blocks(model: Model, block_size: usize, num_blocks: usize) -> Self {
+        let cache = KvCache::new(model.shard_cfg(), block_size, num_blocks);
+        Cpu { model, cache }
+    }
+}
+
+impl Backend for Cpu {
+    fn config(&self) -> &ModelConfig {
+        &self.model.cfg
+    }
+    fn weight_bytes(&self) -> usize {
+        self.model.weight_bytes()
+    }
+    fn kv(&self) -> KvGeometry {
+        KvGeometry { block_size: self.cache.layout.block_size, num_blocks: self.cache.num_blocks, block_bytes: self.cache.block_bytes(), bytes: self.cache.bytes() }
+    }
+    fn forward_into(&mut self, items: &[ForwardItem<'_>], logits: &mut Vec<f32>) -> Result<usize> {
+        self.model.forward_into(&mut self.cache, items, logits)
+    }
+    fn read_block(&self, b: u32, out: &mut Vec<u8>) {
+        self.cache.read_block(b, out)
+    }
+    fn write_block(&mut self, b: u32, bytes: &[u8]) {
+        self.cache.write_block(b, bytes)
+    }
+    fn describe(&self) -> String {
+        format!("cpu, {} kernel threads", self.model.threads())
+    }
+}
