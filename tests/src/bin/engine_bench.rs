@@ -1,6 +1,6 @@
 //! Engine throughput on the real model, measured directly on the engine (no HTTP).
 //!
-//! `cargo run -p zerolayer-tests --bin engine_bench -- [--threads N] [--json PATH] [--repeat N] [--only FIGURE]`
+//! `cargo run -p zerolayer-tests --bin engine_bench -- [--threads N] [--tensor-parallel N] [--json PATH] [--repeat N] [--only FIGURE]`
 //!
 //! Reports batch-1 decode tokens/s, prefill tokens/s, and aggregate decode tokens/s with 8 and
 //! 16 concurrent sequences: each the median of `--repeat` runs (default 3). `--only b1|prefill|
@@ -58,8 +58,12 @@ fn main() {
     let get = |k: &str| args.iter().position(|a| a == k).and_then(|i| args.get(i + 1)).cloned();
     let threads: usize = get("--threads").map(|v| v.parse().unwrap()).unwrap_or(2);
     let json_path = get("--json");
+    let tp: usize = get("--tensor-parallel").map(|v| v.parse().unwrap()).unwrap_or(1);
     let l = load(&model_path(), None, threads, |_, _| {}).unwrap();
-    let mut engine = Engine::new(l.model, l.tokenizer, &EngineConfig { max_batch_tokens: 512, kv_cache_bytes: 1 << 30, ..Default::default() }).unwrap();
+    let ecfg = EngineConfig { max_batch_tokens: 512, kv_cache_bytes: 1 << 30, ..Default::default() };
+    let backend = zerolayer_worker::backend::cpu(l.model, tp, threads, ecfg.block_size, ecfg.kv_cache_bytes).unwrap();
+    eprintln!("backend: {}", backend.describe());
+    let mut engine = Engine::with_backend(backend, l.tokenizer, &ecfg).unwrap();
     let repeat: usize = get("--repeat").map(|v| v.parse().unwrap()).unwrap_or(3).max(1);
     let only = get("--only");
     let want = |name: &str| only.as_deref().is_none_or(|o| o == name);
