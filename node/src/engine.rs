@@ -145,6 +145,10 @@ pub type StepHook = Box<dyn FnMut(&[SeqId]) -> Result<()> + Send>;
 struct StepBufs {
     plan: Plan,
     want: Vec<bool>,
+    /// Per logits row: whether its sequence samples greedily with no grammar (a device may pick
+    /// its token), and the tokens a device picked.
+    greedy: Vec<bool>,
+    tokens: Vec<u32>,
     items: Vec<ForwardItem<'static>>,
 }
 
@@ -422,13 +426,18 @@ impl Engine {
             it.completes && s.generated() < s.max_tokens
         }));
         let want = &*want;
+        bufs.greedy.clear();
+        for (it, _) in plan.items.iter().zip(want).filter(|(_, &w)| w) {
+            let st = self.states.get(&it.seq);
+            bufs.greedy.push(st.is_some_and(|st| st.constraint.is_none() && st.sampler.is_greedy()));
+        }
         let rows = {
             let mut items: Vec<ForwardItem<'_>> = recycle(std::mem::take(&mut bufs.items));
             items.extend(plan.items.iter().zip(want).map(|(it, &w)| {
                 let s = self.sched.get(it.seq).unwrap();
                 ForwardItem { tokens: &s.tokens[it.start..it.start + it.len], start_pos: it.start, block_table: &s.blocks, want_logits: w }
             }));
-            let rows = self.backend.forward_into(&items, &mut self.logits);
+            let rows = self.backend.forward_greedy(&items, &bufs.greedy, &mut self.logits, &mut bufs.tokens);
             bufs.items = recycle(items);
             match rows {
                 Ok(rows) => rows,
@@ -451,7 +460,7 @@ impl Engine {
         }
         self.kv_events.extend(ev);
 
-        let mut logits = logits_buf[..rows * vocab].chunks_exact(vocab);
+        let mut row = 0;
         for (it, &w) in plan.items.iter().zip(want) {
             if !it.completes {
                 continue;
@@ -461,10 +470,17 @@ impl Engine {
                 self.finish(it.seq, StopReason::MaxTokens, &mut out);
                 continue;
             }
-            let row = logits.next().expect("one logits row per wanted item");
-            if let Err(e) = self.on_token(it.seq, row, &mut out) {
+            assert!(row < rows, "one logits row per wanted item");
+            // A token the device picked for a greedy row, else the host samples the row's logits.
+            let picked = bufs.greedy.get(row).copied().unwrap_or(false).then(|| bufs.tokens.get(row).copied()).flatten();
+            let r = match picked {
+                Some(tok) => self.on_picked(it.seq, tok, &mut out),
+                None => self.on_token(it.seq, &logits_buf[row * vocab..(row + 1) * vocab], &mut out),
+            };
+            if let Err(e) = r {
                 self.fail(&[it.seq], &e, &mut out);
             }
+            row += 1;
         }
         self.logits = logits_buf;
         let took = t0.elapsed().as_secs_f64();
@@ -511,6 +527,20 @@ impl Engine {
                 tok
             }
         };
+        self.accept(id, tok, out)
+    }
+
+    /// The token a device picked for a greedy sequence with no grammar (the argmax the sampler
+    /// would have taken).
+    fn on_picked(&mut self, id: SeqId, tok: u32, out: &mut StepOutput) -> Result<()> {
+        let st = self.states.get_mut(&id).expect("state for scheduled sequence");
+        st.sampler.take_greedy(tok);
+        self.accept(id, tok, out)
+    }
+
+    /// Appends `tok` to sequence `id`: its text, stop conditions and events.
+    fn accept(&mut self, id: SeqId, tok: u32, out: &mut StepOutput) -> Result<()> {
+        let st = self.states.get_mut(&id).expect("state for scheduled sequence");
         self.sched.append_token(id, tok);
         self.generated_total += 1;
         let s = self.sched.get(id).expect("scheduled sequence");

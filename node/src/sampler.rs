@@ -50,6 +50,19 @@ impl Sampler {
 
     /// Draws the next token from `logits`; with `allowed` (a grammar's bitset of the tokens it
     /// allows, bit `t % 32` of word `t / 32`), only from those.
+    /// Whether every draw is the argmax (so a device may pick the token itself).
+    pub fn is_greedy(&self) -> bool {
+        self.temperature == 0.0 || self.top_k == 1
+    }
+
+    /// Records a draw a device made for a greedy sampler (the argmax of the logits, what
+    /// [`Sampler::sample`] would return), keeping the step count as `sample` does.
+    pub fn take_greedy(&mut self, token: u32) -> u32 {
+        debug_assert!(self.is_greedy());
+        self.step += 1;
+        token
+    }
+
     pub fn sample(&mut self, logits: &[f32], allowed: Option<&[u32]>) -> u32 {
         let step = self.step;
         self.step += 1;

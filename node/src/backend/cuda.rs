@@ -45,6 +45,8 @@ struct Scratch {
     tables: CudaSlice<i32>,
     table_at: CudaSlice<i32>,
     last: CudaSlice<i32>,
+    /// Each row's greedy token (device sampling).
+    picked: CudaSlice<i32>,
 }
 
 /// A model on one GPU (module docs).
@@ -164,6 +166,7 @@ impl Cuda {
             tables: gpu.zeros(1).map_err(&e)?,
             table_at: gpu.zeros(1).map_err(&e)?,
             last: gpu.zeros(1).map_err(&e)?,
+            picked: gpu.zeros(1).map_err(&e)?,
         };
         let geometry = KvGeometry { block_size, num_blocks, block_bytes: per_block, bytes: per_block * num_blocks };
         Ok(Cuda { gpu, cfg, shard_cfg, group, rank, embed, output, norm, layers, cos, sin, half_split, max_pos, k, v, geometry, weight_bytes, s })
@@ -174,8 +177,10 @@ impl Cuda {
         self.gpu.memory().ok()
     }
 
-    /// One step on the device: the CPU forward's sequence of operations (see `Model::forward_into`).
-    fn run(&mut self, rows: &StepRows, logits: &mut Vec<f32>) -> std::result::Result<usize, zerolayer_kernels::cuda::GpuError> {
+    /// One step on the device: the CPU forward's sequence of operations (see
+    /// `Model::forward_into`). The logits come back to `logits` when `want_logits`; each row's
+    /// argmax to `tokens` when given.
+    fn run(&mut self, rows: &StepRows, logits: &mut Vec<f32>, want_logits: bool, tokens: Option<&mut Vec<u32>>) -> std::result::Result<usize, zerolayer_kernels::cuda::GpuError> {
         let (g, s, c) = (&self.gpu, &mut self.s, &self.shard_cfg);
         g.bind()?;
         let t = rows.tokens.len();
@@ -233,7 +238,16 @@ impl Cuda {
             g.rms_norm(&s.x, Some(&s.last), n_last, &self.norm, c.rms_eps, d, &mut s.h)?;
             g.ensure(&mut s.logits, n_last * vocab)?;
             g.matmul(&self.output, &s.h, n_last, &mut s.act, &mut s.logits)?;
-            *logits = g.download(&s.logits, n_last * vocab)?;
+            if let Some(tokens) = tokens {
+                g.ensure(&mut s.picked, n_last)?;
+                g.argmax(&s.logits, n_last, vocab, &mut s.picked)?;
+                *tokens = g.download(&s.picked, n_last)?.into_iter().map(|t| t as u32).collect();
+            }
+            if want_logits {
+                *logits = g.download(&s.logits, n_last * vocab)?;
+            } else {
+                logits.clear();
+            }
         }
         Ok(n_last)
     }
@@ -315,7 +329,19 @@ impl Backend for Cuda {
             return Ok(0);
         }
         let ordinal = self.gpu.ordinal;
-        self.run(&rows, logits).map_err(gpu_err(ordinal))
+        self.run(&rows, logits, true, None).map_err(gpu_err(ordinal))
+    }
+    fn forward_greedy(&mut self, items: &[ForwardItem<'_>], greedy: &[bool], logits: &mut Vec<f32>, tokens: &mut Vec<u32>) -> Result<usize> {
+        let rows = step_rows(items, self.max_pos, self.geometry.block_size, self.geometry.num_blocks, self.cfg.vocab_size)?;
+        tokens.clear();
+        if rows.tokens.is_empty() {
+            return Ok(0);
+        }
+        // Greedy rows' tokens come from the device; the logits come back only if a row needs them.
+        let all_greedy = !greedy.is_empty() && greedy.iter().all(|&g| g);
+        let pick = greedy.iter().any(|&g| g).then_some(tokens);
+        let ordinal = self.gpu.ordinal;
+        self.run(&rows, logits, !all_greedy, pick).map_err(gpu_err(ordinal))
     }
     fn read_block(&self, b: u32, out: &mut Vec<u8>) {
         let be = self.geometry.block_size * self.shard_cfg.kv_dim();

@@ -26,6 +26,16 @@ pub trait Backend: Send {
     /// of the last token of every item with `want_logits` into `logits` (rows × vocabulary),
     /// returning the number of rows.
     fn forward_into(&mut self, items: &[ForwardItem<'_>], logits: &mut Vec<f32>) -> Result<usize>;
+    /// [`Backend::forward_into`], where row `i` may be sampled greedily (`greedy[i]`, one flag per
+    /// logits row): a backend that can pick those tokens itself fills `tokens` with every row's
+    /// argmax (the first index of the largest logit) and may then leave `logits` empty when every
+    /// row is greedy, sparing the logits' trip to the host. The default leaves `tokens` empty and
+    /// fills `logits`, and the host samples.
+    fn forward_greedy(&mut self, items: &[ForwardItem<'_>], greedy: &[bool], logits: &mut Vec<f32>, tokens: &mut Vec<u32>) -> Result<usize> {
+        let _ = greedy;
+        tokens.clear();
+        self.forward_into(items, logits)
+    }
     /// Appends block `b` in the common layout (see [`crate::backend`]) to `out`.
     fn read_block(&self, b: u32, out: &mut Vec<u8>);
     /// Overwrites block `b` with bytes in the common layout.

@@ -186,6 +186,22 @@ fn rank_gone() -> WorkerError {
     WorkerError::Invalid("a tensor-parallel rank has stopped".into())
 }
 
+impl TensorParallel {
+    /// Sends the step to ranks 1.., runs rank 0 here with `lead`, and waits for every rank.
+    fn step(&mut self, items: &[ForwardItem<'_>], lead: impl FnOnce(&mut dyn Backend) -> Result<usize>) -> Result<usize> {
+        let batch = Arc::new(Batch::of(items));
+        for r in &self.others {
+            r.commands.send(Command::Forward(batch.clone())).map_err(|_| rank_gone())?;
+        }
+        let lead = lead(&mut *self.lead);
+        // Every rank's report is taken, so none is left over for the next step.
+        let others: Vec<Result<()>> = self.others.iter().map(|r| r.done.recv().map_err(|_| rank_gone()).and_then(|r| r)).collect();
+        let rows = lead?;
+        others.into_iter().collect::<Result<()>>()?;
+        Ok(rows)
+    }
+}
+
 impl Backend for TensorParallel {
     fn config(&self) -> &ModelConfig {
         &self.cfg
@@ -197,16 +213,11 @@ impl Backend for TensorParallel {
         self.geometry
     }
     fn forward_into(&mut self, items: &[ForwardItem<'_>], logits: &mut Vec<f32>) -> Result<usize> {
-        let batch = Arc::new(Batch::of(items));
-        for r in &self.others {
-            r.commands.send(Command::Forward(batch.clone())).map_err(|_| rank_gone())?;
-        }
-        let lead = self.lead.forward_into(items, logits);
-        // Every rank's report is taken, so none is left over for the next step.
-        let others: Vec<Result<()>> = self.others.iter().map(|r| r.done.recv().map_err(|_| rank_gone()).and_then(|r| r)).collect();
-        let rows = lead?;
-        others.into_iter().collect::<Result<()>>()?;
-        Ok(rows)
+        self.step(items, |lead| lead.forward_into(items, logits))
+    }
+    fn forward_greedy(&mut self, items: &[ForwardItem<'_>], greedy: &[bool], logits: &mut Vec<f32>, tokens: &mut Vec<u32>) -> Result<usize> {
+        // Rank 0 computes the logits, so it picks the greedy tokens too.
+        self.step(items, |lead| lead.forward_greedy(items, greedy, logits, tokens))
     }
     fn read_block(&self, b: u32, out: &mut Vec<u8>) {
         let mut parts = vec![Vec::new()];

@@ -133,6 +133,17 @@ fn kernels(gpu: &Gpu, model: &Model) -> Res<Vec<Value>> {
     let mut dout = gpu.zeros::<f32>(want.len())?;
     gpu.attention(&dq, 3, n_heads * hd, (&dk, &dv), (&dtab, &dat, &dpos), (n_heads, 2, hd), 16, scale, &mut scores, 501, &mut dout)?;
     out.push(kernel_entry("paged attention (GQA 8/2)", &want, &gpu.download(&dout, want.len())?));
+    // Greedy sampling on the device: each row's first largest logit (rows with ties included).
+    let vocab = 49152;
+    let mut logits = rand_vec(4 * vocab, 51);
+    logits[2 * vocab + 100] = 5.0;
+    logits[2 * vocab + 40_000] = 5.0;
+    let want: Vec<f32> = (0..4).map(|r| argmax(&logits[r * vocab..(r + 1) * vocab]) as f32).collect();
+    let dl = gpu.upload(&logits)?;
+    let mut dp = gpu.zeros::<i32>(4)?;
+    gpu.argmax(&dl, 4, vocab, &mut dp)?;
+    let got: Vec<f32> = gpu.download(&dp, 4)?.into_iter().map(|t| t as f32).collect();
+    out.push(kernel_entry("argmax (greedy sampling)", &want, &got));
     Ok(out)
 }
 

@@ -1,0 +1,98 @@
+//! The engine's side of the backend contract, on the real model: tokens a device picks for
+//! greedy rows (as the CUDA backend does, sparing the logits' trip to the host) give exactly the
+//! host sampler's output, with sampled and greedy sequences side by side.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use zerolayer_common::SamplingParams;
+use zerolayer_worker::backend::{Backend, Cpu, KvGeometry};
+use zerolayer_worker::engine::{Engine, EngineConfig};
+use zerolayer_worker::model::{ForwardItem, ModelConfig};
+use zerolayer_worker::sampler::argmax;
+use zerolayer_worker::Result;
+use zerolayer_tests::*;
+
+/// The CPU backend, picking greedy rows' tokens the way a device does: every row's argmax, and
+/// no logits at all when every row is greedy.
+struct Picking {
+    inner: Cpu,
+    picked: Arc<AtomicUsize>,
+    logits_skipped: Arc<AtomicUsize>,
+}
+
+impl Backend for Picking {
+    fn config(&self) -> &ModelConfig {
+        self.inner.config()
+    }
+    fn weight_bytes(&self) -> usize {
+        self.inner.weight_bytes()
+    }
+    fn kv(&self) -> KvGeometry {
+        self.inner.kv()
+    }
+    fn forward_into(&mut self, items: &[ForwardItem<'_>], logits: &mut Vec<f32>) -> Result<usize> {
+        self.inner.forward_into(items, logits)
+    }
+    fn forward_greedy(&mut self, items: &[ForwardItem<'_>], greedy: &[bool], logits: &mut Vec<f32>, tokens: &mut Vec<u32>) -> Result<usize> {
+        let rows = self.inner.forward_into(items, logits)?;
+        assert_eq!(greedy.len(), rows, "one greedy flag per logits row");
+        let v = self.config().vocab_size;
+        tokens.clear();
+        tokens.extend((0..rows).map(|r| argmax(&logits[r * v..(r + 1) * v])));
+        self.picked.fetch_add(greedy.iter().filter(|&&g| g).count(), Ordering::Relaxed);
+        if rows > 0 && greedy.iter().all(|&g| g) {
+            logits.clear();
+            self.logits_skipped.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(rows)
+    }
+    fn read_block(&self, b: u32, out: &mut Vec<u8>) {
+        self.inner.read_block(b, out)
+    }
+    fn write_block(&mut self, b: u32, bytes: &[u8]) {
+        self.inner.write_block(b, bytes)
+    }
+    fn describe(&self) -> String {
+        format!("picking greedy tokens over {}", self.inner.describe())
+    }
+}
+
+fn requests(engine: &mut Engine, phase: u64) {
+    let tok = engine.tokenizer.clone();
+    for (i, text) in ["The capital of France is", "Once upon a time", "def add(a, b):", "Colors of the rainbow:"].iter().enumerate() {
+        let ids = tok.encode(text).unwrap();
+        let params = if phase == 1 && i == 1 {
+            // Sampled, seeded: the host draws it from the logits, beside the greedy rows.
+            SamplingParams { max_tokens: 20, temperature: 0.8, top_p: Some(0.9), seed: Some(7), ignore_eos: true, ..Default::default() }
+        } else {
+            SamplingParams { max_tokens: 20 + i as u32, ignore_eos: true, ..SamplingParams::greedy(20) }
+        };
+        engine.add(phase * 10 + i as u64, ids, params).unwrap();
+    }
+}
+
+#[test]
+fn device_picked_greedy_tokens_equal_the_host_sampler() {
+    let _g = heavy();
+    let cfg = EngineConfig { block_size: 16, kv_cache_bytes: 64 << 20, ..Default::default() };
+    let mut host = engine(cfg.clone());
+    let l = load_default();
+    let (picked, skipped) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let backend = Picking { inner: Cpu::new(l.model, cfg.block_size, cfg.kv_cache_bytes).unwrap(), picked: picked.clone(), logits_skipped: skipped.clone() };
+    let mut device = Engine::with_backend(Box::new(backend), l.tokenizer, &cfg).unwrap();
+    // Phase 0: greedy only (every step's logits stay on the "device"); phase 1: one sampled
+    // sequence among greedy ones (logits come back for it, greedy rows still picked).
+    for phase in 0..2 {
+        requests(&mut host, phase);
+        requests(&mut device, phase);
+        let (a, b) = (run_all(&mut host), run_all(&mut device));
+        assert_eq!(a.len(), 4);
+        for (id, (tokens, text, _)) in &a {
+            assert_eq!(&b[id].0, tokens, "sequence {id}: tokens");
+            assert_eq!(&b[id].1, text, "sequence {id}: text");
+        }
+    }
+    assert!(picked.load(Ordering::Relaxed) >= 4 * 20, "greedy rows were picked on the device side");
+    assert!(skipped.load(Ordering::Relaxed) >= 10, "all-greedy steps skipped the logits");
+}
