@@ -84,12 +84,17 @@ pub struct KvCache {
 impl KvCache {
     /// A cache holding as many blocks as fit in `budget_bytes`.
     pub fn with_budget(cfg: &ModelConfig, block_size: usize, budget_bytes: usize) -> Result<Self> {
+        Ok(Self::new(cfg, block_size, Self::blocks_for(cfg, block_size, budget_bytes)?))
+    }
+
+    /// How many `block_size`-token blocks of `cfg`'s K/V fit in `budget_bytes` (at least one).
+    /// A tensor-parallel group sizes every rank's cache by the whole model's count.
+    pub fn blocks_for(cfg: &ModelConfig, block_size: usize, budget_bytes: usize) -> Result<usize> {
         let per_block = cfg.kv_bytes_per_token() * block_size;
-        let num_blocks = budget_bytes / per_block;
-        if num_blocks == 0 {
-            return Err(WorkerError::Invalid(format!("KV budget {budget_bytes} B is below one block ({per_block} B)")));
+        match budget_bytes / per_block {
+            0 => Err(WorkerError::Invalid(format!("KV budget {budget_bytes} B is below one block ({per_block} B)"))),
+            n => Ok(n),
         }
-        Ok(Self::new(cfg, block_size, num_blocks))
     }
 
     pub fn new(cfg: &ModelConfig, block_size: usize, num_blocks: usize) -> Self {

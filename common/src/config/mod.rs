@@ -9,6 +9,7 @@ use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
 mod access;
+mod validate;
 pub use access::{AuthSection, KeyConfig, LimitsSection, Tenant, TenantLimits};
 
 #[derive(Debug, thiserror::Error)]
@@ -420,91 +421,6 @@ impl ClusterConfig {
                 self.cluster.tls_dir = Some(dir.join(t));
             }
         }
-    }
-
-    pub fn validate(&self) -> Result<(), ConfigError> {
-        let bad = |m: String| Err(ConfigError::Invalid(m));
-        if self.nodes.is_empty() {
-            return bad("at least one [[nodes]] entry is required".into());
-        }
-        let mut names = std::collections::HashSet::new();
-        for m in self.all_models() {
-            for name in std::iter::once(&m.id).chain(&m.aliases) {
-                if name.is_empty() || name.len() > 64 || !name.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.:".contains(&b)) {
-                    return bad(format!("model name {name:?}: 1 to 64 ASCII letters, digits, '-', '_', '.' or ':'"));
-                }
-                if !names.insert(name) {
-                    return bad(format!("model name {name:?} is used twice"));
-                }
-            }
-        }
-        let mut ids = std::collections::HashSet::new();
-        for n in &self.nodes {
-            if !ids.insert(&n.id) {
-                return bad(format!("duplicate node id {:?}", n.id));
-            }
-            if n.workers.is_empty() {
-                return bad(format!("node {:?} has no workers", n.id));
-            }
-            for w in &n.workers {
-                if w.block_size == 0 || w.block_size > 256 {
-                    return bad(format!("worker {}/{}: block_size must be in 1..=256", n.id, w.id));
-                }
-                if w.max_batch_tokens == 0 || w.max_running == 0 {
-                    return bad(format!("worker {}/{}: max_batch_tokens and max_running must be > 0", n.id, w.id));
-                }
-                if !(w.step_stretch == 0.0 || (1.0..=100.0).contains(&w.step_stretch)) || !(0.0..=10_000.0).contains(&w.min_step_ms) {
-                    return bad(format!("worker {}/{}: step_stretch must be 0 (off) or 1 to 100, min_step_ms 0 to 10000", n.id, w.id));
-                }
-                if let Some(m) = &w.model {
-                    if !self.all_models().any(|x| &x.id == m) {
-                        return bad(format!("worker {}/{}: model {m:?} is not a [model] or [[models]] id", n.id, w.id));
-                    }
-                }
-                if !(0.0..=1.0).contains(&w.pinned_kv_share) {
-                    return bad(format!("worker {}/{}: pinned_kv_share must be in 0..=1", n.id, w.id));
-                }
-                if !(w.gpu_kv_share > 0.0 && w.gpu_kv_share <= 0.95) {
-                    return bad(format!("worker {}/{}: gpu_kv_share must be in (0, 0.95]", n.id, w.id));
-                }
-                if w.kv_cache_mb == 0 && !matches!(w.gpu(), Ok(Some(_))) {
-                    return bad(format!("worker {}/{}: kv_cache_mb must be > 0 (0, a share of free memory, is for GPUs)", n.id, w.id));
-                }
-                if w.tensor_parallel == 0 || w.tensor_parallel > 64 {
-                    return bad(format!("worker {}/{}: tensor_parallel must be 1..=64, got {}", n.id, w.id, w.tensor_parallel));
-                }
-                if w.gpu().is_err() {
-                    return bad(format!("worker {}/{}: device {:?}: unknown device; use \"cpu\" or \"cuda:N\"", n.id, w.id, w.device));
-                }
-            }
-        }
-        let with_quic = self.nodes.iter().filter(|n| n.quic.is_some()).count();
-        if with_quic != 0 && with_quic != self.nodes.len() {
-            return bad("either every node has a `quic` address (a cluster) or none does (one node)".into());
-        }
-        if self.nodes.len() > 1 && with_quic == 0 {
-            return bad("a cluster of several nodes needs a `quic` address on each node".into());
-        }
-        if with_quic > 0 && self.cluster.tls_dir.is_none() {
-            return bad("a cluster needs [cluster] tls_dir (made by `zerolayer cluster init`)".into());
-        }
-        if self.cluster.gossip_interval_ms == 0 || self.cluster.publish_interval_ms == 0 || self.cluster.idle_timeout_ms < 300 {
-            return bad("cluster: gossip and publish intervals must be > 0 and idle_timeout_ms >= 300".into());
-        }
-        if with_quic > 0 {
-            let bs: std::collections::HashSet<usize> = self.nodes.iter().flat_map(|n| n.workers.iter().map(|w| w.block_size)).collect();
-            if bs.len() > 1 {
-                return bad("every worker of a cluster needs the same block_size (prefix hashes are per block)".into());
-            }
-        }
-        let p = &self.placement;
-        if !(p.overlap_weight >= 0.0 && p.queue_weight >= 0.0 && p.remote_hop_blocks >= 0.0 && p.balance_rel_threshold >= 1.0) {
-            return bad("placement: weights must be >= 0 and balance_rel_threshold >= 1".into());
-        }
-        if self.model.id.is_empty() {
-            return bad("model.id must not be empty".into());
-        }
-        access::validate(&self.auth, &self.limits).map_err(ConfigError::Invalid)
     }
 
     /// Every unnamed API key: `auth.api_keys` plus the lines of `auth.api_keys_file`.

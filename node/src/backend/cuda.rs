@@ -14,7 +14,7 @@ use super::step::{step_rows, Backend, KvGeometry, StepRows};
 use super::tensor_parallel::TensorParallel;
 use crate::model::shard::ShardPlan;
 use crate::error::{Result, WorkerError};
-use crate::model::{ForwardItem, Model, ModelConfig};
+use crate::model::{ForwardItem, KvCache, Model, ModelConfig};
 
 struct Layer {
     attn_norm: CudaSlice<f32>,
@@ -271,7 +271,7 @@ pub fn group(model: Model, devices: std::ops::Range<usize>, block_size: usize, k
     drop(model);
     // Each rank's blocks: the group's budget over the whole model's per-block bytes, or the
     // smallest free-memory share a rank can give (decided after the weights are in, below).
-    let blocks = if kv_budget_bytes > 0 { Some(TensorParallel::blocks_for(&cfg, block_size, kv_budget_bytes)?) } else { None };
+    let blocks = if kv_budget_bytes > 0 { Some(KvCache::blocks_for(&cfg, block_size, kv_budget_bytes)?) } else { None };
     let opened: Vec<Result<(Gpu, Option<NcclGroup>, Model)>> = std::thread::scope(|sc| {
         let hs: Vec<_> = shards
             .into_iter()
@@ -324,12 +324,8 @@ impl Backend for Cuda {
         self.geometry
     }
     fn forward_into(&mut self, items: &[ForwardItem<'_>], logits: &mut Vec<f32>) -> Result<usize> {
-        let rows = step_rows(items, self.max_pos, self.geometry.block_size, self.geometry.num_blocks, self.cfg.vocab_size)?;
-        if rows.tokens.is_empty() {
-            return Ok(0);
-        }
-        let ordinal = self.gpu.ordinal;
-        self.run(&rows, logits, true, None).map_err(gpu_err(ordinal))
+        // No greedy rows: every row's logits come back.
+        self.forward_greedy(items, &[], logits, &mut Vec::new())
     }
     fn forward_greedy(&mut self, items: &[ForwardItem<'_>], greedy: &[bool], logits: &mut Vec<f32>, tokens: &mut Vec<u32>) -> Result<usize> {
         let rows = step_rows(items, self.max_pos, self.geometry.block_size, self.geometry.num_blocks, self.cfg.vocab_size)?;

@@ -18,7 +18,7 @@ use super::cpu::Cpu;
 use super::step::{Backend, KvGeometry};
 use crate::error::{Result, WorkerError};
 use crate::model::shard::ShardPlan;
-use crate::model::{ForwardItem, Model, ModelConfig};
+use crate::model::{ForwardItem, KvCache, Model, ModelConfig};
 
 /// A step's batch, owned, for the other ranks.
 struct Batch {
@@ -79,7 +79,7 @@ impl TensorParallel {
         let plans = ShardPlan::for_group(&cfg, size)?;
         let total = if threads == 0 { std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) } else { threads };
         let threads_per_rank = (total / size).max(1);
-        let num_blocks = Self::blocks_for(&cfg, block_size, kv_budget_bytes)?;
+        let num_blocks = KvCache::blocks_for(&cfg, block_size, kv_budget_bytes)?;
         let mut shards: Vec<Box<dyn Backend>> = Vec::with_capacity(size);
         for (plan, group) in plans.iter().zip(thread_group(size)) {
             let mut shard = model.shard(plan, threads_per_rank)?;
@@ -88,15 +88,6 @@ impl TensorParallel {
         }
         drop(model);
         Self::from_shards(cfg, &plans, shards)
-    }
-
-    /// The blocks each rank of a group holds for a whole-model budget of `kv_budget_bytes`.
-    pub fn blocks_for(cfg: &ModelConfig, block_size: usize, kv_budget_bytes: usize) -> Result<usize> {
-        let per_block = cfg.kv_bytes_per_token() * block_size;
-        match kv_budget_bytes / per_block {
-            0 => Err(WorkerError::Invalid(format!("KV budget {kv_budget_bytes} B is below one block ({per_block} B)"))),
-            n => Ok(n),
-        }
     }
 
     /// A group of ready shards, one per plan in rank order, each with the same blocks (and rank

@@ -1,0 +1,86 @@
+//! The engine's half of a move: a sequence leaving (`export`, `snapshot`: its tokens, seed and
+//! the bytes of its computed full blocks) and KV blocks arriving (`import`, into the prefix
+//! cache). [`crate::migrate`] holds what travels.
+
+use super::Engine;
+use crate::error::{Result, WorkerError};
+use crate::migrate::{Export, ImportReport, KvImport};
+use crate::scheduler::SeqId;
+
+impl Engine {
+    /// Takes sequence `id` out of this engine for a move: its tokens, seed, and the KV bytes of
+    /// its computed full blocks, which stay in this worker's prefix cache after it leaves. The
+    /// other sequences are not paused.
+    pub fn export(&mut self, id: SeqId) -> Option<Export> {
+        let export = self.snapshot(id)?;
+        self.states.remove(&id);
+        self.sched.remove(id);
+        Some(export)
+    }
+
+    /// What [`Engine::export`] would hand over for sequence `id` now, leaving it running: a drain
+    /// copies these blocks to the target ahead of the move (they are immutable once full), so the
+    /// move itself sends only the blocks computed since.
+    pub fn snapshot(&self, id: SeqId) -> Option<Export> {
+        let st = self.states.get(&id)?;
+        let s = self.sched.get(id)?;
+        let bs = self.sched.config().block_size;
+        let full = s.num_computed / bs;
+        let block_hashes = zerolayer_common::block_hashes(&s.tokens[..full * bs], bs);
+        let block_bytes = self.backend.kv().block_bytes;
+        let mut kv = Vec::with_capacity(full * block_bytes);
+        for &b in &s.blocks[..full] {
+            self.backend.read_block(b, &mut kv);
+        }
+        let (prompt, generated) = (s.tokens[..s.prompt_len].to_vec(), s.tokens[s.prompt_len..].to_vec());
+        Some(Export { prompt, generated, seed: st.sampler.seed(), block_hashes, kv, block_bytes, block_size: bs })
+    }
+
+    /// Writes the blocks of `imp` this worker does not cache into its prefix cache, in chain
+    /// order, and stops at the first it cannot place. Blocks it already caches are pinned while
+    /// the rest is written, so the import cannot evict its own chain.
+    pub fn import(&mut self, imp: &KvImport) -> Result<ImportReport> {
+        let bs = self.sched.config().block_size;
+        let block_bytes = self.backend.kv().block_bytes;
+        if imp.block_size != bs || imp.block_bytes != block_bytes {
+            return Err(WorkerError::Invalid(format!(
+                "KV import of {}-token blocks of {} bytes into a worker with {bs}-token blocks of {} bytes",
+                imp.block_size,
+                imp.block_bytes,
+                block_bytes
+            )));
+        }
+        let mut report = ImportReport::default();
+        let mut pinned = Vec::new();
+        for (i, (hash, bytes)) in imp.blocks.iter().enumerate() {
+            if let Some(b) = self.sched.pin_cached(*hash) {
+                pinned.push(b);
+                report.already_cached += 1;
+                continue;
+            }
+            let Some(bytes) = bytes else {
+                report.skipped = imp.blocks.len() - i;
+                break;
+            };
+            if bytes.len() != imp.block_bytes {
+                return Err(WorkerError::Invalid(format!("KV block {i}: {} bytes, not {}", bytes.len(), imp.block_bytes)));
+            }
+            let Some(b) = self.sched.alloc_import() else {
+                report.skipped = imp.blocks.len() - i;
+                break;
+            };
+            self.backend.write_block(b, bytes);
+            self.sched.commit_import(b, *hash);
+            report.imported += 1;
+        }
+        for b in pinned {
+            self.sched.unpin(b);
+        }
+        let (ev, overflowed) = self.sched.drain_kv_events();
+        if overflowed {
+            self.kv_events.clear();
+        }
+        self.kv_events.extend(ev);
+        Ok(report)
+    }
+}
