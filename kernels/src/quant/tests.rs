@@ -274,6 +274,47 @@ fn k_quant_kernels_agree() {
     }
 }
 
+/// At the integer bounds (every weight code at its maximum, every activation ±127) the kernels'
+/// 16-bit partial sums are at their largest: still exact, equal to the scalar code.
+#[test]
+fn kernels_are_exact_at_the_integer_bounds() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(17);
+    let (rows, cols) = (16usize, 256usize);
+    let mut weights = vec![];
+    for format in QFORMATS {
+        let mut gguf = quantize_gguf(format, &rand_vec(&mut rng, rows * cols));
+        let (bb, qoff) = (format.block_bytes(), if format == WeightFormat::Q4_1 { 4 } else { 2 });
+        for b in gguf.chunks_exact_mut(bb) {
+            // Largest codes: 15 (4-bit) or -128 (Q8_0, the sign trick's extreme).
+            b[qoff..].fill(if format == WeightFormat::Q8_0 { 0x80 } else { 0xFF });
+        }
+        weights.push(Weight::new(format, rows, cols, gguf));
+    }
+    for format in [WeightFormat::Q4K, WeightFormat::Q6K] {
+        // Every quant byte 0xFF: Q4K codes 15, Q6K codes 63; sane super-scales.
+        let (bb, d_at) = if format == WeightFormat::Q4K { (144, &[0usize, 2][..]) } else { (210, &[208usize][..]) };
+        let mut bytes = vec![0xFFu8; rows * cols / QK_K * bb];
+        for b in bytes.chunks_exact_mut(bb) {
+            for &at in d_at {
+                b[at..at + 2].copy_from_slice(&f16::from_f32(0.004).to_bits().to_le_bytes());
+            }
+        }
+        weights.push(if format == WeightFormat::Q4K { Weight::from_q4_k(rows, cols, &bytes) } else { Weight::from_q6_k(rows, cols, &bytes) });
+    }
+    let nb = cols / QK;
+    for w in &weights {
+        for sign in [1.0f32, -1.0] {
+            // Rows all +127 / all -127, then mixed signs (each row's own max gives ±127).
+            let b = 5;
+            let x: Vec<f32> = (0..b * cols).map(|i| if i / cols < 2 { sign } else if rng.random() { sign } else { -sign }).collect();
+            let act = quantize_rows(&x, cols);
+            assert!(act.iter().all(|a| a.qs.iter().all(|q| q.unsigned_abs() == 127)));
+            let want: Vec<u32> = (0..b * w.rows).map(|o| dot_block_row(w, o % w.rows, &act[(o / w.rows) * nb..(o / w.rows + 1) * nb]).to_bits()).collect();
+            assert_every_kernel_gives(w, &x, &act, b, &want, &format!("{:?} at the bounds, sign {sign}", w.format));
+        }
+    }
+}
+
 #[test]
 fn matmul_rows_equals_matmul_on_the_same_rows() {
     let pool = ThreadPool::new(2);
