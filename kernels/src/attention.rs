@@ -11,6 +11,9 @@
 //! arithmetic for one query depends only on its own q and the cached K/V, never on the other
 //! queries in the batch or on how a prompt was chunked.
 
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+
 /// The element type of the KV cache.
 pub type KvElem = f32;
 
@@ -69,8 +72,9 @@ pub struct KvView<'a> {
     pub v: &'a [KvElem],
 }
 
-/// One query head of one row: the head's query (`head_dim`), the sequence's block table, the
-/// row's position, the KV head it reads, and the softmax scale.
+/// The query heads of one row that read one KV head: their queries (`group * head_dim` values,
+/// consecutive heads), the sequence's block table, the row's position, the KV head, and the
+/// softmax scale.
 #[derive(Clone, Copy, Debug)]
 pub struct Query<'a> {
     pub table: &'a [u32],
@@ -80,166 +84,34 @@ pub struct Query<'a> {
     pub scale: f32,
 }
 
-/// Attention for one query row and one query head: `out` receives the head's output. `scores`
-/// is scratch (grown to `pos + 1` elements).
-pub fn attend_one(kv: &KvView<'_>, query: &Query<'_>, scores: &mut Vec<f32>, out: &mut [f32]) {
+/// The most query heads per KV head (grouped-query attention) the kernels take.
+pub const MAX_GROUP: usize = 64;
+
+/// Scratch space for [`attend_group`], reused across calls.
+#[derive(Default)]
+pub struct Scratch {
+    /// Scores (then softmax weights), `n` per head.
+    scores: Vec<f32>,
+    /// Each position's offset in the layer's K and V arrays.
+    offsets: Vec<usize>,
+}
+
+/// Attention for one row's query heads that share a KV head: `out` receives `group *
+/// head_dim` values, each head's exactly as if it ran alone.
+pub fn attend_group(kv: &KvView<'_>, query: &Query<'_>, scratch: &mut Scratch, out: &mut [f32]) {
+    let hd = kv.layout.head_dim;
+    let group = query.q.len() / hd;
+    assert!(query.q.len() % hd == 0 && out.len() == query.q.len() && group <= MAX_GROUP);
     #[cfg(target_arch = "x86_64")]
-    if crate::has_avx2() {
-        // SAFETY: AVX2 and FMA were detected at run time.
-        unsafe { attend_one_avx2(kv, query, scores, out) };
+    if crate::has_avx2() && hd % 8 == 0 && hd <= 256 {
+        // SAFETY: AVX2, FMA and F16C were detected at run time; the head size is checked.
+        unsafe { avx2::attend_group(kv, query, scratch, out) };
         return;
     }
-    attend_one_impl(kv, query, scores, out)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn attend_one_avx2(kv: &KvView<'_>, query: &Query<'_>, scores: &mut Vec<f32>, out: &mut [f32]) {
-    let (layout, k_cache, v_cache) = (kv.layout, kv.k, kv.v);
-    let (table, pos, kv_head, q, scale) = (query.table, query.pos, query.kv_head, query.q, query.scale);
-    use std::arch::x86_64::*;
-    let hd = layout.head_dim;
-    if hd % 8 != 0 || hd > 256 {
-        // `mul_add` is a fused multiply-add on both paths (hardware here, libm's exact `fmaf` in
-        // the portable path), so results are bit-identical whichever runs.
-        return attend_one_impl(kv, query, scores, out);
+    for h in 0..group {
+        let one = Query { q: &query.q[h * hd..(h + 1) * hd], ..*query };
+        attend_one_impl(kv, &one, &mut scratch.scores, &mut out[h * hd..(h + 1) * hd]);
     }
-    let bs = layout.block_size;
-    let n = pos + 1;
-    let chunks = hd / 8;
-    scores.clear();
-    scores.resize(n, 0.0);
-    // Scores, 8 keys at a time: 8 independent FMA chains (one per key) instead of one, then an
-    // 8×8 transpose so each key's horizontal sum runs in a lane, in `dot8_fma`'s exact order
-    // ((l0+l4) + (l2+l6)) + ((l1+l5) + (l3+l7)). The 8 keys may span blocks (any block size).
-    let kbase = k_cache.as_ptr();
-    let (mut blk, mut slot) = (0usize, 0usize);
-    let mut p = 0;
-    while p + 8 <= n {
-        let mut kp = [kbase; 8];
-        for k in kp.iter_mut() {
-            *k = kbase.add(layout.offset(table[blk] as usize, kv_head, slot));
-            slot += 1;
-            if slot == bs {
-                slot = 0;
-                blk += 1;
-            }
-        }
-        let mut acc = [_mm256_setzero_ps(); 8];
-        for c in 0..chunks {
-            let qv = _mm256_loadu_ps(q.as_ptr().add(c * 8));
-            for (a, k) in acc.iter_mut().zip(&kp) {
-                *a = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k.add(c * 8)), *a);
-            }
-        }
-        let t = transpose8(&acc);
-        let r = _mm256_add_ps(
-            _mm256_add_ps(_mm256_add_ps(t[0], t[4]), _mm256_add_ps(t[2], t[6])),
-            _mm256_add_ps(_mm256_add_ps(t[1], t[5]), _mm256_add_ps(t[3], t[7])),
-        );
-        _mm256_storeu_ps(scores.as_mut_ptr().add(p), _mm256_mul_ps(r, _mm256_set1_ps(scale)));
-        p += 8;
-    }
-    while p < n {
-        let off = layout.offset(table[p / bs] as usize, kv_head, p % bs);
-        scores[p] = dot8_fma(q, &k_cache[off..off + hd]) * scale;
-        p += 1;
-    }
-    let mut max = f32::NEG_INFINITY;
-    for &s in scores.iter() {
-        if s > max {
-            max = s;
-        }
-    }
-    // e^(s - max) 8 at a time (bit-identical to `exp_fast`), then summed in position order.
-    let mut p = 0;
-    let mv = _mm256_set1_ps(max);
-    while p + 8 <= n {
-        let sp = scores.as_mut_ptr().add(p);
-        _mm256_storeu_ps(sp, crate::ops::avx2::exp8(_mm256_sub_ps(_mm256_loadu_ps(sp), mv)));
-        p += 8;
-    }
-    for s in &mut scores[p..] {
-        *s = exp_fast(*s - max);
-    }
-    let mut sum = 0f32;
-    for &s in scores.iter() {
-        sum += s;
-    }
-    // V, in position order; each output lane runs its own FMA chain, as the portable code.
-    // The accumulators live in registers for the common head sizes (a const length).
-    match chunks {
-        8 => accumulate_v::<8>(layout, v_cache, table, kv_head, scores, sum, out),
-        16 => accumulate_v::<16>(layout, v_cache, table, kv_head, scores, sum, out),
-        4 => accumulate_v::<4>(layout, v_cache, table, kv_head, scores, sum, out),
-        _ => accumulate_v::<32>(layout, v_cache, table, kv_head, scores, sum, out),
-    }
-}
-
-/// `out = Σ_p (scores[p] / sum) · V[p]` over `scores.len()` positions, with `C` 8-lane
-/// accumulators (`C * 8 >= head_dim`; only `head_dim / 8` of them are used).
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-unsafe fn accumulate_v<const C: usize>(layout: &KvLayout, v_cache: &[KvElem], table: &[u32], kv_head: usize, scores: &[f32], sum: f32, out: &mut [f32]) {
-    use std::arch::x86_64::*;
-    let (hd, bs, n) = (layout.head_dim, layout.block_size, scores.len());
-    let chunks = hd / 8;
-    debug_assert!(chunks <= C);
-    let mut o = [_mm256_setzero_ps(); C];
-    let mut p = 0;
-    while p < n {
-        let slot0 = p % bs;
-        let run = (bs - slot0).min(n - p);
-        let base = layout.offset(table[p / bs] as usize, kv_head, slot0);
-        for jj in 0..run {
-            let w = _mm256_set1_ps(scores[p + jj] / sum);
-            let vp = v_cache.as_ptr().add(base + jj * hd);
-            for (c, oc) in o.iter_mut().enumerate() {
-                if C == chunks || c < chunks {
-                    *oc = _mm256_fmadd_ps(w, _mm256_loadu_ps(vp.add(c * 8)), *oc);
-                }
-            }
-        }
-        p += run;
-    }
-    for (c, oc) in o.iter().enumerate().take(chunks) {
-        _mm256_storeu_ps(out.as_mut_ptr().add(c * 8), *oc);
-    }
-}
-
-/// Transposes 8 vectors of 8 lanes: `out[l][k] = v[k][l]`.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-#[inline]
-unsafe fn transpose8(v: &[std::arch::x86_64::__m256; 8]) -> [std::arch::x86_64::__m256; 8] {
-    use std::arch::x86_64::*;
-    let t0 = _mm256_unpacklo_ps(v[0], v[1]);
-    let t1 = _mm256_unpackhi_ps(v[0], v[1]);
-    let t2 = _mm256_unpacklo_ps(v[2], v[3]);
-    let t3 = _mm256_unpackhi_ps(v[2], v[3]);
-    let t4 = _mm256_unpacklo_ps(v[4], v[5]);
-    let t5 = _mm256_unpackhi_ps(v[4], v[5]);
-    let t6 = _mm256_unpacklo_ps(v[6], v[7]);
-    let t7 = _mm256_unpackhi_ps(v[6], v[7]);
-    let u0 = _mm256_shuffle_ps::<0x44>(t0, t2);
-    let u1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
-    let u2 = _mm256_shuffle_ps::<0x44>(t1, t3);
-    let u3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
-    let u4 = _mm256_shuffle_ps::<0x44>(t4, t6);
-    let u5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
-    let u6 = _mm256_shuffle_ps::<0x44>(t5, t7);
-    let u7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
-    [
-        _mm256_permute2f128_ps::<0x20>(u0, u4),
-        _mm256_permute2f128_ps::<0x20>(u1, u5),
-        _mm256_permute2f128_ps::<0x20>(u2, u6),
-        _mm256_permute2f128_ps::<0x20>(u3, u7),
-        _mm256_permute2f128_ps::<0x31>(u0, u4),
-        _mm256_permute2f128_ps::<0x31>(u1, u5),
-        _mm256_permute2f128_ps::<0x31>(u2, u6),
-        _mm256_permute2f128_ps::<0x31>(u3, u7),
-    ]
 }
 
 #[inline(always)]
@@ -303,19 +175,27 @@ mod tests {
             let kc: Vec<f32> = (0..n_blocks * layout.block_elems()).map(|_| rnd()).collect();
             let vc: Vec<f32> = (0..n_blocks * layout.block_elems()).map(|_| rnd()).collect();
             let table: Vec<u32> = (0..n_blocks as u32).rev().collect(); // scattered
-            let q: Vec<f32> = (0..hd).map(|_| rnd()).collect();
-            for pos in [0usize, 6, 7, 8, 15, 16, 17, 33, n_blocks * bs - 1] {
+            let q: Vec<f32> = (0..4 * hd).map(|_| rnd()).collect();
+            for pos in [0usize, 6, 7, 8, 15, 16, 17, 23, 24, 33, n_blocks * bs - 1] {
                 for head in 0..3 {
-                    let (mut s1, mut s2) = (vec![], vec![]);
-                    let (mut o1, mut o2) = (vec![0f32; hd], vec![0f32; hd]);
-                    let kv = KvView { layout: &layout, k: &kc, v: &vc };
-                    let query = Query { table: &table, pos, kv_head: head, q: &q, scale: 0.125 };
-                    attend_one_impl(&kv, &query, &mut s1, &mut o1);
-                    // SAFETY: AVX2 and FMA detected above.
-                    unsafe { attend_one_avx2(&kv, &query, &mut s2, &mut o2) };
-                    let b1: Vec<u32> = o1.iter().map(|x| x.to_bits()).collect();
-                    let b2: Vec<u32> = o2.iter().map(|x| x.to_bits()).collect();
-                    assert_eq!(b1, b2, "bs {bs} hd {hd} pos {pos} head {head}");
+                    for group in [1usize, 3, 4] {
+                        // `group` query heads read this KV head; each alone through the
+                        // portable code, then all together through the AVX2 kernel.
+                        let kv = KvView { layout: &layout, k: &kc, v: &vc };
+                        let query = Query { table: &table, pos, kv_head: head, q: &q[..group * hd], scale: 0.125 };
+                        let mut want = vec![0f32; group * hd];
+                        let mut s1 = vec![];
+                        for h in 0..group {
+                            let one = Query { q: &q[h * hd..(h + 1) * hd], ..query };
+                            attend_one_impl(&kv, &one, &mut s1, &mut want[h * hd..(h + 1) * hd]);
+                        }
+                        let (mut s2, mut got) = (Scratch::default(), vec![f32::NAN; group * hd]);
+                        // SAFETY: AVX2, FMA and F16C detected above; head sizes are multiples of 8.
+                        unsafe { avx2::attend_group(&kv, &query, &mut s2, &mut got) };
+                        let b1: Vec<u32> = want.iter().map(|x| x.to_bits()).collect();
+                        let b2: Vec<u32> = got.iter().map(|x| x.to_bits()).collect();
+                        assert_eq!(b1, b2, "bs {bs} hd {hd} pos {pos} head {head} group {group}");
+                    }
                 }
             }
         }
@@ -344,8 +224,8 @@ mod tests {
         for head in 0..2 {
             let pos = len - 1;
             let mut out = vec![0f32; 8];
-            let mut scratch = vec![];
-            attend_one(&KvView { layout: &layout, k: &kc, v: &vc }, &Query { table: &table, pos, kv_head: head, q: &q, scale: 0.35 }, &mut scratch, &mut out);
+            let mut scratch = Scratch::default();
+            attend_group(&KvView { layout: &layout, k: &kc, v: &vc }, &Query { table: &table, pos, kv_head: head, q: &q, scale: 0.35 }, &mut scratch, &mut out);
             // Reference over contiguous copies (rounded to the cache element type), in f64.
             let r = |x: f32| from_kv(to_kv(x)) as f64;
             let sc: Vec<f64> = (0..=pos).map(|p| (0..8).map(|i| q[i] as f64 * r(ks[p][head * 8 + i])).sum::<f64>() * 0.35).collect();
@@ -393,7 +273,7 @@ pub struct AttnRow<'a> {
 }
 
 thread_local! {
-    static SCORES: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::new(Scratch::default());
 }
 
 /// Attention for a batch of query rows, parallel over (row, head).
@@ -412,8 +292,8 @@ pub fn paged_attention(pool: &crate::pool::ThreadPool, kv: &KvView<'_>, rows: &[
     assert!(q.len() >= (rows.len().saturating_sub(1)) * q_stride + od);
     let op = crate::SyncPtr(out.as_mut_ptr());
     let n_out = out.len();
-    // One task per (row, KV head): the `group` query heads that read the same K/V run back to
-    // back on one thread, so the 2nd and later find it in L1/L2.
+    // One task per (row, KV head): the `group` query heads that read the same K/V run together
+    // (one pass over K and V for all of them).
     let n_kv = layout.n_kv_heads;
     pool.run(rows.len() * n_kv, |task| {
         let (t, kvh) = (task / n_kv, task % n_kv);
@@ -421,13 +301,9 @@ pub fn paged_attention(pool: &crate::pool::ThreadPool, kv: &KvView<'_>, rows: &[
         // SAFETY: task (t, kvh) writes only out[t*od + h*hd .. + hd] for its own query heads h,
         // disjoint across tasks; `out` outlives `pool.run`.
         let out_all = unsafe { std::slice::from_raw_parts_mut(op.get(), n_out) };
-        SCORES.with(|s| {
-            let mut s = s.borrow_mut();
-            for h in kvh * group..(kvh + 1) * group {
-                let qh = &q[t * q_stride + h * hd..t * q_stride + (h + 1) * hd];
-                let o = &mut out_all[t * od + h * hd..t * od + (h + 1) * hd];
-                attend_one(kv, &Query { table: row.table, pos: row.pos, kv_head: kvh, q: qh, scale }, &mut s, o);
-            }
-        });
+        let heads = kvh * group * hd..(kvh + 1) * group * hd;
+        let qg = &q[t * q_stride + heads.start..t * q_stride + heads.end];
+        let o = &mut out_all[t * od + heads.start..t * od + heads.end];
+        SCRATCH.with(|s| attend_group(kv, &Query { table: row.table, pos: row.pos, kv_head: kvh, q: qg, scale }, &mut s.borrow_mut(), o));
     });
 }

@@ -1,0 +1,48 @@
+//! Paged attention alone: 16 rows decoding at one position over SmolLM2-135M's geometry (9 query
+//! heads on 3 KV heads of 64), `LAYERS` layers of KV, blocks scattered as concurrent decoding
+//! leaves them or contiguous.
+//!
+//! `cargo run --release -p zerolayer-kernels --example attention_bench -- [THREADS] [LAYERS] [scatter|contig] [REPS] [CONTEXT]`
+//!
+//! One layer stays in the last-level cache; 30 layers (the model's) stream KV from memory
+//! every step. Prints, per timed round, the time per step (all layers), the time per (query
+//! head, position) pair, and the KV bytes read per second (each KV head's K and V once).
+use std::time::Instant;
+
+use zerolayer_kernels::attention::{paged_attention, AttnRow, KvElem, KvLayout, KvView};
+use zerolayer_kernels::pool::ThreadPool;
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let arg = |i: usize, default: usize| args.get(i).map(|v| v.parse().expect("a number")).unwrap_or(default);
+    let threads = arg(1, 2);
+    let layers = arg(2, 30);
+    let scatter = args.get(3).is_none_or(|v| v == "scatter");
+    let reps = arg(4, 1);
+    let ctx = arg(5, 238);
+    let (bs, rows_n, n_heads, hd) = (16, 16, 9, 64);
+    let layout = KvLayout { block_size: bs, n_kv_heads: 3, head_dim: hd };
+    let bps = ctx.div_ceil(bs);
+    let nblocks = rows_n * bps;
+    let pool = ThreadPool::new(threads);
+    let kc: Vec<Vec<KvElem>> = (0..layers).map(|l| (0..nblocks * layout.block_elems()).map(|i| ((i * 7 + l) % 13) as f32 * 0.01).collect()).collect();
+    let vc = kc.clone();
+    // Scattered: sequences took turns allocating blocks (block b of row r is b * rows + r).
+    let tables: Vec<Vec<u32>> = (0..rows_n).map(|r| (0..bps).map(|b| if scatter { b * rows_n + r } else { r * bps + b } as u32).collect()).collect();
+    let rows: Vec<AttnRow> = tables.iter().map(|t| AttnRow { table: t, pos: ctx - 1 }).collect();
+    let qd = n_heads * hd;
+    let q: Vec<f32> = (0..rows_n * qd).map(|i| (i % 17) as f32 * 0.01).collect();
+    let mut out = vec![0f32; rows_n * qd];
+    for round in 0..5 {
+        let t = Instant::now();
+        for l in (0..layers).cycle().take(layers * reps) {
+            paged_attention(&pool, &KvView { layout: &layout, k: &kc[l], v: &vc[l] }, &rows, &q, qd, n_heads, 0.125, &mut out);
+        }
+        let e = t.elapsed().as_secs_f64();
+        let pairs = (rows_n * n_heads * ctx * layers * reps) as f64;
+        let kv_bytes = (rows_n * 3 * ctx * layers * reps * 2 * hd * std::mem::size_of::<KvElem>()) as f64;
+        if round > 0 {
+            println!("{:.2} ms per step; {:.1} ns per (head, pos); {:.1} GB/s KV", e * 1e3 / reps as f64, e * 1e9 / pairs, kv_bytes / e / 1e9);
+        }
+    }
+}

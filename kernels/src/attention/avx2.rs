@@ -1,0 +1,252 @@
+//! The AVX2 attention kernel: one pass over a KV head's keys and values for all the query heads
+//! that read it (grouped-query attention), bit-identical per head to the portable code.
+//!
+//! Each query head's arithmetic is exactly the portable code's: scores as [`dot8_fma`] (eight
+//! FMA lanes, reduced in its fixed order), softmax with the max subtracted, and V accumulated
+//! in position order with one FMA chain per output lane. What changes is the order of *memory*
+//! work: every 8 keys are loaded once and used by all the group's heads while they sit in L1,
+//! and V is walked in runs of [`V_RUN`] positions, each run used by every head before the next
+//! is loaded (the heads' accumulators go back to `out` between runs). Per KV head, K and V
+//! stream from memory once per step instead of once per query head.
+
+use std::arch::x86_64::*;
+
+use super::{dot8_fma, KvElem, KvView, Query, Scratch, MAX_GROUP};
+use crate::ops::exp_fast;
+
+/// Positions of V per run: 16 × 64 × 4 B = 4 KiB at head size 64, well inside L1.
+const V_RUN: usize = 16;
+
+/// How many positions ahead the score loop prefetches K (and V, for the accumulation pass).
+const PREFETCH_AHEAD: usize = 16;
+
+/// Attention for the query heads in `query.q` (`group * head_dim` values, consecutive heads
+/// that all read `query.kv_head`); `out` receives `group * head_dim` values. `scores` is scratch.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C, and `head_dim` must be a multiple of 8, at most 256.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn attend_group(kv: &KvView<'_>, query: &Query<'_>, scratch: &mut Scratch, out: &mut [f32]) {
+    let (layout, k_cache, v_cache) = (kv.layout, kv.k, kv.v);
+    let (table, pos, kv_head, q, scale) = (query.table, query.pos, query.kv_head, query.q, query.scale);
+    let hd = layout.head_dim;
+    debug_assert!(hd % 8 == 0 && hd <= 256);
+    let group = q.len() / hd;
+    debug_assert_eq!(out.len(), group * hd);
+    let bs = layout.block_size;
+    let n = pos + 1;
+    let chunks = hd / 8;
+    let Scratch { scores, offsets } = scratch;
+    scores.clear();
+    scores.resize(group * n, 0.0);
+    // Every position's offset in the layer's K (and V) array, once: the passes below look them
+    // up instead of dividing by the block size per key.
+    offsets.clear();
+    for &b in table {
+        let base = layout.offset(b as usize, kv_head, 0);
+        let take = bs.min(n - offsets.len());
+        offsets.extend((0..take).map(|slot| base + slot * hd));
+        if offsets.len() == n {
+            break;
+        }
+    }
+    assert_eq!(offsets.len(), n, "block table too short");
+    let offsets = &offsets[..];
+    // Scores, 8 keys at a time: 8 independent FMA chains (one per key), then an 8×8 transpose
+    // so each key's horizontal sum runs in a lane, in `dot8_fma`'s exact order
+    // ((l0+l4) + (l2+l6)) + ((l1+l5) + (l3+l7)). The 8 keys may span blocks (any block size).
+    let (kbase, vbase) = (k_cache.as_ptr(), v_cache.as_ptr());
+    let mut p = 0;
+    while p + 8 <= n {
+        let kp: [*const KvElem; 8] = std::array::from_fn(|j| kbase.add(offsets[p + j]));
+        // K and V sit in runs of `block_size` positions that the hardware prefetcher cannot
+        // follow through the block table: ask for them ahead.
+        for f in p + PREFETCH_AHEAD..(p + PREFETCH_AHEAD + 8).min(n) {
+            let off = offsets[f];
+            prefetch(kbase.add(off), hd, false);
+            prefetch(vbase.add(off), hd, true);
+        }
+        for h in 0..group {
+            let qh = q.as_ptr().add(h * hd);
+            let mut acc = [_mm256_setzero_ps(); 8];
+            for c in 0..chunks {
+                let qv = _mm256_loadu_ps(qh.add(c * 8));
+                for (a, k) in acc.iter_mut().zip(&kp) {
+                    *a = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k.add(c * 8)), *a);
+                }
+            }
+            let t = transpose8(&acc);
+            let r = _mm256_add_ps(
+                _mm256_add_ps(_mm256_add_ps(t[0], t[4]), _mm256_add_ps(t[2], t[6])),
+                _mm256_add_ps(_mm256_add_ps(t[1], t[5]), _mm256_add_ps(t[3], t[7])),
+            );
+            _mm256_storeu_ps(scores.as_mut_ptr().add(h * n + p), _mm256_mul_ps(r, _mm256_set1_ps(scale)));
+        }
+        p += 8;
+    }
+    while p < n {
+        let off = offsets[p];
+        for h in 0..group {
+            scores[h * n + p] = dot8_fma(&q[h * hd..(h + 1) * hd], &k_cache[off..off + hd]) * scale;
+        }
+        p += 1;
+    }
+    // Per head: e^(s - max) (8 at a time, bit-identical to `exp_fast`), the sum in position
+    // order, then the weights `s / sum` (a vector division rounds exactly as the scalar one).
+    let maxes = per_head(scores, n, group, f32::NEG_INFINITY, |m, x| if x > m { x } else { m });
+    for h in 0..group {
+        let s = &mut scores[h * n..(h + 1) * n];
+        let max = maxes[h];
+        let mv = _mm256_set1_ps(max);
+        let mut p = 0;
+        while p + 8 <= n {
+            let sp = s.as_mut_ptr().add(p);
+            _mm256_storeu_ps(sp, crate::ops::avx2::exp8(_mm256_sub_ps(_mm256_loadu_ps(sp), mv)));
+            p += 8;
+        }
+        for x in &mut s[p..] {
+            *x = exp_fast(*x - max);
+        }
+    }
+    let sums = per_head(scores, n, group, 0.0, |a, x| a + x);
+    for h in 0..group {
+        let s = &mut scores[h * n..(h + 1) * n];
+        let sum = sums[h];
+        let sv = _mm256_set1_ps(sum);
+        let mut p = 0;
+        while p + 8 <= n {
+            let sp = s.as_mut_ptr().add(p);
+            _mm256_storeu_ps(sp, _mm256_div_ps(_mm256_loadu_ps(sp), sv));
+            p += 8;
+        }
+        for x in &mut s[p..] {
+            *x /= sum;
+        }
+    }
+    // V, in position order per head; the accumulators live in registers within a run (a const
+    // count for the common head sizes).
+    match chunks {
+        8 => accumulate_v::<8>(hd, v_cache, offsets, scores, out),
+        16 => accumulate_v::<16>(hd, v_cache, offsets, scores, out),
+        4 => accumulate_v::<4>(hd, v_cache, offsets, scores, out),
+        _ => accumulate_v::<32>(hd, v_cache, offsets, scores, out),
+    }
+}
+
+/// Folds each head's `n` values in position order, `f(acc, x)` from `init`, the heads
+/// interleaved (independent chains side by side; each head's order is unchanged).
+#[inline(always)]
+fn per_head(values: &[f32], n: usize, group: usize, init: f32, f: impl Fn(f32, f32) -> f32) -> [f32; MAX_GROUP] {
+    let mut acc = [init; MAX_GROUP];
+    let mut h0 = 0;
+    while h0 < group {
+        // Up to 4 heads at a time: four chains hide an add's latency.
+        let g = (group - h0).min(4);
+        let rows: [&[f32]; 4] = std::array::from_fn(|i| if i < g { &values[(h0 + i) * n..(h0 + i + 1) * n] } else { &[][..] });
+        let mut a = [init; 4];
+        for p in 0..n {
+            for i in 0..4 {
+                if i < g {
+                    a[i] = f(a[i], rows[i][p]);
+                }
+            }
+        }
+        acc[h0..h0 + g].copy_from_slice(&a[..g]);
+        h0 += g;
+    }
+    acc
+}
+
+/// `out[h] = Σ_p w[h][p] · V[p]` for each head `h` of the group, `w[h]` at `weights[h * n..]`
+/// (`n` positions, V of position `p` at `offsets[p]`),
+/// with `C` 8-lane accumulators (`C * 8 >= head_dim`; only `head_dim / 8` are used).
+#[inline(always)]
+unsafe fn accumulate_v<const C: usize>(hd: usize, v_cache: &[KvElem], offsets: &[usize], weights: &[f32], out: &mut [f32]) {
+    let n = offsets.len();
+    let chunks = hd / 8;
+    let group = out.len() / hd;
+    debug_assert!(chunks <= C);
+    let used = |c: usize| C == chunks || c < chunks;
+    let mut p0 = 0;
+    while p0 < n {
+        let run = V_RUN.min(n - p0);
+        let mut vp = [v_cache.as_ptr(); V_RUN];
+        for (j, v) in vp.iter_mut().enumerate().take(run) {
+            *v = v_cache.as_ptr().add(offsets[p0 + j]);
+        }
+        for h in 0..group {
+            let oh = out.as_mut_ptr().add(h * hd);
+            let mut o = [_mm256_setzero_ps(); C];
+            if p0 > 0 {
+                for (c, oc) in o.iter_mut().enumerate() {
+                    if used(c) {
+                        *oc = _mm256_loadu_ps(oh.add(c * 8));
+                    }
+                }
+            }
+            let w = weights.as_ptr().add(h * n + p0);
+            for (j, v) in vp.iter().enumerate().take(run) {
+                let wj = _mm256_broadcast_ss(&*w.add(j));
+                for (c, oc) in o.iter_mut().enumerate() {
+                    if used(c) {
+                        *oc = _mm256_fmadd_ps(wj, _mm256_loadu_ps(v.add(c * 8)), *oc);
+                    }
+                }
+            }
+            for (c, oc) in o.iter().enumerate() {
+                if used(c) {
+                    _mm256_storeu_ps(oh.add(c * 8), *oc);
+                }
+            }
+        }
+        p0 += run;
+    }
+}
+
+/// Prefetches the `hd` cache elements at `p` (one position of one head): into L1, or into L2
+/// (`far`) for data used after the current pass.
+#[inline(always)]
+unsafe fn prefetch(p: *const KvElem, hd: usize, far: bool) {
+    let bytes = hd * std::mem::size_of::<KvElem>();
+    let mut at = 0;
+    while at < bytes {
+        let a = (p as *const i8).add(at);
+        if far {
+            _mm_prefetch::<_MM_HINT_T1>(a);
+        } else {
+            _mm_prefetch::<_MM_HINT_T0>(a);
+        }
+        at += 64;
+    }
+}
+
+/// Transposes 8 vectors of 8 lanes: `out[l][k] = v[k][l]`.
+#[inline(always)]
+unsafe fn transpose8(v: &[__m256; 8]) -> [__m256; 8] {
+    let t0 = _mm256_unpacklo_ps(v[0], v[1]);
+    let t1 = _mm256_unpackhi_ps(v[0], v[1]);
+    let t2 = _mm256_unpacklo_ps(v[2], v[3]);
+    let t3 = _mm256_unpackhi_ps(v[2], v[3]);
+    let t4 = _mm256_unpacklo_ps(v[4], v[5]);
+    let t5 = _mm256_unpackhi_ps(v[4], v[5]);
+    let t6 = _mm256_unpacklo_ps(v[6], v[7]);
+    let t7 = _mm256_unpackhi_ps(v[6], v[7]);
+    let u0 = _mm256_shuffle_ps::<0x44>(t0, t2);
+    let u1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
+    let u2 = _mm256_shuffle_ps::<0x44>(t1, t3);
+    let u3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
+    let u4 = _mm256_shuffle_ps::<0x44>(t4, t6);
+    let u5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
+    let u6 = _mm256_shuffle_ps::<0x44>(t5, t7);
+    let u7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
+    [
+        _mm256_permute2f128_ps::<0x20>(u0, u4),
+        _mm256_permute2f128_ps::<0x20>(u1, u5),
+        _mm256_permute2f128_ps::<0x20>(u2, u6),
+        _mm256_permute2f128_ps::<0x20>(u3, u7),
+        _mm256_permute2f128_ps::<0x31>(u0, u4),
+        _mm256_permute2f128_ps::<0x31>(u1, u5),
+        _mm256_permute2f128_ps::<0x31>(u2, u6),
+        _mm256_permute2f128_ps::<0x31>(u3, u7),
+    ]
+}
