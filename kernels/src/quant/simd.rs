@@ -31,6 +31,10 @@ pub trait Fmt {
     /// 16 bits before widening, exactly: 8 for 4-bit codes (8 · 2 · 15 · 127 = 30,480 <
     /// 2¹⁵), 2 for Q6K's 6-bit codes (2 · 2 · 63 · 127 = 32,004), 1 for Q8_0.
     const I16_TERMS: usize = 8;
+    /// Whether the codes are 4-bit nibbles, two groups per 32 bytes (the default `decode`).
+    const NIBBLES: bool = true;
+    /// Whether the codes are signed bytes stored `+ 128`, one group per 32 bytes (Q8_0).
+    const SIGNED_BYTES: bool = false;
     /// `acc + Σ₄ w·a` per lane. Default: unsigned codes.
     #[inline(always)]
     unsafe fn dot<const V: bool>(acc: __m256i, w: __m256i, a: __m256i) -> __m256i {
@@ -93,6 +97,7 @@ impl Fmt for Q6K {
     const OFFSET_VNNI: i32 = 32;
     const OFFSET_AVX2: i32 = 32;
     const I16_TERMS: usize = 2;
+    const NIBBLES: bool = false;
     #[inline(always)]
     unsafe fn decode<const V: bool>(q: *const u8) -> [__m256i; 8] {
         std::array::from_fn(|g| _mm256_loadu_si256(q.add(32 * g) as *const __m256i))
@@ -112,6 +117,8 @@ impl Fmt for Q80 {
     const OFFSET_VNNI: i32 = 128;
     const OFFSET_AVX2: i32 = 0;
     const I16_TERMS: usize = 1;
+    const NIBBLES: bool = false;
+    const SIGNED_BYTES: bool = true;
     #[inline(always)]
     unsafe fn decode<const V: bool>(q: *const u8) -> [__m256i; 8] {
         let mut out = [_mm256_setzero_si256(); 8];
@@ -141,19 +148,12 @@ impl Fmt for Q80 {
 unsafe fn block_sums<F: Fmt, const V: bool>(w: &[__m256i; 8], q: *const i8) -> (__m256i, __m256i) {
     let bc = |g: usize| _mm256_set1_epi32((q.add(4 * g) as *const i32).read_unaligned());
     if !V && F::I16_TERMS >= 2 {
-        // `pmaddubsw` pairs summed in 16 bits (exact within `I16_TERMS`, see there), then one
-        // `pmaddwd` per sum: half the multiplier work of widening every pair.
+        // `pmaddubsw` results added in pairs in 16 bits (exact within `I16_TERMS`, see there),
+        // then one `pmaddwd` per pair: half the multiplier work of widening every result.
+        // (4-bit codes take `chunk`'s own path, which sums all eight in 16 bits.)
         let p = |g: usize| _mm256_maddubs_epi16(w[g], bc(g));
-        let add = _mm256_add_epi16;
-        let widen = |x: __m256i| _mm256_madd_epi16(x, _mm256_set1_epi16(1));
-        let (p01, p23, p45, p67) = (add(p(0), p(1)), add(p(2), p(3)), add(p(4), p(5)), add(p(6), p(7)));
-        if F::I16_TERMS >= 8 && !F::HALVES {
-            return (widen(add(add(p01, p23), add(p45, p67))), _mm256_setzero_si256());
-        }
-        if F::I16_TERMS >= 4 {
-            return (widen(add(p01, p23)), widen(add(p45, p67)));
-        }
-        return (_mm256_add_epi32(widen(p01), widen(p23)), _mm256_add_epi32(widen(p45), widen(p67)));
+        let pair = |g: usize| _mm256_madd_epi16(_mm256_add_epi16(p(g), p(g + 1)), _mm256_set1_epi16(1));
+        return (_mm256_add_epi32(pair(0), pair(2)), _mm256_add_epi32(pair(4), pair(6)));
     }
     // Four chains (elements 0..8, 8..16, 16..24, 24..32); integer adds are exact, so the
     // split changes nothing.
@@ -214,7 +214,7 @@ macro_rules! rows {
 /// The first `N` of `rows` against every panel, writing `out[i * stride + 8p + r]` for lanes
 /// `r < 8` (`< lanes_last` in the last panel).
 #[inline(always)]
-unsafe fn chunk<F: Fmt, const V: bool, const N: usize>(w: Panels, rows: Rows) {
+unsafe fn chunk<F: Fmt, const V: bool, const N: usize>(w: Panels, rows: Rows, prefetch: bool) {
     let Panels { ptr: panels, pb, np, lanes_last } = w;
     let Rows { acts, nb, out, stride, .. } = rows;
     debug_assert!(rows.b >= N);
@@ -223,13 +223,16 @@ unsafe fn chunk<F: Fmt, const V: bool, const N: usize>(w: Panels, rows: Rows) {
         let mut acc = [_mm256_setzero_ps(); N];
         for j in 0..nb {
             let blk = panels.add(p * pb + j * F::PB);
-            // The first chunk streams the tile from memory: ask for blocks ahead (a few
-            // blocks of the next panel at the end of a row; past the tile it is harmless).
-            let ahead = blk.wrapping_add(PREFETCH_BLOCKS * F::PB);
-            let mut line = 0;
-            while line < F::PB {
-                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line) as *const i8);
-                line += 64;
+            if prefetch {
+                // The first chunk streams the tile from memory: ask for blocks ahead (a few
+                // blocks of the next panel at the end of a row; past the tile it is harmless).
+                // Later chunks find the tile in L1.
+                let ahead = blk.wrapping_add(PREFETCH_BLOCKS * F::PB);
+                let mut line = 0;
+                while line < F::PB {
+                    _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line) as *const i8);
+                    line += 64;
+                }
             }
             let scales = |at: usize| {
                 if F::F32_SCALES {
@@ -240,6 +243,56 @@ unsafe fn chunk<F: Fmt, const V: bool, const N: usize>(w: Panels, rows: Rows) {
             };
             let dw = scales(0);
             let mw = if F::MIN || F::HALVES { scales(1) } else { _mm256_setzero_ps() };
+            if !V && F::NIBBLES {
+                // 4-bit codes on AVX2: each 32-byte load of codes is two groups (low and high
+                // nibbles), used by every row of the chunk before the next load, and each row's
+                // products are summed in 16 bits (exact: see `I16_TERMS`), widened once per
+                // block. Two weight registers instead of eight keep the rows' sums and
+                // accumulators in registers.
+                let q = blk.add(F::QOFF);
+                let mask = _mm256_set1_epi8(0x0F);
+                let mut s16 = [_mm256_setzero_si256(); N];
+                for h in 0..4 {
+                    let v = _mm256_loadu_si256(q.add(32 * h) as *const __m256i);
+                    let (lo, hi) = (_mm256_and_si256(v, mask), _mm256_and_si256(_mm256_srli_epi16::<4>(v), mask));
+                    rows!(N, i, {
+                        let a = (*acts.add(i * nb + j)).qs.as_ptr();
+                        let bc = |g: usize| _mm256_set1_epi32((a.add(4 * g) as *const i32).read_unaligned());
+                        let t = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bc(2 * h)), _mm256_maddubs_epi16(hi, bc(2 * h + 1)));
+                        s16[i] = _mm256_add_epi16(s16[i], t);
+                    });
+                }
+                rows!(N, i, {
+                    let a = &*acts.add(i * nb + j);
+                    let si = _mm256_madd_epi16(s16[i], _mm256_set1_epi16(1));
+                    acc[i] = _mm256_add_ps(acc[i], block_term::<F>(si, dw, mw, a, offset));
+                });
+                continue;
+            }
+            if !V && F::SIGNED_BYTES {
+                // Q8_0 on AVX2: group by group (one 32-byte load each), every row of the chunk
+                // using the group's signed codes and their magnitudes before the next load
+                // (the sign trick's `|w|` once per group, not per row).
+                let q = blk.add(F::QOFF);
+                let ones = _mm256_set1_epi16(1);
+                let mut s32 = [_mm256_setzero_si256(); N];
+                for g in 0..8 {
+                    let w = _mm256_xor_si256(_mm256_loadu_si256(q.add(32 * g) as *const __m256i), _mm256_set1_epi8(-128));
+                    let wabs = _mm256_sign_epi8(w, w);
+                    rows!(N, i, {
+                        let a = (*acts.add(i * nb + j)).qs.as_ptr();
+                        let bc = _mm256_set1_epi32((a.add(4 * g) as *const i32).read_unaligned());
+                        // |w| ≤ 128 and |a| ≤ 127: pmaddubsw(|w|, ±a) cannot saturate.
+                        let p = _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(bc, w));
+                        s32[i] = _mm256_add_epi32(s32[i], _mm256_madd_epi16(p, ones));
+                    });
+                }
+                rows!(N, i, {
+                    let a = &*acts.add(i * nb + j);
+                    acc[i] = _mm256_add_ps(acc[i], block_term::<F>(s32[i], dw, mw, a, offset));
+                });
+                continue;
+            }
             let w = F::decode::<V>(blk.add(F::QOFF));
             // Unrolled by hand (`rows!`): LLVM leaves an 8-row loop rolled, with the
             // accumulators on the stack.
@@ -254,16 +307,7 @@ unsafe fn chunk<F: Fmt, const V: bool, const N: usize>(w: Panels, rows: Rows) {
                     let t = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(lo), dw), _mm256_mul_ps(_mm256_cvtepi32_ps(hi), mw));
                     _mm256_mul_ps(t, _mm256_set1_ps(a.d))
                 } else {
-                    let mut si = _mm256_add_epi32(lo, hi);
-                    if offset != 0 {
-                        si = _mm256_sub_epi32(si, _mm256_set1_epi32(offset * a.sum));
-                    }
-                    // The scalar code's `sumi * d_w * d_a (+ m_w * s_a)`.
-                    let mut t = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(si), dw), _mm256_set1_ps(a.d));
-                    if F::MIN {
-                        t = _mm256_add_ps(t, _mm256_mul_ps(mw, _mm256_set1_ps(a.s)));
-                    }
-                    t
+                    block_term::<F>(_mm256_add_epi32(lo, hi), dw, mw, a, offset)
                 };
                 *acc = _mm256_add_ps(*acc, t);
             });
@@ -282,24 +326,37 @@ unsafe fn chunk<F: Fmt, const V: bool, const N: usize>(w: Panels, rows: Rows) {
     }
 }
 
+/// One block's term for a format without halves, from its exact integer sums `si` (before
+/// the offset): the scalar code's `sumi * d_w * d_a (+ m_w * s_a)`.
+#[inline(always)]
+unsafe fn block_term<F: Fmt>(si: __m256i, dw: __m256, mw: __m256, a: &ActBlock, offset: i32) -> __m256 {
+    let si = if offset != 0 { _mm256_sub_epi32(si, _mm256_set1_epi32(offset * a.sum)) } else { si };
+    let t = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(si), dw), _mm256_set1_ps(a.d));
+    if F::MIN {
+        _mm256_add_ps(t, _mm256_mul_ps(mw, _mm256_set1_ps(a.s)))
+    } else {
+        t
+    }
+}
+
 /// All rows in chunks of `MAX` (then 4, 2, 1), each chunk against every panel of the tile
 /// while the tile's weights stay in L1.
 #[inline(always)]
 unsafe fn tile_body<F: Fmt, const V: bool, const MAX: usize>(w: Panels, rows: Rows) {
     let mut i = 0;
     while i < rows.b {
-        let r = rows.skip(i);
+        let (r, first) = (rows.skip(i), i == 0);
         i += if r.b >= MAX {
-            chunk::<F, V, MAX>(w, r);
+            chunk::<F, V, MAX>(w, r, first);
             MAX
         } else if r.b >= 4 {
-            chunk::<F, V, 4>(w, r);
+            chunk::<F, V, 4>(w, r, first);
             4
         } else if r.b >= 2 {
-            chunk::<F, V, 2>(w, r);
+            chunk::<F, V, 2>(w, r, first);
             2
         } else {
-            chunk::<F, V, 1>(w, r);
+            chunk::<F, V, 1>(w, r, first);
             1
         };
     }
