@@ -11,7 +11,8 @@
 
 use std::arch::x86_64::*;
 
-use super::{dot8_fma, KvElem, KvView, Query, Scratch, MAX_GROUP};
+use super::kv::{KvElem, KvView, Query, Scratch, MAX_GROUP};
+use super::portable::dot8_fma;
 use crate::ops::exp_fast;
 
 /// Positions of V per run: 16 × 64 × 4 B = 4 KiB at head size 64, well inside L1.

@@ -1,0 +1,83 @@
+//! Paged attention on the CPU.
+//!
+//! K and V live in a block pool (f32, so results match the reference implementation exactly), laid out per layer as
+//! `[block][kv_head][slot][head_dim]`: the 16 (block size) keys of one head in one block are
+//! contiguous. A sequence names its blocks in a block table; position `p` lives in block
+//! `table[p / block_size]` at slot `p % block_size`. Attention reads K/V through the table in
+//! place: nothing is gathered into a contiguous copy.
+//!
+//! For each query (a token at position `pos`) and head, scores over positions `0..=pos` are
+//! computed in order, softmaxed with the max subtracted, and V is accumulated in order. The
+//! arithmetic for one query depends only on its own q and the cached K/V, never on the other
+//! queries in the batch or on how a prompt was chunked.
+
+mod kv;
+mod portable;
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+#[cfg(test)]
+mod tests;
+
+pub use kv::{write_kv, KvElem, KvLayout, KvView, Query, Scratch, KV_ZERO, MAX_GROUP};
+pub use portable::dot8_fma;
+
+/// Attention for one row's query heads that share a KV head: `out` receives `group *
+/// head_dim` values, each head's exactly as if it ran alone.
+pub fn attend_group(kv: &KvView<'_>, query: &Query<'_>, scratch: &mut Scratch, out: &mut [f32]) {
+    let hd = kv.layout.head_dim;
+    let group = query.q.len() / hd;
+    assert!(query.q.len() % hd == 0 && out.len() == query.q.len() && group <= MAX_GROUP);
+    #[cfg(target_arch = "x86_64")]
+    if crate::has_avx2() && hd % 8 == 0 && hd <= 256 {
+        // SAFETY: AVX2, FMA and F16C were detected at run time; the head size is checked.
+        unsafe { avx2::attend_group(kv, query, scratch, out) };
+        return;
+    }
+    for h in 0..group {
+        let one = Query { q: &query.q[h * hd..(h + 1) * hd], ..*query };
+        portable::attend_one(kv, &one, &mut scratch.scores, &mut out[h * hd..(h + 1) * hd]);
+    }
+}
+
+/// One query row of a batched attention call: its sequence's block table and its position.
+#[derive(Clone, Copy, Debug)]
+pub struct AttnRow<'a> {
+    pub table: &'a [u32],
+    pub pos: usize,
+}
+
+thread_local! {
+    static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::new(Scratch::default());
+}
+
+/// Attention for a batch of query rows, parallel over (row, head).
+///
+/// `q` holds row `t`'s query heads at `q[t * q_stride .. t * q_stride + n_heads * head_dim]`;
+/// `out` receives `n_heads * head_dim` values per row. Query head `h` reads KV head
+/// `h / (n_heads / n_kv_heads)` (grouped-query attention).
+#[allow(clippy::too_many_arguments)]
+pub fn paged_attention(pool: &crate::pool::ThreadPool, kv: &KvView<'_>, rows: &[AttnRow<'_>], q: &[f32], q_stride: usize, n_heads: usize, scale: f32, out: &mut [f32]) {
+    let layout = kv.layout;
+    let hd = layout.head_dim;
+    let group = n_heads / layout.n_kv_heads;
+    assert!(group >= 1 && n_heads % layout.n_kv_heads == 0);
+    let od = n_heads * hd;
+    assert_eq!(out.len(), rows.len() * od);
+    assert!(q.len() >= (rows.len().saturating_sub(1)) * q_stride + od);
+    let op = crate::SyncPtr(out.as_mut_ptr());
+    let n_out = out.len();
+    // One task per (row, KV head): the `group` query heads that read the same K/V run together
+    // (one pass over K and V for all of them).
+    let n_kv = layout.n_kv_heads;
+    pool.run(rows.len() * n_kv, |task| {
+        let (t, kvh) = (task / n_kv, task % n_kv);
+        let row = rows[t];
+        // SAFETY: task (t, kvh) writes only out[t*od + h*hd .. + hd] for its own query heads h,
+        // disjoint across tasks; `out` outlives `pool.run`.
+        let out_all = unsafe { std::slice::from_raw_parts_mut(op.get(), n_out) };
+        let heads = kvh * group * hd..(kvh + 1) * group * hd;
+        let qg = &q[t * q_stride + heads.start..t * q_stride + heads.end];
+        let o = &mut out_all[t * od + heads.start..t * od + heads.end];
+        SCRATCH.with(|s| attend_group(kv, &Query { table: row.table, pos: row.pos, kv_head: kvh, q: qg, scale }, &mut s.borrow_mut(), o));
+    });
+}

@@ -1,0 +1,86 @@
+use super::kv::*;
+use super::portable::attend_one;
+use super::*;
+
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn avx2_attention_equals_portable_bit_for_bit() {
+    if !crate::test_simd_paths("attention") {
+        return;
+    }
+    let mut seed = 0x2545_f491_4f6c_dd1du64;
+    let mut rnd = || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        (seed >> 40) as f32 / (1u64 << 24) as f32 * 4.0 - 2.0
+    };
+    for (bs, hd) in [(16usize, 64usize), (4, 8), (8, 32), (16, 128), (5, 16)] {
+        let layout = KvLayout { block_size: bs, n_kv_heads: 3, head_dim: hd };
+        let n_blocks = 12;
+        let kc: Vec<f32> = (0..n_blocks * layout.block_elems()).map(|_| rnd()).collect();
+        let vc: Vec<f32> = (0..n_blocks * layout.block_elems()).map(|_| rnd()).collect();
+        let table: Vec<u32> = (0..n_blocks as u32).rev().collect(); // scattered
+        let q: Vec<f32> = (0..4 * hd).map(|_| rnd()).collect();
+        for pos in [0usize, 6, 7, 8, 15, 16, 17, 23, 24, 33, n_blocks * bs - 1] {
+            for head in 0..3 {
+                for group in [1usize, 3, 4] {
+                    // `group` query heads read this KV head; each alone through the
+                    // portable code, then all together through the AVX2 kernel.
+                    let kv = KvView { layout: &layout, k: &kc, v: &vc };
+                    let query = Query { table: &table, pos, kv_head: head, q: &q[..group * hd], scale: 0.125 };
+                    let mut want = vec![0f32; group * hd];
+                    let mut s1 = vec![];
+                    for h in 0..group {
+                        let one = Query { q: &q[h * hd..(h + 1) * hd], ..query };
+                        attend_one(&kv, &one, &mut s1, &mut want[h * hd..(h + 1) * hd]);
+                    }
+                    let (mut s2, mut got) = (Scratch::default(), vec![f32::NAN; group * hd]);
+                    // SAFETY: AVX2, FMA and F16C detected above; head sizes are multiples of 8.
+                    unsafe { avx2::attend_group(&kv, &query, &mut s2, &mut got) };
+                    let b1: Vec<u32> = want.iter().map(|x| x.to_bits()).collect();
+                    let b2: Vec<u32> = got.iter().map(|x| x.to_bits()).collect();
+                    assert_eq!(b1, b2, "bs {bs} hd {hd} pos {pos} head {head} group {group}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn paged_attention_matches_contiguous_reference() {
+    let layout = KvLayout { block_size: 4, n_kv_heads: 2, head_dim: 8 };
+    let n_blocks = 6;
+    let mut kc = vec![KV_ZERO; n_blocks * layout.block_elems()];
+    let mut vc = vec![KV_ZERO; n_blocks * layout.block_elems()];
+    // A scattered block table.
+    let table = [4u32, 1, 5, 0];
+    let len = 13;
+    let kv = |p: usize, i: usize, s: f32| ((p * 31 + i * 7) as f32 * s).sin();
+    let mut ks = vec![];
+    let mut vs = vec![];
+    for p in 0..len {
+        let k: Vec<f32> = (0..16).map(|i| kv(p, i, 0.13)).collect();
+        let v: Vec<f32> = (0..16).map(|i| kv(p, i, 0.29)).collect();
+        write_kv(&layout, &mut kc, &mut vc, &table, p, &k, &v);
+        ks.push(k);
+        vs.push(v);
+    }
+    let q: Vec<f32> = (0..8).map(|i| (i as f32 * 0.7).cos()).collect();
+    for head in 0..2 {
+        let pos = len - 1;
+        let mut out = vec![0f32; 8];
+        let mut scratch = Scratch::default();
+        attend_group(&KvView { layout: &layout, k: &kc, v: &vc }, &Query { table: &table, pos, kv_head: head, q: &q, scale: 0.35 }, &mut scratch, &mut out);
+        // Reference over contiguous copies (rounded to the cache element type), in f64.
+        let r = |x: f32| from_kv(to_kv(x)) as f64;
+        let sc: Vec<f64> = (0..=pos).map(|p| (0..8).map(|i| q[i] as f64 * r(ks[p][head * 8 + i])).sum::<f64>() * 0.35).collect();
+        let m = sc.iter().cloned().fold(f64::MIN, f64::max);
+        let e: Vec<f64> = sc.iter().map(|s| (s - m).exp()).collect();
+        let z: f64 = e.iter().sum();
+        for i in 0..8 {
+            let want: f64 = (0..=pos).map(|p| e[p] / z * r(vs[p][head * 8 + i])).sum();
+            assert!((out[i] as f64 - want).abs() < 1e-5, "head {head} dim {i}");
+        }
+    }
+}
