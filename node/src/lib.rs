@@ -10,6 +10,7 @@
 //! - [`scheduler`]: continuous batching with chunked prefill and preemption (sans-IO).
 //! - [`sampler`], [`stop`]: sampling and stop sequences.
 //! - [`synthetic`]: a small random-weight GGUF in every native format, for device checks.
+//! - `device_check` (feature `gpu`): the GPU backend's checks that `gpu-check` runs.
 //! - [`engine`]: one `step()` at a time over all of the above; [`migrate`]: what a sequence
 //!   that leaves its worker takes with it, and how KV blocks enter another worker's cache.
 //! - [`actor`]: the worker actor and its engine thread; [`WorkerHandle`] is the API.
@@ -20,6 +21,8 @@ pub mod actor;
 pub mod backend;
 pub mod block_pool;
 pub mod chat;
+#[cfg(feature = "gpu")]
+pub mod device_check;
 pub mod engine;
 pub mod error;
 pub mod grammar;

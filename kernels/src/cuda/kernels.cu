@@ -14,11 +14,15 @@
 #define QK 32
 
 __device__ __forceinline__ float f16_round(float x) {
+#ifdef ZL_EMULATOR
+    return zl_f16_round(x);
+#else
     unsigned short h;
     float r;
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
     asm("cvt.f32.f16 %0, %1;" : "=f"(r) : "h"(h));
     return r;
+#endif
 }
 
 __device__ __forceinline__ int four_bit(int fmt) { return fmt == 1 || fmt == 2 || fmt == 4; }

@@ -10,12 +10,19 @@
 //! - [`NcclGroup`]: the tensor-parallel all-reduce of GPU ranks (an NCCL all-gather, then a
 //!   rank-order sum on each device, so batch invariance holds across a group).
 //! - [`driver_present`] / [`nccl_present`]: probes that load nothing else.
+//! - `emulator` (feature `cuda-emulator`, for CI): the same runtime over a device emulated on
+//!   the CPU, which runs `kernels.cu` compiled as C++ (see its docs).
 
+#[cfg(feature = "cuda-emulator")]
+pub mod emulator;
 mod nccl;
 mod probe;
 mod runtime;
 
+#[cfg(not(feature = "cuda-emulator"))]
 pub use cudarc::driver::CudaSlice;
+#[cfg(feature = "cuda-emulator")]
+pub use emulator::CudaSlice;
 pub use nccl::{group_id, NcclGroup};
 pub use probe::{driver_present, nccl_present};
 pub use runtime::{cached_ptx_path, compile, ActScratch, DeviceMemory, DeviceWeight, Gpu, GpuError, ACT_BLOCK, SOURCE};

@@ -8,20 +8,28 @@
 //! ([`group_id`]) and handed to the others, by value within a process, or over the cluster's
 //! mTLS QUIC link for a group that spans nodes.
 
+#[cfg(not(feature = "cuda-emulator"))]
 use cudarc::driver::CudaSlice;
-use cudarc::nccl::{Comm, Id};
+#[cfg(not(feature = "cuda-emulator"))]
+use cudarc::nccl::{result::NcclError, Comm, Id};
+
+#[cfg(feature = "cuda-emulator")]
+use super::emulator::nccl::{Comm, Id, NcclError};
+#[cfg(feature = "cuda-emulator")]
+use super::emulator::CudaSlice;
 
 use super::runtime::{Gpu, GpuError};
 
 type R<T> = Result<T, GpuError>;
 
-fn nccl(e: cudarc::nccl::result::NcclError) -> GpuError {
+fn nccl(e: NcclError) -> GpuError {
     GpuError(format!("NCCL: {e:?}"))
 }
 
 /// A new group's unique id, to give every rank.
 pub fn group_id() -> R<[u8; 128]> {
     // SAFETY: only tries to dlopen libnccl.
+    #[cfg(not(feature = "cuda-emulator"))]
     if !unsafe { cudarc::nccl::sys::is_culib_present() } {
         return Err(GpuError("NCCL (libnccl.so) cannot be loaded: GPU tensor parallelism needs it".into()));
     }

@@ -3,8 +3,16 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits};
-use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
+#[cfg(not(feature = "cuda-emulator"))]
+use cudarc::driver as drv;
+#[cfg(not(feature = "cuda-emulator"))]
+use cudarc::nvrtc::Ptx;
+use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
+#[cfg_attr(feature = "cuda-emulator", allow(unused_imports))]
+use drv::{CudaContext, CudaFunction, CudaSlice, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits};
+
+#[cfg(feature = "cuda-emulator")]
+use super::emulator as drv;
 
 use crate::quant::{Weight, WeightFormat, QK};
 
@@ -26,8 +34,8 @@ impl std::fmt::Display for GpuError {
 
 impl std::error::Error for GpuError {}
 
-impl From<cudarc::driver::DriverError> for GpuError {
-    fn from(e: cudarc::driver::DriverError) -> Self {
+impl From<drv::DriverError> for GpuError {
+    fn from(e: drv::DriverError) -> Self {
         GpuError(format!("CUDA driver: {e}"))
     }
 }
@@ -124,6 +132,7 @@ pub fn cached_ptx_path(arch: &str) -> Option<PathBuf> {
 }
 
 /// The kernels' PTX for `arch`, from the cache or compiled now (and cached).
+#[cfg_attr(feature = "cuda-emulator", allow(dead_code))]
 fn ptx_for(arch: &'static str) -> R<String> {
     let file = cached_ptx_path(arch);
     if let Some(f) = &file {
@@ -167,6 +176,7 @@ pub fn compile(arch: &'static str) -> R<String> {
 impl Gpu {
     /// Opens device `ordinal`: errors say what is missing (no driver, no such device, NVRTC).
     pub fn open(ordinal: usize) -> R<Gpu> {
+        #[cfg(not(feature = "cuda-emulator"))]
         if !super::probe::driver_present() {
             return Err(GpuError("no CUDA driver on this machine (libcuda.so cannot be loaded)".into()));
         }
@@ -178,8 +188,10 @@ impl Gpu {
         let stream = ctx.default_stream();
         let (major, minor) = ctx.compute_capability()?;
         let arch: &'static str = Box::leak(format!("compute_{major}{minor}").into_boxed_str());
-        let ptx = ptx_for(arch)?;
-        let module = ctx.load_module(Ptx::from_src(ptx))?;
+        #[cfg(not(feature = "cuda-emulator"))]
+        let module = ctx.load_module(Ptx::from_src(ptx_for(arch)?))?;
+        #[cfg(feature = "cuda-emulator")]
+        let module = ctx.load_module()?;
         let f = |n: &str| module.load_function(n).map_err(GpuError::from);
         let k = Kernels {
             embed_rows: f("embed_rows")?,
@@ -202,6 +214,7 @@ impl Gpu {
 
     /// CUDA devices on this machine.
     pub fn count() -> R<usize> {
+        #[cfg(not(feature = "cuda-emulator"))]
         if !super::probe::driver_present() {
             return Ok(0);
         }
@@ -445,8 +458,8 @@ impl Gpu {
 
     /// Times `f` on the device's stream, in seconds (CUDA events).
     pub fn time(&self, f: impl FnOnce() -> R<()>) -> R<f64> {
-        let a = self.ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))?;
-        let b = self.ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))?;
+        let a = self.ctx.new_event(Some(drv::sys::CUevent_flags::CU_EVENT_DEFAULT))?;
+        let b = self.ctx.new_event(Some(drv::sys::CUevent_flags::CU_EVENT_DEFAULT))?;
         a.record(&self.stream)?;
         f()?;
         b.record(&self.stream)?;
