@@ -65,7 +65,8 @@ pub fn kernels(gpu: &Gpu, model: &Model) -> Res<Vec<Value>> {
     ];
     let mut act = gpu.act_scratch()?;
     for (name, w) in weights {
-        for rows in [1usize, 7] {
+        // 40 rows: the tiled kernel (from TILED_FROM_ROWS), over two full tiles and a partial one.
+        for rows in [1usize, 7, 40] {
             let x = rand_vec(rows * w.cols, 11 + rows as u64);
             let mut y = vec![0f32; rows * w.rows];
             matmul(&pool, w, &x, &mut y, &mut MatmulScratch::default());
@@ -424,7 +425,7 @@ mod on_the_emulator {
         let gpu = Gpu::open(0).unwrap();
         let (_, m) = synthetic_model("kernels");
         let report = kernels(&gpu, &m).unwrap();
-        assert!(report.len() >= 16, "{report:?}");
+        assert!(report.len() >= 22, "{report:?}");
         for e in &report {
             assert_eq!(e["pass"], json!(true), "{e}");
             assert_eq!(e["bit_exact"], json!(true), "{e}");

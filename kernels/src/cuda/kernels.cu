@@ -110,8 +110,26 @@ extern "C" __global__ void quantize_act(const float* x, int cols, int n_rows, si
     as[(size_t)t * nb + j] = f16_round(__fmul_rn(f16_round((float)sum), d16));
 }
 
-// quant::dot_block_row for every (activation row t, weight row r): exact integer block sums,
-// then sumi*d_w*d_a (+ m_w*s_a), added in block order. One thread per output.
+// One block's term of quant::dot_block_row: the exact integer sum of codes × activations, then
+// sumi*d_w*d_a (+ m_w*s_a); Q6_K's two halves each with its own scale. `c` is the block's codes,
+// `a` its 32 activation codes; every matmul kernel below adds these terms in block order.
+__device__ __forceinline__ float block_term(const unsigned char* c, int fmt, int off, const signed char* a, float d, float m, float da, float sa) {
+    if (fmt == 5) {
+        int lo = 0, hi = 0;
+        for (int k = 0; k < 16; k++) lo += (code_at(c, fmt, k) - off) * a[k];
+        for (int k = 16; k < 32; k++) hi += (code_at(c, fmt, k) - off) * a[k];
+        return __fmul_rn(__fadd_rn(__fmul_rn((float)lo, d), __fmul_rn((float)hi, m)), da);
+    }
+    int s = 0;
+    for (int k = 0; k < QK; k++) s += (code_at(c, fmt, k) - off) * a[k];
+    float term = __fmul_rn(__fmul_rn((float)s, d), da);
+    if (fmt == 2 || fmt == 4) term = __fadd_rn(term, __fmul_rn(m, sa));
+    return term;
+}
+
+// quant::dot_block_row for every (activation row t, weight row r), blocks added in order. One
+// thread per output, reading the weights from global memory: the kernel for small batches
+// (decode), where each weight is read about once per step anyway.
 extern "C" __global__ void matmul_q(const float* sc, const unsigned char* codes, int fmt, int rows, int nb, const signed char* aq, const float* ad,
                                     const float* as, int n_rows, float* y) {
     int r = blockIdx.x * blockDim.x + threadIdx.x;
@@ -121,24 +139,70 @@ extern "C" __global__ void matmul_q(const float* sc, const unsigned char* codes,
     float acc = 0.0f;
     for (int j = 0; j < nb; j++) {
         size_t blk = (size_t)r * nb + j;
-        const unsigned char* c = codes + blk * cb;
-        const signed char* a = aq + ((size_t)t * nb + j) * QK;
-        float d = sc[2 * blk], m = sc[2 * blk + 1], da = ad[(size_t)t * nb + j];
-        float term;
-        if (fmt == 5) {
-            int lo = 0, hi = 0;
-            for (int k = 0; k < 16; k++) lo += (code_at(c, fmt, k) - off) * a[k];
-            for (int k = 16; k < 32; k++) hi += (code_at(c, fmt, k) - off) * a[k];
-            term = __fmul_rn(__fadd_rn(__fmul_rn((float)lo, d), __fmul_rn((float)hi, m)), da);
-        } else {
-            int s = 0;
-            for (int k = 0; k < QK; k++) s += (code_at(c, fmt, k) - off) * a[k];
-            term = __fmul_rn(__fmul_rn((float)s, d), da);
-            if (fmt == 2 || fmt == 4) term = __fadd_rn(term, __fmul_rn(m, as[(size_t)t * nb + j]));
-        }
-        acc = __fadd_rn(acc, term);
+        size_t ab = (size_t)t * nb + j;
+        acc = __fadd_rn(acc, block_term(codes + blk * cb, fmt, off, aq + ab * QK, sc[2 * blk], sc[2 * blk + 1], ad[ab], as[ab]));
     }
     y[(size_t)t * rows + r] = acc;
+}
+
+// The same outputs, tiled for prefill: a thread block computes TILE_R weight rows × TILE_T
+// activation rows, staging TILE_J blocks of each weight row and each activation row in shared
+// memory at a time, so a weight block is read from global memory once per TILE_T activation
+// rows instead of once per row. Each output is still one thread's, its terms added in block
+// order by block_term: bit-identical to matmul_q, so which kernel runs (a choice by batch size)
+// never changes a result. 256 threads; thread i computes rows (i % TILE_R) and activation rows
+// i / TILE_R + 4k (k < TILE_T / 4).
+#define TILE_R 64
+#define TILE_T 16
+#define TILE_J 4
+extern "C" __global__ void matmul_q_tiled(const float* sc, const unsigned char* codes, int fmt, int rows, int nb, const signed char* aq, const float* ad,
+                                          const float* as, int n_rows, float* y) {
+    __shared__ unsigned char wc[TILE_R][TILE_J][32];
+    __shared__ float wd[TILE_R][TILE_J][2];
+    __shared__ signed char xa[TILE_T][TILE_J][QK];
+    __shared__ float xd[TILE_T][TILE_J][2];
+    int r0 = blockIdx.x * TILE_R, t0 = blockIdx.y * TILE_T;
+    int cb = four_bit(fmt) ? 16 : 32, off = code_offset(fmt);
+    int tid = threadIdx.x;
+    int lr = tid % TILE_R, lt = tid / TILE_R;
+    float acc[TILE_T / 4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int j0 = 0; j0 < nb; j0 += TILE_J) {
+        int jn = nb - j0 < TILE_J ? nb - j0 : TILE_J;
+        // Stage the weight blocks (codes byte by byte, scales) and the activation blocks.
+        for (int u = tid; u < TILE_R * TILE_J * 32; u += blockDim.x) {
+            int rr = u / (TILE_J * 32), jj = u / 32 % TILE_J, b = u % 32;
+            int r = r0 + rr;
+            wc[rr][jj][b] = (r < rows && jj < jn && b < cb) ? codes[((size_t)r * nb + j0 + jj) * cb + b] : 0;
+        }
+        for (int u = tid; u < TILE_R * TILE_J; u += blockDim.x) {
+            int rr = u / TILE_J, jj = u % TILE_J, r = r0 + rr;
+            size_t blk = (size_t)r * nb + j0 + jj;
+            wd[rr][jj][0] = (r < rows && jj < jn) ? sc[2 * blk] : 0.0f;
+            wd[rr][jj][1] = (r < rows && jj < jn) ? sc[2 * blk + 1] : 0.0f;
+        }
+        for (int u = tid; u < TILE_T * TILE_J * QK; u += blockDim.x) {
+            int tt = u / (TILE_J * QK), jj = u / QK % TILE_J, k = u % QK, t = t0 + tt;
+            xa[tt][jj][k] = (t < n_rows && jj < jn) ? aq[((size_t)t * nb + j0 + jj) * QK + k] : 0;
+        }
+        for (int u = tid; u < TILE_T * TILE_J; u += blockDim.x) {
+            int tt = u / TILE_J, jj = u % TILE_J, t = t0 + tt;
+            size_t ab = (size_t)t * nb + j0 + jj;
+            xd[tt][jj][0] = (t < n_rows && jj < jn) ? ad[ab] : 0.0f;
+            xd[tt][jj][1] = (t < n_rows && jj < jn) ? as[ab] : 0.0f;
+        }
+        __syncthreads();
+        for (int jj = 0; jj < jn; jj++)
+            for (int k = 0; k < TILE_T / 4; k++) {
+                int tt = lt + 4 * k;
+                acc[k] = __fadd_rn(acc[k], block_term(wc[lr][jj], fmt, off, xa[tt][jj], wd[lr][jj][0], wd[lr][jj][1], xd[tt][jj][0], xd[tt][jj][1]));
+            }
+        __syncthreads();
+    }
+    int r = r0 + lr;
+    for (int k = 0; k < TILE_T / 4; k++) {
+        int t = t0 + lt + 4 * k;
+        if (r < rows && t < n_rows) y[(size_t)t * rows + r] = acc[k];
+    }
 }
 
 // quant::dot_f32 for f32 weights: eight lanes over chunks of 8, reduced in a fixed tree.

@@ -78,6 +78,7 @@ struct Kernels {
     rms_norm: CudaFunction,
     quantize_act: CudaFunction,
     matmul_q: CudaFunction,
+    matmul_q_tiled: CudaFunction,
     matmul_f32: CudaFunction,
     qkv_rope_store: CudaFunction,
     attention: CudaFunction,
@@ -99,6 +100,12 @@ pub struct Gpu {
     pub name: String,
     pub ordinal: usize,
 }
+
+/// `matmul_q_tiled`'s tile (`TILE_R` weight rows × `TILE_T` activation rows, as in kernels.cu),
+/// and the batch from which it runs instead of `matmul_q`.
+const TILE_R: usize = 64;
+const TILE_T: usize = 16;
+pub const TILED_FROM_ROWS: usize = TILE_T;
 
 /// A null device pointer, for optional kernel arguments.
 const NULL: u64 = 0;
@@ -199,6 +206,7 @@ impl Gpu {
             rms_norm: f("rms_norm")?,
             quantize_act: f("quantize_act")?,
             matmul_q: f("matmul_q")?,
+            matmul_q_tiled: f("matmul_q_tiled")?,
             matmul_f32: f("matmul_f32")?,
             qkv_rope_store: f("qkv_rope_store")?,
             attention: f("attention")?,
@@ -333,9 +341,17 @@ impl Gpu {
         // SAFETY: signature as in `kernels.cu`; the scratch holds n_rows × cols codes.
         unsafe { q.launch(cfg((grid(nb, 64), n_rows as u32, 1), 64)) }?;
         let nb_i = nb as i32;
-        let mut b = self.stream.launch_builder(&self.k.matmul_q);
+        // From a full tile of activation rows on, the tiled kernel (bit-identical, so the
+        // choice never changes a result; see kernels.cu).
+        let (kernel, c) = if n_rows >= TILED_FROM_ROWS {
+            (&self.k.matmul_q_tiled, cfg((grid(w.rows, TILE_R), grid(n_rows, TILE_T), 1), 256))
+        } else {
+            (&self.k.matmul_q, c)
+        };
+        let mut b = self.stream.launch_builder(kernel);
         b.arg(&w.scales).arg(&w.codes).arg(&w.format).arg(&rows_i).arg(&nb_i).arg(&act.q).arg(&act.d).arg(&act.s).arg(&n_i).arg(y);
-        // SAFETY: as above; y is n_rows × rows.
+        // SAFETY: as above; y is n_rows × rows. The tiled kernel takes 256 threads (its tile's
+        // TILE_R × 4) and checks both bounds itself.
         unsafe { b.launch(c) }?;
         Ok(())
     }
