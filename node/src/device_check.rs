@@ -24,7 +24,7 @@ use zerolayer_kernels::pool::ThreadPool;
 use zerolayer_kernels::quant::{matmul, MatmulScratch, Weight};
 use crate::backend::{Backend, Cpu, Cuda};
 use crate::model::{ForwardItem, Model};
-use crate::sampler::{argmax, top_margin};
+use crate::sampler::{argmax, select_top_k, top_margin, Pick, Picked};
 use crate::synthetic;
 
 pub type Res<T> = Result<T, Box<dyn std::error::Error>>;
@@ -146,6 +146,36 @@ pub fn kernels(gpu: &Gpu, model: &Model) -> Res<Vec<Value>> {
     gpu.argmax(&dl, 4, vocab, &mut dp)?;
     let got: Vec<f32> = gpu.download(&dp, 4)?.into_iter().map(|t| t as f32).collect();
     out.push(kernel_entry("argmax (greedy sampling)", &want, &got));
+    // Top-k selection for sampling: rows with ties across the cut and ±0, several k and
+    // temperatures, against the host's selection (candidate tokens, then scaled logits).
+    let mut logits = rand_vec(3 * vocab, 53);
+    logits[7] = logits[40_000];
+    logits[vocab + 3] = -0.0;
+    logits[vocab + 4] = 0.0;
+    for i in 0..300 {
+        logits[2 * vocab + i * 97] = 1.5; // 300 equal values: the cut falls among them
+    }
+    let sel: [(usize, u32, f32); 3] = [(0, 40, 1.0 / 0.7), (1, 1, 1.0), (2, 256, 1.0 / 1.3)];
+    let (mut want_i, mut want_v) = (Vec::new(), Vec::new());
+    let kmax = 256usize;
+    for &(r, k, inv_t) in &sel {
+        let c = select_top_k(&logits[r * vocab..(r + 1) * vocab], k as usize, inv_t);
+        want_i.extend(c.iter().map(|e| e.0 as f32));
+        want_v.extend(c.iter().map(|e| e.1));
+    }
+    let dl = gpu.upload(&logits)?;
+    let (dr, dk) = (gpu.upload(&sel.map(|s| s.0 as i32))?, gpu.upload(&sel.map(|s| s.1 as i32))?);
+    let dt = gpu.upload(&sel.map(|s| s.2))?;
+    let (mut di, mut dv) = (gpu.zeros::<i32>(3 * kmax)?, gpu.zeros::<f32>(3 * kmax)?);
+    gpu.top_k(&dl, vocab, (&dr, &dk, &dt), 3, kmax, (&mut di, &mut dv))?;
+    let (gi, gv) = (gpu.download(&di, 3 * kmax)?, gpu.download(&dv, 3 * kmax)?);
+    let (mut got_i, mut got_v) = (Vec::new(), Vec::new());
+    for (j, &(_, k, _)) in sel.iter().enumerate() {
+        got_i.extend(gi[j * kmax..j * kmax + k as usize].iter().map(|&t| t as f32));
+        got_v.extend_from_slice(&gv[j * kmax..j * kmax + k as usize]);
+    }
+    out.push(kernel_entry("top-k selection (tokens)", &want_i, &got_i));
+    out.push(kernel_entry("top-k selection (logits / T)", &want_v, &got_v));
     Ok(out)
 }
 
@@ -192,6 +222,24 @@ pub fn equivalence(path: &std::path::Path, device: usize, label: &str) -> Res<Va
         println!("  prompt {pi}: {same}/{n} tokens equal{}, logits bit-exact: {exact}, worst relative error {worst:.2e} {}", if same < n { format!(" (diverges, CPU margin {:.2e})", top_margin(&lc[same])) } else { String::new() }, if ok { "pass" } else { "FAIL" });
         cases.push(json!({"prompt": pi, "tokens_equal": same, "of": n, "logits_bit_exact": exact, "max_rel_error": worst, "pass": ok}));
     }
+    // Sampling on the device: the top-k candidates it selects (with a greedy row beside) are
+    // the host's selection over the CPU backend's logits, so a seeded draw is the same.
+    let (p0, t2) = (&prompts[1], &table[..]);
+    let two_rows = [
+        ForwardItem { tokens: p0, start_pos: 0, block_table: t2, want_logits: true },
+        ForwardItem { tokens: &prompts[2], start_pos: 0, block_table: &(64..128).collect::<Vec<u32>>(), want_logits: true },
+    ];
+    let inv_t = 1.0 / 0.8f32;
+    let picks = [Pick::TopK { k: 40, inv_t }, Pick::Greedy];
+    let (mut cl, mut gl, mut picked) = (Vec::new(), Vec::new(), Picked::default());
+    cpu.forward_into(&two_rows, &mut cl)?;
+    gpu.forward_pick(&two_rows, &picks, &mut gl, &mut picked)?;
+    let v = vocab as usize;
+    let mut got = picked.candidates(0).map(<[_]>::to_vec).unwrap_or_default();
+    got.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    let top_k_ok = got == select_top_k(&cl[..v], 40, inv_t) && picked.token(1) == Some(argmax(&cl[v..2 * v])) && gl.is_empty();
+    pass &= top_k_ok;
+    println!("  device top-k candidates and greedy token beside them, no logits sent back: {}", if top_k_ok { "pass" } else { "FAIL" });
     // Batch invariance: prompt 0 alone, then at position 5 of a batch of 16.
     let (_, alone) = greedy(&mut gpu, &prompts[0], 1, &table)?;
     let tables: Vec<Vec<u32>> = (0..16u32).map(|i| (64 + i * 40..64 + i * 40 + 40).collect()).collect();
@@ -205,7 +253,7 @@ pub fn equivalence(path: &std::path::Path, device: usize, label: &str) -> Res<Va
     let invariant = logits[5 * v..6 * v].iter().zip(&alone[0]).all(|(a, b)| a.to_bits() == b.to_bits());
     pass &= invariant;
     println!("  batch invariance (alone vs. 6th of 16): {}", if invariant { "pass (bit-identical)" } else { "FAIL" });
-    Ok(json!({"model": label, "cases": cases, "batch_invariant": invariant, "pass": pass}))
+    Ok(json!({"model": label, "cases": cases, "device_top_k": top_k_ok, "batch_invariant": invariant, "pass": pass}))
 }
 
 /// (e), with two GPUs or more: the synthetic model over two GPU ranks (NCCL) against one GPU,
@@ -425,7 +473,7 @@ mod on_the_emulator {
         let gpu = Gpu::open(0).unwrap();
         let (_, m) = synthetic_model("kernels");
         let report = kernels(&gpu, &m).unwrap();
-        assert!(report.len() >= 22, "{report:?}");
+        assert!(report.len() >= 24, "{report:?}");
         for e in &report {
             assert_eq!(e["pass"], json!(true), "{e}");
             assert_eq!(e["bit_exact"], json!(true), "{e}");
@@ -450,6 +498,7 @@ mod on_the_emulator {
         let r = equivalence(&path, 0, label).unwrap();
         assert_eq!(r["pass"], json!(true), "{r}");
         assert_eq!(r["batch_invariant"], json!(true), "{r}");
+        assert_eq!(r["device_top_k"], json!(true), "{r}");
         for c in r["cases"].as_array().unwrap() {
             assert_eq!(c["tokens_equal"], c["of"], "{c}");
             assert_eq!(c["logits_bit_exact"], json!(true), "{c}");

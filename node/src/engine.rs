@@ -12,7 +12,7 @@ use crate::error::{Result, WorkerError};
 use crate::backend::{self, Backend};
 use crate::model::{recycle, ForwardItem, Model, ModelConfig};
 use crate::grammar::Constraint;
-use crate::sampler::Sampler;
+use crate::sampler::{Pick, Picked, Sampler};
 use crate::scheduler::{Plan, Scheduler, SchedulerConfig, SeqId};
 use crate::step_time::{StallFree, StepShape, StepTimeModel};
 use crate::stop::StopChecker;
@@ -146,10 +146,10 @@ pub type StepHook = Box<dyn FnMut(&[SeqId]) -> Result<()> + Send>;
 struct StepBufs {
     plan: Plan,
     want: Vec<bool>,
-    /// Per logits row: whether its sequence samples greedily with no grammar (a device may pick
-    /// its token), and the tokens a device picked.
-    greedy: Vec<bool>,
-    tokens: Vec<u32>,
+    /// Per logits row: what a device may do of its draw (a sequence with a grammar: nothing),
+    /// and what it did.
+    picks: Vec<Pick>,
+    picked: Picked,
     items: Vec<ForwardItem<'static>>,
 }
 
@@ -351,10 +351,11 @@ impl Engine {
             it.completes && s.generated() < s.max_tokens
         }));
         let want = &*want;
-        bufs.greedy.clear();
+        bufs.picks.clear();
+        let vocab = self.backend.config().vocab_size;
         for (it, _) in plan.items.iter().zip(want).filter(|(_, &w)| w) {
             let st = self.states.get(&it.seq);
-            bufs.greedy.push(st.is_some_and(|st| st.constraint.is_none() && st.sampler.is_greedy()));
+            bufs.picks.push(st.filter(|st| st.constraint.is_none()).map_or(Pick::Host, |st| st.sampler.pick(vocab)));
         }
         let rows = {
             let mut items: Vec<ForwardItem<'_>> = recycle(std::mem::take(&mut bufs.items));
@@ -362,7 +363,7 @@ impl Engine {
                 let s = self.sched.get(it.seq).unwrap();
                 ForwardItem { tokens: &s.tokens[it.start..it.start + it.len], start_pos: it.start, block_table: &s.blocks, want_logits: w }
             }));
-            let rows = self.backend.forward_greedy(&items, &bufs.greedy, &mut self.logits, &mut bufs.tokens);
+            let rows = self.backend.forward_pick(&items, &bufs.picks, &mut self.logits, &mut bufs.picked);
             bufs.items = recycle(items);
             match rows {
                 Ok(rows) => rows,
@@ -375,7 +376,6 @@ impl Engine {
         };
         // Taken out for the sampling loop (which needs `&mut self`) and put back below.
         let logits_buf = std::mem::take(&mut self.logits);
-        let vocab = self.backend.config().vocab_size;
         out.tokens_computed = plan.items.iter().map(|it| it.len).sum();
         self.sched.on_computed(plan);
         self.pin_computed(plan);
@@ -396,11 +396,12 @@ impl Engine {
                 continue;
             }
             assert!(row < rows, "one logits row per wanted item");
-            // A token the device picked for a greedy row, else the host samples the row's logits.
-            let picked = if bufs.greedy[row] { bufs.tokens.get(row).copied() } else { None };
-            let r = match picked {
-                Some(tok) => self.on_picked(it.seq, tok, &mut out),
-                None => self.on_token(it.seq, &logits_buf[row * vocab..(row + 1) * vocab], &mut out),
+            // A token the device picked (greedy), or candidates it selected (top-k), else the
+            // host samples the row's logits.
+            let r = match bufs.picks[row] {
+                Pick::Greedy if bufs.picked.token(row).is_some() => self.on_picked(it.seq, bufs.picked.token(row).unwrap(), &mut out),
+                Pick::TopK { .. } if bufs.picked.candidates(row).is_some() => self.on_candidates(it.seq, bufs.picked.candidates(row).unwrap(), &mut out),
+                _ => self.on_token(it.seq, &logits_buf[row * vocab..(row + 1) * vocab], &mut out),
             };
             if let Err(e) = r {
                 self.fail(&[it.seq], &e, &mut out);
@@ -460,6 +461,14 @@ impl Engine {
     fn on_picked(&mut self, id: SeqId, tok: u32, out: &mut StepOutput) -> Result<()> {
         let st = self.states.get_mut(&id).expect("state for scheduled sequence");
         st.sampler.take_greedy(tok);
+        self.accept(id, tok, out)
+    }
+
+    /// The top-k candidates a device selected for a sequence with no grammar: the host draws
+    /// among them, as it would have from the whole row.
+    fn on_candidates(&mut self, id: SeqId, candidates: &[(u32, f32)], out: &mut StepOutput) -> Result<()> {
+        let st = self.states.get_mut(&id).expect("state for scheduled sequence");
+        let tok = st.sampler.sample_top_k(candidates);
         self.accept(id, tok, out)
     }
 

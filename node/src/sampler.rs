@@ -63,6 +63,19 @@ impl Sampler {
         token
     }
 
+    /// What a device may do of this sampler's next draw over a `vocab`-wide row with no
+    /// grammar: pick the argmax (greedy), or select the top-k candidates (at most
+    /// [`MAX_DEVICE_TOP_K`] of them, fewer than the vocabulary) for [`Sampler::sample_top_k`].
+    pub fn pick(&self, vocab: usize) -> Pick {
+        if self.is_greedy() {
+            Pick::Greedy
+        } else if self.top_k <= MAX_DEVICE_TOP_K && self.top_k < vocab {
+            Pick::TopK { k: self.top_k as u32, inv_t: 1.0 / self.temperature }
+        } else {
+            Pick::Host
+        }
+    }
+
     pub fn sample(&mut self, logits: &[f32], allowed: Option<&[u32]>) -> u32 {
         let step = self.step;
         self.step += 1;
@@ -82,11 +95,29 @@ impl Sampler {
         if c.is_empty() {
             return argmax(logits);
         }
-        let by_desc = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
         if self.top_k < c.len() {
             c.select_nth_unstable_by(self.top_k - 1, by_desc);
             c.truncate(self.top_k);
         }
+        self.draw(step)
+    }
+
+    /// The draw [`Sampler::sample`] makes, from the top-k `candidates` a device selected (what
+    /// [`Pick::TopK`] asked for: token and logit × `inv_t`, in any order): the same candidates,
+    /// so the same token, bit for bit.
+    pub fn sample_top_k(&mut self, candidates: &[(u32, f32)]) -> u32 {
+        debug_assert_eq!(candidates.len(), self.top_k);
+        let step = self.step;
+        self.step += 1;
+        self.candidates.clear();
+        self.candidates.extend_from_slice(candidates);
+        self.draw(step)
+    }
+
+    /// Softmax, top-p and the seeded draw over `self.candidates` (temperature applied, top-k
+    /// already taken).
+    fn draw(&mut self, step: u64) -> u32 {
+        let c = &mut self.candidates;
         c.sort_unstable_by(by_desc);
         let max = c[0].1;
         let mut sum = 0f32;
@@ -115,6 +146,68 @@ impl Sampler {
             }
         }
         c[keep - 1].0
+    }
+}
+
+/// The candidates' order: larger (scaled) logit first by `total_cmp`, ties to the lower token.
+/// A total order, so the top k of a row are one set whoever selects them.
+fn by_desc(a: &(u32, f32), b: &(u32, f32)) -> std::cmp::Ordering {
+    b.1.total_cmp(&a.1).then(a.0.cmp(&b.0))
+}
+
+/// The `k` first of `logit × inv_t` over `logits` in [`by_desc`]'s order, in that order: what a
+/// device returns for [`Pick::TopK`] (its kernels are checked against this).
+pub fn select_top_k(logits: &[f32], k: usize, inv_t: f32) -> Vec<(u32, f32)> {
+    let mut c: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, &l)| (i as u32, l * inv_t)).collect();
+    if k < c.len() {
+        c.select_nth_unstable_by(k - 1, by_desc);
+        c.truncate(k);
+    }
+    c.sort_unstable_by(by_desc);
+    c
+}
+
+/// The most candidates a device selects for [`Pick::TopK`] (more are sampled on the host).
+pub const MAX_DEVICE_TOP_K: usize = 256;
+
+/// How much of a row's next draw a device may make.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Pick {
+    /// The host samples the row's logits (a grammar, or more candidates than a device selects).
+    Host,
+    /// The argmax: a device may pick the token itself.
+    Greedy,
+    /// The `k` first of the row's `logit × inv_t` in [`by_desc`]'s order: a device may select
+    /// them, and the host draws among them ([`Sampler::sample_top_k`]).
+    TopK { k: u32, inv_t: f32 },
+}
+
+/// What a device did of a step's picks: for each logits row, the token of a `Greedy` row
+/// (`tokens`, empty if the device picked none) and the candidates of a `TopK` row
+/// (`candidates[ranges[row].0..][..ranges[row].1]`; `ranges` empty if it selected none).
+#[derive(Default, Debug)]
+pub struct Picked {
+    pub tokens: Vec<u32>,
+    pub candidates: Vec<(u32, f32)>,
+    pub ranges: Vec<(usize, usize)>,
+}
+
+impl Picked {
+    pub fn clear(&mut self) {
+        self.tokens.clear();
+        self.candidates.clear();
+        self.ranges.clear();
+    }
+
+    /// The token a device picked for `row`, if it did.
+    pub fn token(&self, row: usize) -> Option<u32> {
+        self.tokens.get(row).copied()
+    }
+
+    /// The candidates a device selected for `row`, if it did.
+    pub fn candidates(&self, row: usize) -> Option<&[(u32, f32)]> {
+        let &(at, n) = self.ranges.get(row)?;
+        (n > 0).then(|| &self.candidates[at..at + n])
     }
 }
 
@@ -215,6 +308,31 @@ mod tests {
         top.sort_by(|&i, &j| logits[j as usize].total_cmp(&logits[i as usize]));
         assert!(xs.iter().all(|x| top[..2].contains(x)));
         assert!(xs.contains(&top[0]) && xs.contains(&top[1]));
+    }
+
+    /// Drawing from the top-k candidates (as a device selects them, in any order) gives what
+    /// sampling the whole row gives, step by step, ties included.
+    #[test]
+    fn sampling_from_selected_candidates_equals_sampling_the_row() {
+        let mut logits: Vec<f32> = (0..500).map(|i| ((i * 7919 % 1000) as f32 * 0.013).sin() * 4.0).collect();
+        logits[17] = logits[300]; // a tie across the cut
+        logits[40] = -0.0;
+        logits[41] = 0.0;
+        for (t, k, p) in [(0.7f32, 40u32, None), (1.3, 5, Some(0.8)), (1.0, 256, Some(0.95)), (0.2, 2, None)] {
+            let params = SamplingParams { temperature: t, top_k: Some(k), top_p: p, seed: Some(99), ..Default::default() };
+            let (mut whole, mut picked) = (Sampler::new(&params, 3), Sampler::new(&params, 3));
+            let Pick::TopK { k, inv_t } = picked.pick(logits.len()) else { panic!("top-k {k} is a device pick") };
+            let mut c = select_top_k(&logits, k as usize, inv_t);
+            assert_eq!(c.len(), k as usize);
+            c.reverse(); // any order
+            for _ in 0..20 {
+                assert_eq!(whole.sample(&logits, None), picked.sample_top_k(&c));
+            }
+        }
+        let many = Sampler::new(&SamplingParams { temperature: 1.0, top_k: Some(1000), ..Default::default() }, 0);
+        assert_eq!(many.pick(50_000), Pick::Host);
+        assert_eq!(Sampler::new(&SamplingParams { temperature: 1.0, ..Default::default() }, 0).pick(50_000), Pick::Host);
+        assert_eq!(Sampler::new(&SamplingParams::greedy(1), 0).pick(50_000), Pick::Greedy);
     }
 
     #[test]

@@ -350,6 +350,61 @@ extern "C" __global__ void argmax_rows(const float* logits, int vocab, int* out)
     if (threadIdx.x == 0) out[blockIdx.x] = bi[0];
 }
 
+// sampler::by_desc's order on a logit × 1/temperature: f32::total_cmp's key (larger first), then
+// the lower index. `before(a, b)`: a comes first.
+__device__ __forceinline__ int total_key(float v) {
+    int b = __float_as_int(v);
+    return b ^ (int)(((unsigned)(b >> 31)) >> 1);
+}
+__device__ __forceinline__ bool before(int ka, int ia, int kb, int ib) { return ka > kb || (ka == kb && ia < ib); }
+
+// Top-k selection for sampling: for row r, logits row rows[r], the ks[r] first values of
+// logit × inv_ts[r] in that order (a total order, so exactly the set the host's selection
+// takes), written to out_i / out_v[r * kmax ..], in order. One block per row, 256 threads; k
+// rounds, each a block-wide search for the first value after the previous round's pick.
+extern "C" __global__ void top_k_rows(const float* logits, int vocab, const int* rows, const int* ks, const float* inv_ts, int kmax, int* out_i, float* out_v) {
+    __shared__ int bk[256];
+    __shared__ int bi[256];
+    __shared__ int prev_k, prev_i;
+    int r = blockIdx.x, tid = threadIdx.x;
+    const float* l = logits + (size_t)rows[r] * vocab;
+    int k = ks[r];
+    float inv_t = inv_ts[r];
+    if (tid == 0) {
+        prev_k = 0x7fffffff;  // before everything
+        prev_i = -1;
+    }
+    __syncthreads();
+    for (int round = 0; round < k; round++) {
+        int pk = prev_k, pi = prev_i;
+        int best_k = -0x7fffffff - 1, best_i = 0x7fffffff;  // after everything
+        for (int i = tid; i < vocab; i += blockDim.x) {
+            int key = total_key(__fmul_rn(l[i], inv_t));
+            if (before(pk, pi, key, i) && before(key, i, best_k, best_i)) {
+                best_k = key;
+                best_i = i;
+            }
+        }
+        bk[tid] = best_k;
+        bi[tid] = best_i;
+        __syncthreads();
+        for (int w = blockDim.x / 2; w > 0; w /= 2) {
+            if (tid < w && before(bk[tid + w], bi[tid + w], bk[tid], bi[tid])) {
+                bk[tid] = bk[tid + w];
+                bi[tid] = bi[tid + w];
+            }
+            __syncthreads();
+        }
+        if (tid == 0) {
+            out_i[(size_t)r * kmax + round] = bi[0];
+            out_v[(size_t)r * kmax + round] = __fmul_rn(l[bi[0]], inv_t);
+            prev_k = bk[0];
+            prev_i = bi[0];
+        }
+        __syncthreads();
+    }
+}
+
 // Device memory bandwidth reference for gpu-check (d): dst = src.
 extern "C" __global__ void copy_f32(const float* src, float* dst, size_t n) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) dst[i] = src[i];

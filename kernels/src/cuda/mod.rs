@@ -82,7 +82,7 @@ mod tests {
         }
         for arch in ["compute_90", "compute_80"] {
             let ptx = super::compile(arch).unwrap_or_else(|e| panic!("{e}"));
-            for k in ["embed_rows", "embed_rows_f32", "rms_norm", "quantize_act", "matmul_q", "matmul_q_tiled", "matmul_f32", "qkv_rope_store", "attention", "silu_mul", "add_assign", "argmax_rows", "copy_f32", "sum_ranks"] {
+            for k in ["embed_rows", "embed_rows_f32", "rms_norm", "quantize_act", "matmul_q", "matmul_q_tiled", "matmul_f32", "qkv_rope_store", "attention", "silu_mul", "add_assign", "argmax_rows", "top_k_rows", "copy_f32", "sum_ranks"] {
                 assert!(ptx.contains(&format!(".entry {k}(")), "{arch}: kernel {k} missing from the PTX");
             }
             assert!(ptx.contains(&format!(".target sm_{}", &arch[8..])), "{arch}: PTX target");

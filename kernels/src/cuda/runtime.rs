@@ -85,6 +85,7 @@ struct Kernels {
     silu_mul: CudaFunction,
     add_assign: CudaFunction,
     argmax_rows: CudaFunction,
+    top_k_rows: CudaFunction,
     copy_f32: CudaFunction,
     sum_ranks: CudaFunction,
 }
@@ -213,6 +214,7 @@ impl Gpu {
             silu_mul: f("silu_mul")?,
             add_assign: f("add_assign")?,
             argmax_rows: f("argmax_rows")?,
+            top_k_rows: f("top_k_rows")?,
             copy_f32: f("copy_f32")?,
             sum_ranks: f("sum_ranks")?,
         };
@@ -440,6 +442,18 @@ impl Gpu {
         b.arg(logits).arg(&v).arg(out);
         // SAFETY: logits is n_rows × vocab, out n_rows; 256 threads as the kernel's arrays.
         unsafe { b.launch(cfg((n_rows as u32, 1, 1), 256)) }?;
+        Ok(())
+    }
+
+    /// For `n` rows (`rows.0[r]`: which logits row), the `rows.1[r]` first of logit ×
+    /// `rows.2[r]` in the sampler's order (see `kernels.cu`), at `out.*[r * kmax..]`.
+    pub fn top_k(&self, logits: &CudaSlice<f32>, vocab: usize, rows: (&CudaSlice<i32>, &CudaSlice<i32>, &CudaSlice<f32>), n: usize, kmax: usize, out: (&mut CudaSlice<i32>, &mut CudaSlice<f32>)) -> R<()> {
+        let (v, km) = (vocab as i32, kmax as i32);
+        let mut b = self.stream.launch_builder(&self.k.top_k_rows);
+        b.arg(logits).arg(&v).arg(rows.0).arg(rows.1).arg(rows.2).arg(&km).arg(out.0).arg(out.1);
+        // SAFETY: signature as in `kernels.cu`; the row indices are below the logits' rows, each
+        // k ≤ kmax and below the vocabulary, out holds n × kmax; 256 threads as its arrays.
+        unsafe { b.launch(cfg((n as u32, 1, 1), 256)) }?;
         Ok(())
     }
 

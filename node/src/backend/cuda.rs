@@ -15,6 +15,7 @@ use super::tensor_parallel::TensorParallel;
 use crate::model::shard::ShardPlan;
 use crate::error::{Result, WorkerError};
 use crate::model::{ForwardItem, KvCache, Model, ModelConfig};
+use crate::sampler::{Pick, Picked};
 
 struct Layer {
     attn_norm: CudaSlice<f32>,
@@ -47,6 +48,16 @@ struct Scratch {
     last: CudaSlice<i32>,
     /// Each row's greedy token (device sampling).
     picked: CudaSlice<i32>,
+    /// Top-k selection: the rows, their k and 1/temperature, and the candidates (`kmax` a row).
+    topk: TopKScratch,
+}
+
+struct TopKScratch {
+    rows: CudaSlice<i32>,
+    k: CudaSlice<i32>,
+    inv_t: CudaSlice<f32>,
+    idx: CudaSlice<i32>,
+    val: CudaSlice<f32>,
 }
 
 /// A model on one GPU (module docs).
@@ -167,6 +178,7 @@ impl Cuda {
             table_at: gpu.zeros(1).map_err(&e)?,
             last: gpu.zeros(1).map_err(&e)?,
             picked: gpu.zeros(1).map_err(&e)?,
+            topk: TopKScratch { rows: gpu.zeros(1).map_err(&e)?, k: gpu.zeros(1).map_err(&e)?, inv_t: gpu.zeros(1).map_err(&e)?, idx: gpu.zeros(1).map_err(&e)?, val: gpu.zeros(1).map_err(&e)? },
         };
         let geometry = KvGeometry { block_size, num_blocks, block_bytes: per_block, bytes: per_block * num_blocks };
         Ok(Cuda { gpu, cfg, shard_cfg, group, rank, embed, output, norm, layers, cos, sin, half_split, max_pos, k, v, geometry, weight_bytes, s })
@@ -180,7 +192,7 @@ impl Cuda {
     /// One step on the device: the CPU forward's sequence of operations (see
     /// `Model::forward_into`). The logits come back to `logits` when `want_logits`; each row's
     /// argmax to `tokens` when given.
-    fn run(&mut self, rows: &StepRows, logits: &mut Vec<f32>, want_logits: bool, tokens: Option<&mut Vec<u32>>) -> std::result::Result<usize, zerolayer_kernels::cuda::GpuError> {
+    fn run(&mut self, rows: &StepRows, logits: &mut Vec<f32>, picks: &[Pick], picked: &mut Picked) -> std::result::Result<usize, zerolayer_kernels::cuda::GpuError> {
         let (g, s, c) = (&self.gpu, &mut self.s, &self.shard_cfg);
         g.bind()?;
         let t = rows.tokens.len();
@@ -238,12 +250,15 @@ impl Cuda {
             g.rms_norm(&s.x, Some(&s.last), n_last, &self.norm, c.rms_eps, d, &mut s.h)?;
             g.ensure(&mut s.logits, n_last * vocab)?;
             g.matmul(&self.output, &s.h, n_last, &mut s.act, &mut s.logits)?;
-            if let Some(tokens) = tokens {
+            // Greedy rows' tokens and top-k rows' candidates come from the device; the logits
+            // come back only if a row is sampled on the host (or the caller asked for them).
+            if picks.contains(&Pick::Greedy) {
                 g.ensure(&mut s.picked, n_last)?;
                 g.argmax(&s.logits, n_last, vocab, &mut s.picked)?;
-                *tokens = g.download(&s.picked, n_last)?.into_iter().map(|t| t as u32).collect();
+                picked.tokens = g.download(&s.picked, n_last)?.into_iter().map(|t| t as u32).collect();
             }
-            if want_logits {
+            select_top_k(g, &s.logits, vocab, picks, &mut s.topk, picked)?;
+            if picks.is_empty() || picks.contains(&Pick::Host) {
                 *logits = g.download(&s.logits, n_last * vocab)?;
             } else {
                 logits.clear();
@@ -251,6 +266,40 @@ impl Cuda {
         }
         Ok(n_last)
     }
+}
+
+/// The top-k candidates of every `TopK` row of `logits` (n rows × vocab), selected on the device
+/// and brought back as `picked`'s candidates (nothing when no row is `TopK`).
+fn select_top_k(g: &Gpu, logits: &CudaSlice<f32>, vocab: usize, picks: &[Pick], s: &mut TopKScratch, picked: &mut Picked) -> std::result::Result<(), zerolayer_kernels::cuda::GpuError> {
+    let (mut rows, mut ks, mut inv_ts) = (Vec::new(), Vec::new(), Vec::new());
+    for (r, p) in picks.iter().enumerate() {
+        if let Pick::TopK { k, inv_t } = *p {
+            rows.push(r as i32);
+            ks.push(k as i32);
+            inv_ts.push(inv_t);
+        }
+    }
+    if rows.is_empty() {
+        return Ok(());
+    }
+    let kmax = ks.iter().copied().max().unwrap_or(1) as usize;
+    let n = rows.len();
+    for (buf, host) in [(&mut s.rows, &rows), (&mut s.k, &ks)] {
+        g.ensure(buf, n)?;
+        g.write_at(host, buf, 0)?;
+    }
+    g.ensure(&mut s.inv_t, n)?;
+    g.write_at(&inv_ts, &mut s.inv_t, 0)?;
+    g.ensure(&mut s.idx, n * kmax)?;
+    g.ensure(&mut s.val, n * kmax)?;
+    g.top_k(logits, vocab, (&s.rows, &s.k, &s.inv_t), n, kmax, (&mut s.idx, &mut s.val))?;
+    let (idx, val) = (g.download(&s.idx, n * kmax)?, g.download(&s.val, n * kmax)?);
+    picked.ranges = vec![(0, 0); picks.len()];
+    for (j, (&r, &k)) in rows.iter().zip(&ks).enumerate() {
+        picked.ranges[r as usize] = (picked.candidates.len(), k as usize);
+        picked.candidates.extend((0..k as usize).map(|i| (idx[j * kmax + i] as u32, val[j * kmax + i])));
+    }
+    Ok(())
 }
 
 /// A worker over the GPUs `devices`, one tensor-parallel rank each, summing through NCCL: every
@@ -325,19 +374,19 @@ impl Backend for Cuda {
     }
     fn forward_into(&mut self, items: &[ForwardItem<'_>], logits: &mut Vec<f32>) -> Result<usize> {
         // No greedy rows: every row's logits come back.
-        self.forward_greedy(items, &[], logits, &mut Vec::new())
+        self.forward_pick(items, &[], logits, &mut Picked::default())
     }
-    fn forward_greedy(&mut self, items: &[ForwardItem<'_>], greedy: &[bool], logits: &mut Vec<f32>, tokens: &mut Vec<u32>) -> Result<usize> {
+    fn forward_pick(&mut self, items: &[ForwardItem<'_>], picks: &[Pick], logits: &mut Vec<f32>, picked: &mut Picked) -> Result<usize> {
         let rows = step_rows(items, self.max_pos, self.geometry.block_size, self.geometry.num_blocks, self.cfg.vocab_size)?;
-        tokens.clear();
+        picked.clear();
         if rows.tokens.is_empty() {
             return Ok(0);
         }
-        // Greedy rows' tokens come from the device; the logits come back only if a row needs them.
-        let all_greedy = !greedy.is_empty() && greedy.iter().all(|&g| g);
-        let pick = greedy.iter().any(|&g| g).then_some(tokens);
+        if !picks.is_empty() && picks.len() != rows.last.len() {
+            return Err(WorkerError::Invalid(format!("{} picks for {} logits rows", picks.len(), rows.last.len())));
+        }
         let ordinal = self.gpu.ordinal;
-        self.run(&rows, logits, !all_greedy, pick).map_err(gpu_err(ordinal))
+        self.run(&rows, logits, picks, picked).map_err(gpu_err(ordinal))
     }
     fn read_block(&self, b: u32, out: &mut Vec<u8>) {
         let be = self.geometry.block_size * self.shard_cfg.kv_dim();

@@ -3,6 +3,7 @@
 
 use crate::error::{Result, WorkerError};
 use crate::model::{ForwardItem, ModelConfig};
+use crate::sampler::{Pick, Picked};
 
 /// The shape of a backend's KV cache.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -26,14 +27,14 @@ pub trait Backend: Send {
     /// of the last token of every item with `want_logits` into `logits` (rows × vocabulary),
     /// returning the number of rows.
     fn forward_into(&mut self, items: &[ForwardItem<'_>], logits: &mut Vec<f32>) -> Result<usize>;
-    /// [`Backend::forward_into`], where row `i` may be sampled greedily (`greedy[i]`, one flag per
-    /// logits row): a backend that can pick those tokens itself fills `tokens` with every row's
-    /// argmax (the first index of the largest logit) and may then leave `logits` empty when every
-    /// row is greedy, sparing the logits' trip to the host. The default leaves `tokens` empty and
-    /// fills `logits`, and the host samples.
-    fn forward_greedy(&mut self, items: &[ForwardItem<'_>], greedy: &[bool], logits: &mut Vec<f32>, tokens: &mut Vec<u32>) -> Result<usize> {
-        let _ = greedy;
-        tokens.clear();
+    /// [`Backend::forward_into`], where a device may make part of each logits row's draw
+    /// (`picks[i]`, one per row): a backend that can fills `picked` with the argmax of `Greedy`
+    /// rows and the top-k candidates of `TopK` rows (see [`Picked`]), and fills `logits` only
+    /// when some row is `Host`, sparing the logits' trip to the host otherwise. The default
+    /// picks nothing and fills `logits`, and the host samples every row.
+    fn forward_pick(&mut self, items: &[ForwardItem<'_>], picks: &[Pick], logits: &mut Vec<f32>, picked: &mut Picked) -> Result<usize> {
+        let _ = picks;
+        picked.clear();
         self.forward_into(items, logits)
     }
     /// Appends block `b` in the common layout (see [`crate::backend`]) to `out`.

@@ -17,6 +17,7 @@ use zerolayer_kernels::collective::thread_group;
 use super::cpu::Cpu;
 use super::step::{Backend, KvGeometry};
 use crate::error::{Result, WorkerError};
+use crate::sampler::{Pick, Picked};
 use crate::model::shard::ShardPlan;
 use crate::model::{ForwardItem, KvCache, Model, ModelConfig};
 
@@ -206,9 +207,9 @@ impl Backend for TensorParallel {
     fn forward_into(&mut self, items: &[ForwardItem<'_>], logits: &mut Vec<f32>) -> Result<usize> {
         self.step(items, |lead| lead.forward_into(items, logits))
     }
-    fn forward_greedy(&mut self, items: &[ForwardItem<'_>], greedy: &[bool], logits: &mut Vec<f32>, tokens: &mut Vec<u32>) -> Result<usize> {
-        // Rank 0 computes the logits, so it picks the greedy tokens too.
-        self.step(items, |lead| lead.forward_greedy(items, greedy, logits, tokens))
+    fn forward_pick(&mut self, items: &[ForwardItem<'_>], picks: &[Pick], logits: &mut Vec<f32>, picked: &mut Picked) -> Result<usize> {
+        // Rank 0 computes the logits, so it picks too.
+        self.step(items, |lead| lead.forward_pick(items, picks, logits, picked))
     }
     fn read_block(&self, b: u32, out: &mut Vec<u8>) {
         let mut parts = vec![Vec::new()];

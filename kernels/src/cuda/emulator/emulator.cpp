@@ -127,7 +127,7 @@ void trampoline(void* p) {
 }
 
 // The kernels that call __syncthreads().
-const char* const SYNCHRONIZING[] = {"rms_norm", "matmul_q_tiled", "qkv_rope_store", "attention", "argmax_rows"};
+const char* const SYNCHRONIZING[] = {"rms_norm", "matmul_q_tiled", "qkv_rope_store", "attention", "argmax_rows", "top_k_rows"};
 
 template <typename... A>
 int launch(const char* name, void (*kernel)(A...), dim3 grid, dim3 block, void** params, const size_t* sizes, size_t n) {
@@ -180,6 +180,7 @@ extern "C" int zl_emu_launch(const char* name, unsigned gx, unsigned gy, unsigne
     KERNEL(silu_mul);
     KERNEL(add_assign);
     KERNEL(argmax_rows);
+    KERNEL(top_k_rows);
     KERNEL(copy_f32);
     KERNEL(sum_ranks);
     return 1;
@@ -188,7 +189,7 @@ extern "C" int zl_emu_launch(const char* name, unsigned gx, unsigned gy, unsigne
 // Whether `name` is a kernel of kernels.cu (the emulator's load_function).
 extern "C" int zl_emu_has_kernel(const char* name) {
     const char* all[] = {"embed_rows", "embed_rows_f32", "rms_norm", "quantize_act", "matmul_q", "matmul_q_tiled", "matmul_f32", "qkv_rope_store",
-                         "attention", "silu_mul", "add_assign", "argmax_rows", "copy_f32", "sum_ranks"};
+                         "attention", "silu_mul", "add_assign", "argmax_rows", "top_k_rows", "copy_f32", "sum_ranks"};
     for (const char* k : all)
         if (std::strcmp(name, k) == 0) return 1;
     return 0;

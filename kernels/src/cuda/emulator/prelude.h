@@ -40,6 +40,11 @@ inline float __int_as_float(int i) {
     std::memcpy(&f, &i, 4);
     return f;
 }
+inline int __float_as_int(float f) {
+    int i;
+    std::memcpy(&i, &f, 4);
+    return i;
+}
 inline double __longlong_as_double(long long i) {
     double d;
     std::memcpy(&d, &i, 8);
