@@ -1,7 +1,12 @@
 """llama.cpp (llama-cpp-python) on the same GGUF: batch-1 decode, prompt-processing, and
 batched decode (N sequences stepped together through llama_decode, as llama-batched-bench does).
 
-Usage: python scripts/bench_llamacpp.py MODEL.gguf THREADS [SEQS]  -> prints one JSON object.
+Usage: python scripts/bench_llamacpp.py MODEL.gguf THREADS [SEQS [PROMPT GEN]]  -> prints one JSON object.
+
+Batched decode runs twice: at llama-batched-bench's short shape (32-token prompts, 64 steps:
+`batchedN_decode_tps`) and, when PROMPT and GEN are given, at the shape of our HTTP benchmark's
+short streams (`batchedN_at_shape_decode_tps`, e.g. 110-token prompts and 256 steps), so the
+16-stream comparison can be read at the same contexts on both sides.
 """
 import ctypes
 import json
@@ -38,7 +43,7 @@ def prefill(n):
 
 
 def batched_decode(n_seq, n_prompt, n_gen):
-    """n_seq sequences with distinct 32-token prompts, then n_gen greedy steps in which one
+    """n_seq sequences with distinct n_prompt-token prompts, then n_gen greedy steps in which one
     llama_decode call advances every sequence by one token. Returns aggregate decode tokens/s."""
     cparams = llama_cpp.llama_context_default_params()
     cparams.n_ctx = n_seq * (n_prompt + n_gen + 8)
@@ -89,4 +94,8 @@ decode(32, 8)  # warm-up
 out = {"threads": threads, "batch1_decode_tps": decode(32, 128), "prefill_tps": prefill(512), "prefill_1400_tps": prefill(1400)}
 batched_decode(2, 16, 4)  # warm-up
 out[f"batched{seqs}_decode_tps"] = batched_decode(seqs, 32, 64)
+if len(sys.argv) > 5:
+    n_prompt, n_gen = int(sys.argv[4]), int(sys.argv[5])
+    out[f"batched{seqs}_at_shape_decode_tps"] = batched_decode(seqs, n_prompt, n_gen)
+    out["shape"] = {"prompt_tokens": n_prompt, "generated": n_gen}
 print(json.dumps(out))
