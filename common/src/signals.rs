@@ -41,6 +41,10 @@ pub struct WorkerSignals {
     pub tokens_per_second: f32,
     /// Milliseconds since the worker started, at the time of this snapshot.
     pub at_ms: u64,
+    /// The worker can run nothing (its backend is gone: a lost tensor-parallel rank); placement
+    /// skips it.
+    #[serde(default)]
+    pub unavailable: bool,
 }
 
 /// A change in a worker's prefix cache, by block hash.

@@ -126,6 +126,8 @@ impl From<WorkerError> for ApiError {
             }
             WorkerError::QueueFull(_) => ApiError::Overloaded("Overloaded: the worker's queue is full; retry later".into()),
             WorkerError::ShuttingDown => ApiError::Overloaded("Overloaded: the server is shutting down".into()),
+            // Placement skips such a worker once its signals say so; until then, the next one.
+            WorkerError::Unavailable(m) => ApiError::Overloaded(format!("Overloaded: the worker is unavailable ({m})")),
             WorkerError::Invalid(m) => ApiError::invalid(m),
             WorkerError::Grammar(m) => ApiError::invalid(m),
             WorkerError::Template(m) => ApiError::invalid(format!("chat template: {m}")),

@@ -73,7 +73,11 @@ impl Node {
                 pinned_kv_share: wc.pinned_kv_share,
             };
             let (tokenizer, template) = (loaded.tokenizer.clone(), loaded.template.clone());
-            let backend = zerolayer_worker::backend::open(wc, loaded.model)?;
+            let backend = if wc.rank_nodes.is_empty() {
+                zerolayer_worker::backend::open(wc, loaded.model)?
+            } else {
+                crate::cluster::rank::lead::open_group(&config, node_id, wc, loaded.model).await?
+            };
             tracing::info!(worker = %wc.id, backend = %backend.describe(), "worker backend");
             let engine = Engine::with_backend(backend, loaded.tokenizer, &ecfg)?;
             let room = engine.max_sequence_tokens();

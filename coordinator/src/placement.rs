@@ -45,6 +45,8 @@ pub struct RequestSummary {
 #[serde(rename_all = "snake_case")]
 pub enum Skip {
     NotReady,
+    /// The worker's backend is gone (its signals say `unavailable`).
+    Unavailable,
     QueueFull,
     Memory,
     KvSpace,
@@ -88,6 +90,9 @@ fn memory_ratio(w: &WorkerView) -> f64 {
 fn filter(w: &WorkerView, req: &RequestSummary, cached: usize, cfg: &PlacementConfig) -> Option<Skip> {
     if w.state != NodeState::Ready {
         return Some(Skip::NotReady);
+    }
+    if w.signals.unavailable {
+        return Some(Skip::Unavailable);
     }
     if w.signals.waiting >= w.max_waiting {
         return Some(Skip::QueueFull);
@@ -246,6 +251,7 @@ mod tests {
             (|w| w.state = NodeState::Draining, Skip::NotReady),
             (|w| w.state = NodeState::Dead, Skip::NotReady),
             (|w| w.state = NodeState::Joining, Skip::NotReady),
+            (|w| w.signals.unavailable = true, Skip::Unavailable),
             (|w| w.signals.waiting = 8, Skip::QueueFull),
             (|w| w.signals.memory_used_bytes = 990, Skip::Memory),
             (|w| w.signals.kv_blocks_free = 4, Skip::KvSpace), // needs 1 uncached block + 4 headroom

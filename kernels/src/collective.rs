@@ -20,9 +20,23 @@ pub trait Collective: Send {
     /// Ranks in the group.
     fn size(&self) -> usize;
     /// Replaces `buf` on every rank with the elementwise sum over ranks, in rank order. Every
-    /// rank calls it with a buffer of the same length, in the same sequence of calls.
-    fn all_reduce_sum(&mut self, buf: &mut [f32]);
+    /// rank calls it with a buffer of the same length, in the same sequence of calls. A group
+    /// whose ranks talk over a network can lose one: that is an error, and the group is then
+    /// unusable (every later call fails too).
+    fn all_reduce_sum(&mut self, buf: &mut [f32]) -> Result<(), CollectiveError>;
 }
+
+/// A group that can no longer sum: a rank is gone, or sent what no rank of this group sends.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CollectiveError(pub String);
+
+impl std::fmt::Display for CollectiveError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "tensor-parallel group: {}", self.0)
+    }
+}
+
+impl std::error::Error for CollectiveError {}
 
 /// The group of one: nothing to reduce.
 pub struct Solo;
@@ -34,7 +48,9 @@ impl Collective for Solo {
     fn size(&self) -> usize {
         1
     }
-    fn all_reduce_sum(&mut self, _buf: &mut [f32]) {}
+    fn all_reduce_sum(&mut self, _buf: &mut [f32]) -> Result<(), CollectiveError> {
+        Ok(())
+    }
 }
 
 /// Sums `parts` (one slice per rank, equal lengths) into `out` in rank order: the reduction
@@ -81,10 +97,10 @@ impl Collective for ThreadCollective {
     fn size(&self) -> usize {
         self.shared.slots.len()
     }
-    fn all_reduce_sum(&mut self, buf: &mut [f32]) {
+    fn all_reduce_sum(&mut self, buf: &mut [f32]) -> Result<(), CollectiveError> {
         let s = &*self.shared;
         if s.slots.len() == 1 {
-            return;
+            return Ok(());
         }
         {
             let mut mine = s.slots[self.rank].write().expect("slot lock");
@@ -101,6 +117,7 @@ impl Collective for ThreadCollective {
         buf.copy_from_slice(&self.sum);
         // ...and read by every rank before any slot is written again.
         s.barrier.wait();
+        Ok(())
     }
 }
 
@@ -122,7 +139,7 @@ mod tests {
                             for len in [1usize, 7, 1000, 3] {
                                 let r = c.rank() as f32;
                                 let mut buf: Vec<f32> = (0..len).map(|i| 0.1 * (i as f32 + 1.0) + r * 1e-3 + 1e7 * (r % 2.0)).collect();
-                                c.all_reduce_sum(&mut buf);
+                                c.all_reduce_sum(&mut buf).unwrap();
                                 outs.push(buf);
                             }
                             outs
@@ -149,7 +166,7 @@ mod tests {
         }
         let mut solo = Solo;
         let mut b = vec![1.5f32, -2.0];
-        solo.all_reduce_sum(&mut b);
+        solo.all_reduce_sum(&mut b).unwrap();
         assert_eq!(b, [1.5, -2.0]);
     }
 }

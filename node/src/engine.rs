@@ -134,6 +134,8 @@ pub struct Engine {
     /// Events decided outside a step (a resumed sequence that had already ended), sent with
     /// the next step's.
     pending: Vec<(SeqId, SeqEvent)>,
+    /// Set once the backend is gone (a lost rank): no sequence is admitted any more.
+    unavailable: Option<String>,
 }
 
 /// Runs at the start of every step that computes something, on the engine thread, with the
@@ -196,6 +198,7 @@ impl Engine {
                 max_batch_tokens: cfg.max_batch_tokens,
             },
             pending: Vec::new(),
+            unavailable: None,
         })
     }
 
@@ -253,6 +256,9 @@ impl Engine {
     /// [`Engine::add_shared`], keeping the prompt prefixes `pins` names cached for their TTLs
     /// (each pin, or a later request's, refreshes them) inside the pinned share of the KV.
     pub fn add_pinned(&mut self, id: SeqId, prompt: Vec<u32>, generated: Vec<u32>, params: SamplingParams, share: Share, pins: Vec<CachePin>) -> Result<()> {
+        if let Some(why) = &self.unavailable {
+            return Err(WorkerError::Unavailable(why.clone()));
+        }
         if !CachePin::all_valid(&pins, prompt.len()) {
             return Err(WorkerError::Invalid(format!("cache pins {pins:?} are outside the limits")));
         }
@@ -435,10 +441,26 @@ impl Engine {
 
     /// Ends `ids` with an error (their step failed); every other sequence goes on.
     fn fail(&mut self, ids: &[SeqId], e: &WorkerError, out: &mut StepOutput) {
+        if let WorkerError::Unavailable(why) = e {
+            // Nothing more runs here: every sequence, in this step or not, is handed back.
+            tracing::error!(error = %e, sequences = self.states.len(), "the backend is gone; every sequence ends Lost, to be continued elsewhere");
+            self.unavailable = Some(why.clone());
+            let all: Vec<SeqId> = self.states.keys().copied().collect();
+            for id in all {
+                self.finish(id, StopReason::Lost(format!("worker unavailable: {why}")), out);
+            }
+            return;
+        }
         tracing::error!(error = %e, sequences = ids.len(), "engine step failed; failing its sequences");
         for &id in ids {
             self.finish(id, StopReason::Error(e.to_string()), out);
         }
+    }
+
+    /// Why this engine can run no more steps, once its backend is gone (see
+    /// [`WorkerError::Unavailable`]).
+    pub fn unavailable(&self) -> Option<&str> {
+        self.unavailable.as_deref()
     }
 
     /// The per-token path, written once: sample, detokenize, check stop sequences, the end
@@ -523,6 +545,7 @@ impl Engine {
             // plus the KV blocks sequences hold, against weights plus the whole (preallocated)
             // KV pool.
             memory_used_bytes: device.map_or((self.backend.weight_bytes() + self.backend.kv().bytes / kv.total.max(1) * (kv.total - kv.free)) as u64, |d| d.0),
+            unavailable: self.unavailable.is_some(),
             memory_limit_bytes: device.map_or((self.backend.weight_bytes() + self.backend.kv().bytes) as u64, |d| d.1),
             running: self.sched.num_running() as u32,
             waiting: self.sched.num_waiting() as u32,

@@ -20,6 +20,10 @@ pub enum WorkerError {
     Grammar(String),
     #[error("worker is shutting down")]
     ShuttingDown,
+    /// The backend can run no more steps (a rank of its tensor-parallel group is gone): its
+    /// sequences end `Lost`, so that their coordinators continue them on another worker.
+    #[error("worker unavailable: {0}")]
+    Unavailable(String),
     #[error("io: {0}")]
     Io(#[from] std::io::Error),
 }
@@ -40,6 +44,7 @@ impl WorkerError {
             WorkerError::Invalid(_) => "invalid",
             WorkerError::Grammar(_) => "grammar",
             WorkerError::ShuttingDown => "shutting_down",
+            WorkerError::Unavailable(_) => "unavailable",
             WorkerError::Io(_) => "io",
         }
     }

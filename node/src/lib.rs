@@ -39,3 +39,6 @@ pub mod tokenizer;
 pub use engine::{Engine, EngineConfig, StepHook};
 pub use error::{WorkerError, Result};
 pub use actor::{SeqStream, SubmitRequest, WorkerHandle};
+/// The collective a tensor-parallel shard sums through (a group across nodes implements it
+/// over the cluster link).
+pub use zerolayer_kernels::collective;

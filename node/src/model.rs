@@ -381,7 +381,7 @@ impl Model {
             }
             paged_attention(&self.pool, &KvView { layout: &cache.layout, k: kc, v: vc }, &rows, &s.qkv, qkv_w, cfg.n_heads, scale, &mut s.att);
             matmul(&self.pool, &layer.wo, &s.att, &mut s.proj, &mut s.mm);
-            self.group.all_reduce_sum(&mut s.proj);
+            self.group.all_reduce_sum(&mut s.proj).map_err(|e| WorkerError::Unavailable(e.to_string()))?;
             add_assign(&mut s.x, &s.proj);
             let x = &s.x;
             matmul_rows(&self.pool, &layer.wgate_up, t_total, &mut s.gu, &mut s.mm, |i, out| rms_norm_row(&x[i * d..(i + 1) * d], &layer.ffn_norm, eps, out));
@@ -392,7 +392,7 @@ impl Model {
                 out.copy_from_slice(g);
                 silu_mul(out, u);
             });
-            self.group.all_reduce_sum(&mut s.proj);
+            self.group.all_reduce_sum(&mut s.proj).map_err(|e| WorkerError::Unavailable(e.to_string()))?;
             add_assign(&mut s.x, &s.proj);
         }
         // Final norm and logits, only for the rows that are sampled.

@@ -138,7 +138,7 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("m.gguf");
         write(&path, Shape { n_layers: 2, vocab: 512, qwen2: true, ..Shape::default() }, 7).unwrap();
-        let (mut m, _) = Model::from_gguf(&path, 1, |_, _| {}).unwrap();
+        let (m, _) = Model::from_gguf(&path, 1, |_, _| {}).unwrap();
         std::fs::remove_dir_all(&dir).unwrap();
         assert_eq!(m.cfg.arch, "qwen2");
         assert_eq!(m.cfg.rope_style, zerolayer_kernels::ops::RopeStyle::HalfSplit);

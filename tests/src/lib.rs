@@ -256,9 +256,14 @@ impl TestCluster {
             .collect();
         tweak(&mut cfg);
         cfg.validate().expect("valid cluster config");
-        let mut nodes = Vec::new();
-        for (id, sock) in ids.iter().zip(sockets) {
-            let node = zerolayer_coordinator::node::Node::start_with(cfg.clone(), id, Some(sock), |_, _, _| {}).await.expect("node starts");
+        // A node whose worker leads a group with ranks on other nodes waits for them at startup:
+        // the others start first.
+        let leads = |i: usize| cfg.nodes[i].workers.iter().any(|w| !w.rank_nodes.is_empty());
+        let mut order: Vec<(usize, String, std::net::UdpSocket)> = ids.iter().cloned().zip(sockets).enumerate().map(|(i, (id, s))| (i, id, s)).collect();
+        order.sort_by_key(|(i, _, _)| leads(*i));
+        let mut started: Vec<(usize, ClusterNode)> = Vec::new();
+        for (i, id, sock) in order {
+            let node = zerolayer_coordinator::node::Node::start_with(cfg.clone(), &id, Some(sock), |_, _, _| {}).await.expect("node starts");
             let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
             let base = format!("http://{}", listener.local_addr().unwrap());
             let coordinator = node.coordinator.clone();
@@ -266,9 +271,10 @@ impl TestCluster {
             let task = tokio::spawn(node.serve(listener, async move {
                 let _ = rx.await;
             }));
-            nodes.push(ClusterNode { id: id.clone(), base, coordinator, shutdown: Some(tx), task: Some(task) });
+            started.push((i, ClusterNode { id: id.clone(), base, coordinator, shutdown: Some(tx), task: Some(task) }));
         }
-        TestCluster { nodes, tls_dir }
+        started.sort_by_key(|(i, _)| *i);
+        TestCluster { nodes: started.into_iter().map(|(_, n)| n).collect(), tls_dir }
     }
 
     /// Waits until every live node sees every other live node `ready`, with its worker's signals.
@@ -452,4 +458,23 @@ pub fn metric_with(page: &str, name: &str, labels: &[(&str, &str)]) -> Option<f6
         let (base, rest) = series.split_once('{').unwrap_or((series, ""));
         (base == name && labels.iter().all(|(k, v)| rest.contains(&format!("{k}=\"{v}\"")))).then(|| value.parse().ok()).flatten()
     })
+}
+
+/// Greedy decoding of `n` tokens straight on a backend, the sequence in the blocks of `table`:
+/// the tokens, and the logits each was chosen from.
+pub fn greedy_on(b: &mut dyn zerolayer_worker::backend::Backend, prompt: &[u32], n: usize, table: &[u32]) -> (Vec<u32>, Vec<Vec<f32>>) {
+    let (mut ctx, mut pos, mut toks, mut all) = (prompt.to_vec(), 0, Vec::new(), Vec::new());
+    let mut logits = Vec::new();
+    for _ in 0..n {
+        let item = zerolayer_worker::model::ForwardItem { tokens: &ctx[pos..], start_pos: pos, block_table: table, want_logits: true };
+        let rows = b.forward_into(&[item], &mut logits).unwrap();
+        assert_eq!(rows, 1);
+        let l = logits[..b.config().vocab_size].to_vec();
+        let t = zerolayer_worker::sampler::argmax(&l);
+        pos = ctx.len();
+        ctx.push(t);
+        toks.push(t);
+        all.push(l);
+    }
+    (toks, all)
 }

@@ -64,10 +64,10 @@ impl Backend for Picking {
         }
         Ok(rows)
     }
-    fn read_block(&self, b: u32, out: &mut Vec<u8>) {
+    fn read_block(&self, b: u32, out: &mut Vec<u8>) -> zerolayer_worker::error::Result<()> {
         self.inner.read_block(b, out)
     }
-    fn write_block(&mut self, b: u32, bytes: &[u8]) {
+    fn write_block(&mut self, b: u32, bytes: &[u8]) -> zerolayer_worker::error::Result<()> {
         self.inner.write_block(b, bytes)
     }
     fn describe(&self) -> String {

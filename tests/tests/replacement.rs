@@ -204,3 +204,43 @@ async fn migrations_that_run_out_end_with_a_clean_error() {
     assert_eq!(e["error"]["type"], "server_error", "{e}");
     assert!(e["error"]["message"].as_str().unwrap().contains("migration_limit"), "{e}");
 }
+
+/// A tensor-parallel group across nodes (node a's worker, its rank 1 on node b) loses its host
+/// mid-stream: the group's sequence ends `Lost` on a, and a's coordinator continues it on
+/// another worker, so the stream completes, cleanly. (The
+/// continuation runs on an unsharded worker, whose greedy choices may differ from the group's at
+/// near-ties, so the text is not compared with an undisturbed run.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_lost_rank_host_hands_the_groups_streams_to_another_worker() {
+    let _g = heavy();
+    let mut cluster = TestCluster::start(3, |c| {
+        let w = &mut c.nodes[0].workers[0];
+        w.tensor_parallel = 2;
+        w.rank_nodes = vec!["a".into(), "b".into()];
+    })
+    .await;
+    cluster.wait_converged(&[0, 1, 2], Duration::from_secs(20)).await;
+    assert_eq!(cluster.nodes[1].coordinator.cluster.hosted_ranks(), 1, "b hosts a's rank 1");
+    let http = reqwest::Client::new();
+    let (mut tasks, mut progress) = (vec![], vec![]);
+    // One stream: placement would balance a second one onto an idle peer.
+    for i in [6] {
+        let (tx, rx) = tokio::sync::watch::channel(0usize);
+        tasks.push(tokio::spawn(stream(http.clone(), cluster.nodes[0].url("/v1/chat/completions"), chat(i, 48, false, true), tx)));
+        progress.push(rx);
+    }
+    all_past(&mut progress, 3).await;
+    cluster.nodes[1].kill();
+    for (i, t) in tasks.into_iter().enumerate() {
+        let s = timeout(Duration::from_secs(300), t).await.expect("finishes").unwrap();
+        assert_eq!(s.served_by, "a/cpu0", "stream {i} started on the group");
+        assert!(s.done && s.error.is_none(), "stream {i}: {:?}", s.error);
+        assert!(!s.text.is_empty());
+    }
+    let page = http.get(cluster.nodes[0].url("/metrics")).send().await.unwrap().text().await.unwrap();
+    let replays = zerolayer_tests::metric_with(&page, "zerolayer_migrations_total", &[("node", "a"), ("kind", "replay")]).unwrap_or(0.0);
+    assert!(replays >= 1.0, "the stream was continued elsewhere ({replays} replays)");
+    // The group is gone for good: placement skips the worker, and new requests still succeed.
+    let r = zerolayer_tests::ask(&http, &cluster.nodes[0].url("/v1/messages"), "Say hello.", 4).await;
+    assert_ne!(r.served_by, "a/cpu0", "a worker whose group broke takes no new work");
+}

@@ -38,20 +38,7 @@ fn backend_of(qwen: bool, tp: usize) -> Box<dyn Backend> {
 /// Greedy decoding of `n` tokens straight on a backend: the tokens, and the logits each was
 /// chosen from.
 fn greedy(b: &mut dyn Backend, prompt: &[u32], n: usize) -> (Vec<u32>, Vec<Vec<f32>>) {
-    let table: Vec<u32> = (0..BLOCKS as u32).collect();
-    let (mut ctx, mut pos, mut toks, mut all) = (prompt.to_vec(), 0, Vec::new(), Vec::new());
-    let mut logits = Vec::new();
-    for _ in 0..n {
-        let rows = b.forward_into(&[ForwardItem { tokens: &ctx[pos..], start_pos: pos, block_table: &table, want_logits: true }], &mut logits).unwrap();
-        assert_eq!(rows, 1);
-        let l = logits[..b.config().vocab_size].to_vec();
-        let t = argmax(&l);
-        pos = ctx.len();
-        ctx.push(t);
-        toks.push(t);
-        all.push(l);
-    }
-    (toks, all)
+    greedy_on(b, prompt, n, &(0..BLOCKS as u32).collect::<Vec<_>>())
 }
 
 
@@ -166,8 +153,8 @@ fn tp_kv_blocks_are_in_the_common_layout() {
     greedy(&mut *one, p, 1);
     greedy(&mut *two, p, 1);
     let (mut a, mut b) = (Vec::new(), Vec::new());
-    one.read_block(0, &mut a);
-    two.read_block(0, &mut b);
+    one.read_block(0, &mut a).unwrap();
+    two.read_block(0, &mut b).unwrap();
     let cfg = one.config().clone();
     let layer_bytes = 2 * BLOCK * cfg.kv_dim() * 4;
     assert_eq!(a.len(), cfg.n_layers * layer_bytes);
@@ -180,10 +167,15 @@ fn tp_kv_blocks_are_in_the_common_layout() {
     assert!((d2 / n2).sqrt() < 0.05, "K/V differ by {:.2e} (relative L2)", (d2 / n2).sqrt());
     assert!(fa != fb, "later layers sum partials in another order; bit-equality would mean the test reads one rank twice");
     // Written bytes come back in the same layout.
-    two.write_block(5, &a);
+    two.write_block(5, &a).unwrap();
     let mut back = Vec::new();
-    two.read_block(5, &mut back);
+    two.read_block(5, &mut back).unwrap();
     assert_eq!(back, a);
+    // Outside the cache, or of the wrong size: refused, not a panic, and nothing is appended.
+    let n = two.kv().num_blocks as u32;
+    assert!(two.read_block(n, &mut back).is_err() && back == a);
+    assert!(two.write_block(n, &a).is_err());
+    assert!(two.write_block(5, &a[1..]).is_err());
 }
 
 /// A sequence exported from a TP = 2 engine mid-decode resumes on another TP = 2 engine with

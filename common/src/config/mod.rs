@@ -67,6 +67,10 @@ pub struct ClusterSection {
     /// A dead node's gossip state (and everything kept about it) is dropped this long after
     /// it died, so that restarts and lost nodes do not accumulate.
     pub dead_node_grace_secs: u64,
+    /// A worker whose tensor-parallel ranks span nodes (`rank_nodes`) waits at most this long at
+    /// startup for every rank's node to answer and build its rank; then the node fails to
+    /// start, saying which rank is missing.
+    pub rank_join_timeout_ms: u64,
 }
 
 impl Default for ClusterSection {
@@ -81,6 +85,7 @@ impl Default for ClusterSection {
             migration_limit: 3,
             allow_join: false,
             dead_node_grace_secs: 60,
+            rank_join_timeout_ms: 120_000,
         }
     }
 }
@@ -253,6 +258,11 @@ pub struct WorkerConfig {
     /// model's KV heads. On the CPU the ranks are threads of this process; with `cuda:N` they
     /// are GPUs N..N+tensor_parallel, summing through NCCL.
     pub tensor_parallel: usize,
+    /// A group that spans nodes: the node of each rank, in rank order (`tensor_parallel` of
+    /// them, this node first). Ranks on other nodes are hosted there over the cluster's QUIC
+    /// link (see `coordinator::cluster::rank`); empty (the default): every rank is here.
+    /// CPU ranks only, for now.
+    pub rank_nodes: Vec<String>,
     /// KV cache memory budget (all ranks together). On a GPU, 0 takes `gpu_kv_share` of the
     /// device memory free once the weights are in.
     pub kv_cache_mb: usize,
@@ -308,6 +318,7 @@ impl Default for WorkerConfig {
             device: "cpu".into(),
             threads: 0,
             tensor_parallel: 1,
+            rank_nodes: Vec::new(),
             kv_cache_mb: 1024,
             gpu_kv_share: 0.9,
             block_size: 4,
@@ -491,6 +502,21 @@ mod tests {
         assert!(bad_dev.contains("unknown device") && bad_dev.contains("cuda:N"), "{bad_dev}");
         assert_eq!(ClusterConfig::from_toml(&format!("{base}device='cuda:2'\ntensor_parallel=2\n")).unwrap().nodes[0].workers[0].tensor_parallel, 2);
         assert!(ClusterConfig::from_toml(&format!("{base}kv_cache_mb=0\n")).is_err(), "a CPU cache needs a size");
+        // A group across nodes: one node per rank, this one first, the others configured nodes.
+        let two = "[cluster]\ntls_dir='t'\n[[nodes]]\nid='a'\nquic='127.0.0.1:1'\n[[nodes.workers]]\nid='w'\ntensor_parallel=2\nRANKS\n[[nodes]]\nid='b'\nquic='127.0.0.1:2'\n[[nodes.workers]]\nid='w'\n";
+        let ok = ClusterConfig::from_toml(&two.replace("RANKS", "rank_nodes=['a','b']")).unwrap();
+        assert_eq!(ok.nodes[0].workers[0].rank_nodes, ["a", "b"]);
+        assert!(ok.nodes[1].workers[0].rank_nodes.is_empty(), "by default every rank is local");
+        for (ranks, why) in [
+            ("rank_nodes=['a']", "one node per rank"),
+            ("rank_nodes=['b','a']", "rank 0 is this node"),
+            ("rank_nodes=['a','a']", "a remote rank on this node"),
+            ("rank_nodes=['a','c']", "no such node"),
+            ("rank_nodes=['a','b']\ndevice='cuda:0'", "GPU ranks across nodes"),
+        ] {
+            let e = ClusterConfig::from_toml(&two.replace("RANKS", ranks)).unwrap_err().to_string();
+            assert!(e.contains("rank_nodes"), "{why}: {e}");
+        }
         assert!(ClusterConfig::from_toml(&format!("{base}device='cuda:0'\nkv_cache_mb=0\n")).is_ok(), "a GPU cache may take a share of free memory");
     }
 

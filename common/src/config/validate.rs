@@ -59,6 +59,24 @@ impl ClusterConfig {
                 if w.gpu().is_err() {
                     return bad(format!("worker {}/{}: device {:?}: unknown device; use \"cpu\" or \"cuda:N\"", n.id, w.id, w.device));
                 }
+                if !w.rank_nodes.is_empty() {
+                    let at = format!("worker {}/{}: rank_nodes", n.id, w.id);
+                    if w.rank_nodes.len() != w.tensor_parallel {
+                        return bad(format!("{at} names {} nodes for tensor_parallel = {}: one per rank", w.rank_nodes.len(), w.tensor_parallel));
+                    }
+                    if w.rank_nodes[0] != n.id {
+                        return bad(format!("{at}: rank 0 runs the engine, so it is this node, {:?}", n.id));
+                    }
+                    if let Some(r) = w.rank_nodes[1..].iter().find(|r| **r == n.id || !self.nodes.iter().any(|m| &m.id == *r)) {
+                        return bad(format!("{at}: {r:?} is this node or no node of the config (ranks here need no rank_nodes)"));
+                    }
+                    if w.device != "cpu" {
+                        return bad(format!("{at}: a group across nodes runs CPU ranks for now (GPU ranks there need the NCCL id sent over QUIC, not built yet)"));
+                    }
+                    if n.quic.is_none() {
+                        return bad(format!("{at}: a group across nodes needs a cluster (a `quic` address on every node)"));
+                    }
+                }
             }
         }
         let with_quic = self.nodes.iter().filter(|n| n.quic.is_some()).count();

@@ -115,7 +115,7 @@ pub async fn serve(cluster: Arc<Cluster>, sub: Submit, mut send: quinn::SendStre
         let mut stream = match w.handle.submit(SubmitRequest { prompt: sub.prompt, params: sub.params, resume: sub.resume, share: sub.share, pins: sub.pins }).await {
             Ok(s) => s,
             Err(e) => {
-                let overloaded = matches!(e, WorkerError::QueueFull(_) | WorkerError::ShuttingDown);
+                let overloaded = matches!(e, WorkerError::QueueFull(_) | WorkerError::ShuttingDown | WorkerError::Unavailable(_));
                 return write_reply(&mut send, &refuse(overloaded, e.to_string())).await;
             }
         };

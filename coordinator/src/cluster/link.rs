@@ -83,6 +83,10 @@ pub struct Cluster {
     pub(super) stats: Mutex<LinkStats>,
     /// Per-key usage: published for peers, and peers' taken in (see [`crate::quota`]).
     pub(super) quota: Arc<Quota>,
+    /// The tensor-parallel ranks this node hosts for other nodes' workers, by
+    /// `leader/worker/rank` (at most the slots the config gives this node; see [`super::rank`]),
+    /// each with the flag that ends it when a new join replaces it.
+    pub(super) hosted_ranks: Mutex<std::collections::HashMap<String, Arc<std::sync::atomic::AtomicBool>>>,
 }
 
 /// How much a node's link holds about its peers (all bounded; see `publisher`).
@@ -136,6 +140,7 @@ impl Cluster {
             tasks: Mutex::new(Vec::new()),
             stats: Mutex::new(LinkStats::default()),
             quota,
+            hosted_ranks: Mutex::new(std::collections::HashMap::new()),
         }
     }
 
@@ -227,6 +232,11 @@ impl Cluster {
     /// The configured node ids.
     pub fn configured_nodes(&self) -> impl Iterator<Item = &str> {
         self.config.nodes.iter().map(|n| n.id.as_str())
+    }
+
+    /// How many tensor-parallel ranks this node hosts for other nodes now.
+    pub fn hosted_ranks(&self) -> usize {
+        self.hosted_ranks.lock().unwrap_or_else(|e| e.into_inner()).len()
     }
 
     /// The QUIC address of a live peer.

@@ -20,12 +20,16 @@
 //!   worker's prefix cache on a bi-stream of their own (header, then raw bytes, a checksum per
 //!   block).
 //!
+//! - **Tensor-parallel ranks on other nodes** ([`rank`]). A worker whose `rank_nodes` name
+//!   other nodes leads a group whose ranks those nodes host, one bi-stream per rank: the step's
+//!   batch out, the all-reduce's partials and sums both ways.
+//!
 //! - **Identity** ([`identity`]). A peer is the node its certificate names; every gossiped
 //!   value is signed by its node and checked by every reader.
 //!
 //! Layering (no module here uses one above it): `tls`, `transport`, `gossip`, `frames`,
 //! `identity` <
-//! `link` < `forward`, `migrate`, `publisher` < `accept` < `start`. Every task is owned by [`Cluster`] and stops
+//! `link` < `forward`, `migrate`, `publisher`, `rank` < `accept` < `start`. Every task is owned by [`Cluster`] and stops
 //! in [`Cluster::stop`] (graceful) or [`Cluster::kill`].
 
 pub mod accept;
@@ -36,6 +40,7 @@ pub mod identity;
 pub mod link;
 pub mod migrate;
 pub mod publisher;
+pub mod rank;
 mod start;
 pub mod tls;
 pub mod transport;

@@ -1,7 +1,7 @@
 //! The CPU backend: a model (whole, or one tensor-parallel shard) and its KV cache in host memory.
 
 use super::step::{Backend, KvGeometry};
-use crate::error::Result;
+use crate::error::{Result, WorkerError};
 use crate::model::{ForwardItem, KvCache, Model, ModelConfig};
 
 /// The model and its KV cache in host memory.
@@ -38,13 +38,28 @@ impl Backend for Cpu {
     fn forward_into(&mut self, items: &[ForwardItem<'_>], logits: &mut Vec<f32>) -> Result<usize> {
         self.model.forward_into(&mut self.cache, items, logits)
     }
-    fn read_block(&self, b: u32, out: &mut Vec<u8>) {
-        self.cache.read_block(b, out)
+    fn read_block(&self, b: u32, out: &mut Vec<u8>) -> Result<()> {
+        check_block(b, self.cache.num_blocks)?;
+        self.cache.read_block(b, out);
+        Ok(())
     }
-    fn write_block(&mut self, b: u32, bytes: &[u8]) {
-        self.cache.write_block(b, bytes)
+    fn write_block(&mut self, b: u32, bytes: &[u8]) -> Result<()> {
+        check_block(b, self.cache.num_blocks)?;
+        if bytes.len() != self.cache.block_bytes() {
+            return Err(WorkerError::Invalid(format!("KV block of {} bytes, not {}", bytes.len(), self.cache.block_bytes())));
+        }
+        self.cache.write_block(b, bytes);
+        Ok(())
     }
     fn describe(&self) -> String {
         format!("cpu, {} kernel threads", self.model.threads())
     }
+}
+
+/// Refuses a block outside a cache of `num_blocks`.
+pub(crate) fn check_block(b: u32, num_blocks: usize) -> Result<()> {
+    if b as usize >= num_blocks {
+        return Err(WorkerError::Invalid(format!("KV block {b} is outside the cache ({num_blocks} blocks)")));
+    }
+    Ok(())
 }

@@ -388,25 +388,33 @@ impl Backend for Cuda {
         let ordinal = self.gpu.ordinal;
         self.run(&rows, logits, picks, picked).map_err(gpu_err(ordinal))
     }
-    fn read_block(&self, b: u32, out: &mut Vec<u8>) {
+    fn read_block(&self, b: u32, out: &mut Vec<u8>) -> Result<()> {
+        super::cpu::check_block(b, self.geometry.num_blocks)?;
         let be = self.geometry.block_size * self.shard_cfg.kv_dim();
+        let mut bytes = Vec::with_capacity(self.geometry.block_bytes);
         for (k, v) in self.k.iter().zip(&self.v) {
             for part in [k, v] {
-                let vals = self.gpu.read_at(part, b as usize * be, be).expect("reading a KV block from the device");
-                out.extend_from_slice(zerolayer_kernels::f32_bytes(&vals));
+                let vals = self.gpu.read_at(part, b as usize * be, be).map_err(|e| WorkerError::Model(format!("reading KV block {b} from the device: {e}")))?;
+                bytes.extend_from_slice(zerolayer_kernels::f32_bytes(&vals));
             }
         }
+        out.extend_from_slice(&bytes);
+        Ok(())
     }
-    fn write_block(&mut self, b: u32, bytes: &[u8]) {
-        assert_eq!(bytes.len(), self.geometry.block_bytes, "KV block size");
+    fn write_block(&mut self, b: u32, bytes: &[u8]) -> Result<()> {
+        super::cpu::check_block(b, self.geometry.num_blocks)?;
+        if bytes.len() != self.geometry.block_bytes {
+            return Err(WorkerError::Invalid(format!("KV block of {} bytes, not {}", bytes.len(), self.geometry.block_bytes)));
+        }
         let be = self.geometry.block_size * self.shard_cfg.kv_dim();
         let vals: Vec<f32> = bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
-        let mut parts = vals.chunks_exact(be);
-        for (k, v) in self.k.iter_mut().zip(self.v.iter_mut()) {
-            for part in [k, v] {
-                self.gpu.write_at(parts.next().expect("a part per layer"), part, b as usize * be).expect("writing a KV block to the device");
+        for ((k, v), kv) in self.k.iter_mut().zip(self.v.iter_mut()).zip(vals.chunks_exact(2 * be)) {
+            let (kp, vp) = kv.split_at(be);
+            for (part, src) in [(k, kp), (v, vp)] {
+                self.gpu.write_at(src, part, b as usize * be).map_err(|e| WorkerError::Model(format!("writing KV block {b} to the device: {e}")))?;
             }
         }
+        Ok(())
     }
     fn describe(&self) -> String {
         format!("cuda:{} ({}, kernels for {})", self.gpu.ordinal, self.gpu.name, self.gpu.arch)

@@ -37,10 +37,13 @@ pub trait Backend: Send {
         picked.clear();
         self.forward_into(items, logits)
     }
-    /// Appends block `b` in the common layout (see [`crate::backend`]) to `out`.
-    fn read_block(&self, b: u32, out: &mut Vec<u8>);
-    /// Overwrites block `b` with bytes in the common layout.
-    fn write_block(&mut self, b: u32, bytes: &[u8]);
+    /// Appends block `b` in the common layout (see [`crate::backend`]) to `out`. A block outside
+    /// the cache, or a device or rank that cannot be reached, is an error (and `out` is then
+    /// left as it was).
+    fn read_block(&self, b: u32, out: &mut Vec<u8>) -> Result<()>;
+    /// Overwrites block `b` with bytes in the common layout (exactly
+    /// [`KvGeometry::block_bytes`] of them).
+    fn write_block(&mut self, b: u32, bytes: &[u8]) -> Result<()>;
     /// A line for logs and status: what runs this worker.
     fn describe(&self) -> String;
     /// A device's own memory (used, total) in bytes, where the backend has one (a GPU).

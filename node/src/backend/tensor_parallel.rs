@@ -51,8 +51,8 @@ impl Batch {
 
 enum Command {
     Forward(Arc<Batch>),
-    Read(u32, SyncSender<Vec<u8>>),
-    Write(u32, Vec<u8>),
+    Read(u32, SyncSender<Result<Vec<u8>>>),
+    Write(u32, Vec<u8>, SyncSender<Result<()>>),
 }
 
 struct Rank {
@@ -138,10 +138,11 @@ fn serve(mut shard: Box<dyn Backend>, inbox: Receiver<Command>, report: SyncSend
             }
             Command::Read(b, reply) => {
                 let mut out = Vec::new();
-                shard.read_block(b, &mut out);
-                let _ = reply.send(out);
+                let _ = reply.send(shard.read_block(b, &mut out).map(|_| out));
             }
-            Command::Write(b, bytes) => shard.write_block(b, &bytes),
+            Command::Write(b, bytes, reply) => {
+                let _ = reply.send(shard.write_block(b, &bytes));
+            }
         }
     }
 }
@@ -175,7 +176,7 @@ fn scatter(bytes: &[u8], part_bytes: &[usize], n_layers: usize) -> Vec<Vec<u8>> 
 }
 
 fn rank_gone() -> WorkerError {
-    WorkerError::Invalid("a tensor-parallel rank has stopped".into())
+    WorkerError::Unavailable("a tensor-parallel rank has stopped".into())
 }
 
 impl TensorParallel {
@@ -211,23 +212,34 @@ impl Backend for TensorParallel {
         // Rank 0 computes the logits, so it picks too.
         self.step(items, |lead| lead.forward_pick(items, picks, logits, picked))
     }
-    fn read_block(&self, b: u32, out: &mut Vec<u8>) {
+    fn read_block(&self, b: u32, out: &mut Vec<u8>) -> Result<()> {
         let mut parts = vec![Vec::new()];
-        self.lead.read_block(b, &mut parts[0]);
+        self.lead.read_block(b, &mut parts[0])?;
         for r in &self.others {
             let (tx, rx) = sync_channel(1);
-            r.commands.send(Command::Read(b, tx)).expect("tensor-parallel rank alive");
-            parts.push(rx.recv().expect("tensor-parallel rank alive"));
+            r.commands.send(Command::Read(b, tx)).map_err(|_| rank_gone())?;
+            parts.push(rx.recv().map_err(|_| rank_gone())??);
+        }
+        // A rank's part of another size (a remote rank's answer) would cut the block wrongly.
+        if parts.iter().zip(&self.part_bytes).any(|(p, pb)| p.len() != 2 * self.cfg.n_layers * pb) {
+            return Err(WorkerError::Invalid(format!("a rank's part of KV block {b} has the wrong size")));
         }
         gather(&parts, &self.part_bytes, self.cfg.n_layers, out);
+        Ok(())
     }
-    fn write_block(&mut self, b: u32, bytes: &[u8]) {
-        assert_eq!(bytes.len(), self.geometry.block_bytes, "KV block size");
-        let mut parts = scatter(bytes, &self.part_bytes, self.cfg.n_layers).into_iter();
-        self.lead.write_block(b, &parts.next().expect("rank 0"));
-        for (r, p) in self.others.iter().zip(parts) {
-            r.commands.send(Command::Write(b, p)).expect("tensor-parallel rank alive");
+    fn write_block(&mut self, b: u32, bytes: &[u8]) -> Result<()> {
+        if bytes.len() != self.geometry.block_bytes {
+            return Err(WorkerError::Invalid(format!("KV block of {} bytes, not {}", bytes.len(), self.geometry.block_bytes)));
         }
+        let mut parts = scatter(bytes, &self.part_bytes, self.cfg.n_layers).into_iter();
+        self.lead.write_block(b, &parts.next().expect("rank 0"))?;
+        let mut replies = Vec::with_capacity(self.others.len());
+        for (r, p) in self.others.iter().zip(parts) {
+            let (tx, rx) = sync_channel(1);
+            r.commands.send(Command::Write(b, p, tx)).map_err(|_| rank_gone())?;
+            replies.push(rx);
+        }
+        replies.into_iter().try_for_each(|rx| rx.recv().map_err(|_| rank_gone())?)
     }
     fn describe(&self) -> String {
         format!("tensor parallel over {} ranks, rank 0 on {}", self.others.len() + 1, self.lead.describe())

@@ -26,11 +26,16 @@ impl Engine {
         let s = self.sched.get(id)?;
         let bs = self.sched.config().block_size;
         let full = s.num_computed / bs;
-        let block_hashes = zerolayer_common::block_hashes(&s.tokens[..full * bs], bs);
+        let mut block_hashes = zerolayer_common::block_hashes(&s.tokens[..full * bs], bs);
         let block_bytes = self.backend.kv().block_bytes;
         let mut kv = Vec::with_capacity(full * block_bytes);
-        for &b in &s.blocks[..full] {
-            self.backend.read_block(b, &mut kv);
+        for (i, &b) in s.blocks[..full].iter().enumerate() {
+            // A block that cannot be read ends the chain there: the target computes the rest.
+            if let Err(e) = self.backend.read_block(b, &mut kv) {
+                tracing::warn!(seq = id, block = i, error = %e, "a KV block could not be read for a move; the chain sent stops before it");
+                block_hashes.truncate(i);
+                break;
+            }
         }
         let (prompt, generated) = (s.tokens[..s.prompt_len].to_vec(), s.tokens[s.prompt_len..].to_vec());
         Some(Export { prompt, generated, seed: st.sampler.seed(), block_hashes, kv, block_bytes, block_size: bs })
@@ -69,7 +74,13 @@ impl Engine {
                 report.skipped = imp.blocks.len() - i;
                 break;
             };
-            self.backend.write_block(b, bytes);
+            if let Err(e) = self.backend.write_block(b, bytes) {
+                // The block joins nothing: it goes back to the pool, and the chain stops here.
+                self.sched.unpin(b);
+                tracing::warn!(block = i, error = %e, "a KV block could not be written; the import stops before it");
+                report.skipped = imp.blocks.len() - i;
+                break;
+            }
             self.sched.commit_import(b, *hash);
             report.imported += 1;
         }

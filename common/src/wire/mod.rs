@@ -8,12 +8,21 @@
 //!   worker's prefix cache. The header is followed by the raw bytes of every block it marks as
 //!   sent, `block_bytes` each, in order, with no framing; the answer is one `Reply::Imported`
 //!   or `Refused`.
+//! - [`Open::Rank`]: a node asks another to host one rank of a tensor-parallel group that one of
+//!   its workers leads. The stream then carries that rank's [`rank::RankMsg`] frames both ways
+//!   for the group's lifetime (see [`rank`]).
 //!
 //! There is no per-element encoding beyond rkyv's archive, and a frame larger than
 //! [`MAX_FRAME_BYTES`] is refused on both sides; an import's raw bytes are bounded by what the
 //! header announces, which the receiver checks against its own cache before reading them.
 
+pub mod frame;
+pub mod rank;
+
 use crate::types::{CachePin, SamplingParams, SeqEvent, Share};
+use frame::{aligned, frame_within};
+pub use frame::{frame_len_within, WireError};
+use rank::RankJoin;
 
 /// The largest frame either side accepts. A maximal prompt (8,192 tokens) archives to ~33 KB;
 /// events are smaller. The limit bounds what a peer can make us buffer.
@@ -76,6 +85,7 @@ impl ImportHeader {
 pub enum Open {
     Submit(Submit),
     Import(ImportHeader),
+    Rank(RankJoin),
 }
 
 /// What the receiving node sends back on the stream.
@@ -90,37 +100,13 @@ pub enum Reply {
     Imported { blocks: u32 },
 }
 
-#[derive(Debug, thiserror::Error)]
-pub enum WireError {
-    #[error("frame of {0} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")]
-    TooLarge(usize),
-    #[error("malformed frame: {0}")]
-    Malformed(String),
-}
-
 fn frame(body: &[u8]) -> Result<Vec<u8>, WireError> {
-    if body.len() > MAX_FRAME_BYTES {
-        return Err(WireError::TooLarge(body.len()));
-    }
-    let mut out = Vec::with_capacity(4 + body.len());
-    out.extend_from_slice(&(body.len() as u32).to_le_bytes());
-    out.extend_from_slice(body);
-    Ok(out)
+    frame_within(body, MAX_FRAME_BYTES)
 }
 
 /// The length a frame header announces, checked against the limit.
 pub fn frame_len(header: [u8; 4]) -> Result<usize, WireError> {
-    let n = u32::from_le_bytes(header) as usize;
-    if n > MAX_FRAME_BYTES {
-        return Err(WireError::TooLarge(n));
-    }
-    Ok(n)
-}
-
-fn aligned(body: &[u8]) -> rkyv::util::AlignedVec<16> {
-    let mut v = rkyv::util::AlignedVec::<16>::with_capacity(body.len());
-    v.extend_from_slice(body);
-    v
+    frame_len_within(header, MAX_FRAME_BYTES)
 }
 
 /// A length-prefixed `Open` frame.
@@ -187,8 +173,11 @@ mod tests {
             let f = encode_reply(&r).unwrap();
             assert_eq!(decode_reply(&f[4..]).unwrap(), r);
         }
+        let j = RankJoin { origin_node: "a".into(), worker: "tp0".into(), rank: 1, size: 2, block_size: 16, num_blocks: 64 };
+        let f = encode_open(&Open::Rank(j.clone())).unwrap();
+        assert_eq!(decode_open(&f[4..]).unwrap(), Open::Rank(j));
         assert!(decode_open(&[0xff; 37]).is_err());
         assert!(decode_reply(&f[4..f.len() - 3]).is_err());
-        assert!(matches!(frame_len((MAX_FRAME_BYTES as u32 + 1).to_le_bytes()), Err(WireError::TooLarge(_))));
+        assert!(matches!(frame_len((MAX_FRAME_BYTES as u32 + 1).to_le_bytes()), Err(WireError::TooLarge(..))));
     }
 }
