@@ -48,9 +48,36 @@ fn gpu(model: Model, ordinal: usize, tensor_parallel: usize, block_size: usize, 
 
 #[cfg(not(feature = "gpu"))]
 fn gpu(_: Model, ordinal: usize, _: usize, _: usize, _: usize, _: f64) -> Result<Box<dyn Backend>> {
-    Err(WorkerError::Invalid(format!(
+    Err(no_cuda(ordinal))
+}
+
+#[cfg(not(feature = "gpu"))]
+fn no_cuda(ordinal: usize) -> WorkerError {
+    WorkerError::Invalid(format!(
         "device cuda:{ordinal}: this build has no CUDA backend (build with `--features cuda`, or `cuda13` for CUDA 13 libraries); use device = \"cpu\" here"
-    )))
+    ))
+}
+
+/// A new NCCL group id for a GPU group (the rank that makes it sends it to the others), on
+/// device `ordinal`'s behalf (for the message when this build or machine has no NCCL).
+pub fn gpu_group_id(ordinal: usize) -> Result<[u8; 128]> {
+    #[cfg(feature = "gpu")]
+    return zerolayer_kernels::cuda::group_id().map_err(|e| WorkerError::Invalid(format!("device cuda:{ordinal}: {e}")));
+    #[cfg(not(feature = "gpu"))]
+    Err(no_cuda(ordinal))
+}
+
+/// One rank (`plan.rank`) of a GPU group that spans nodes, on this node's GPU `ordinal`: it
+/// joins the NCCL group `id` (blocking until every rank has) and holds `num_blocks` KV blocks.
+/// (The CUDA backend's `rank`.)
+pub fn gpu_rank(model: &Model, plan: &crate::model::shard::ShardPlan, ordinal: usize, id: &[u8; 128], block_size: usize, num_blocks: usize) -> Result<Box<dyn Backend>> {
+    #[cfg(feature = "gpu")]
+    return Ok(Box::new(cuda::rank(model, plan, ordinal, id, block_size, num_blocks)?));
+    #[cfg(not(feature = "gpu"))]
+    {
+        let _ = (model, plan, id, block_size, num_blocks);
+        Err(no_cuda(ordinal))
+    }
 }
 
 /// The backend for `model` on the CPU: the model itself when `tensor_parallel` is 1, else a

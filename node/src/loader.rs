@@ -16,6 +16,18 @@ pub struct Loaded {
     pub template: Arc<ChatTemplate>,
 }
 
+/// Only the model at `path` (as [`load`] reads it), without its tokenizer: what a
+/// tensor-parallel rank hosted for another node needs.
+pub fn load_model(path: &Path, threads: usize, progress: impl FnMut(usize, usize)) -> Result<Model> {
+    if !path.exists() {
+        return Err(WorkerError::Model(format!("model not found at {} (every node of a group needs the model file)", path.display())));
+    }
+    if path.is_dir() {
+        return Ok(Model::from_safetensors(path, threads, progress)?.0);
+    }
+    Ok(Model::from_gguf(path, threads, progress)?.0)
+}
+
 /// Loads `path`: a `.gguf` file, or a directory with `config.json` + `*.safetensors`
 /// (+ `tokenizer.json`, and optionally `tokenizer_config.json` for the chat template).
 /// `tokenizer` overrides where the tokenizer comes from. `progress(done, total)` reports layers.

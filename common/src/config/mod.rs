@@ -260,8 +260,8 @@ pub struct WorkerConfig {
     pub tensor_parallel: usize,
     /// A group that spans nodes: the node of each rank, in rank order (`tensor_parallel` of
     /// them, this node first). Ranks on other nodes are hosted there over the cluster's QUIC
-    /// link (see `coordinator::cluster::rank`); empty (the default): every rank is here.
-    /// CPU ranks only, for now.
+    /// link (see `coordinator::cluster::rank`); empty (the default): every rank is here. On
+    /// `cuda:N` a node's ranks take its GPUs N, N+1, … in rank order, and sum through NCCL.
     pub rank_nodes: Vec<String>,
     /// KV cache memory budget (all ranks together). On a GPU, 0 takes `gpu_kv_share` of the
     /// device memory free once the weights are in.
@@ -507,12 +507,13 @@ mod tests {
         let ok = ClusterConfig::from_toml(&two.replace("RANKS", "rank_nodes=['a','b']")).unwrap();
         assert_eq!(ok.nodes[0].workers[0].rank_nodes, ["a", "b"]);
         assert!(ok.nodes[1].workers[0].rank_nodes.is_empty(), "by default every rank is local");
+        assert!(ClusterConfig::from_toml(&two.replace("RANKS", "rank_nodes=['a','b']\ndevice='cuda:0'")).is_ok(), "GPU ranks across nodes");
         for (ranks, why) in [
             ("rank_nodes=['a']", "one node per rank"),
             ("rank_nodes=['b','a']", "rank 0 is this node"),
             ("rank_nodes=['a','a']", "a remote rank on this node"),
             ("rank_nodes=['a','c']", "no such node"),
-            ("rank_nodes=['a','b']\ndevice='cuda:0'", "GPU ranks across nodes"),
+            ("rank_nodes=['a','b']\ndevice='cuda:0'\nkv_cache_mb=0", "a GPU group across nodes sizes its cache alike on every node"),
         ] {
             let e = ClusterConfig::from_toml(&two.replace("RANKS", ranks)).unwrap_err().to_string();
             assert!(e.contains("rank_nodes"), "{why}: {e}");

@@ -70,8 +70,8 @@ impl ClusterConfig {
                     if let Some(r) = w.rank_nodes[1..].iter().find(|r| **r == n.id || !self.nodes.iter().any(|m| &m.id == *r)) {
                         return bad(format!("{at}: {r:?} is this node or no node of the config (ranks here need no rank_nodes)"));
                     }
-                    if w.device != "cpu" {
-                        return bad(format!("{at}: a group across nodes runs CPU ranks for now (GPU ranks there need the NCCL id sent over QUIC, not built yet)"));
+                    if w.device != "cpu" && w.kv_cache_mb == 0 {
+                        return bad(format!("{at}: a GPU group across nodes needs kv_cache_mb > 0, so that every node sizes the same KV cache"));
                     }
                     if n.quic.is_none() {
                         return bad(format!("{at}: a group across nodes needs a cluster (a `quic` address on every node)"));

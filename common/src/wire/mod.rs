@@ -173,7 +173,7 @@ mod tests {
             let f = encode_reply(&r).unwrap();
             assert_eq!(decode_reply(&f[4..]).unwrap(), r);
         }
-        let j = RankJoin { origin_node: "a".into(), worker: "tp0".into(), rank: 1, size: 2, block_size: 16, num_blocks: 64 };
+        let j = RankJoin { origin_node: "a".into(), worker: "tp0".into(), rank: 1, size: 2, block_size: 16, num_blocks: 64, nccl_id: vec![7; 128] };
         let f = encode_open(&Open::Rank(j.clone())).unwrap();
         assert_eq!(decode_open(&f[4..]).unwrap(), Open::Rank(j));
         assert!(decode_open(&[0xff; 37]).is_err());

@@ -1,18 +1,22 @@
 //! What travels on a rank stream: one rank of a tensor-parallel group that spans nodes.
 //!
 //! The node whose worker leads the group (rank 0, the engine's) opens one bi-stream per remote
-//! rank with [`Open::Rank`](super::Open::Rank) carrying a [`RankJoin`]. The node it names builds
-//! that rank (its shard of the model and of the KV cache) and answers [`RankMsg::Ready`] or
-//! [`RankMsg::Failed`]; from then on the stream carries, in order:
+//! rank with [`Open::Rank`](super::Open::Rank) carrying a [`RankJoin`]. The node it names checks
+//! the join and loads the model ([`RankMsg::Joining`]), builds that rank (its shard of the
+//! model and of the KV cache; on GPUs this is where it joins the NCCL group, which completes
+//! only once rank 0 joins too) and answers [`RankMsg::Ready`], or [`RankMsg::Failed`] at any
+//! point; from then on the stream carries, in order:
 //!
 //! - leader → rank: `Forward` (a step's batch), `Read`/`Write` (a KV block, for moves), and
 //!   `Sum` (the all-reduce result, once per all-reduce of a step);
 //! - rank → leader: `Partial` (its share of an all-reduce), then `Done` at the end of a step,
 //!   `Block`/`Written` for reads and writes.
 //!
-//! The all-reduce is a star over these streams: the leader takes every rank's partial, sums them
-//! in rank order (`((p₀ + p₁) + p₂) + …`, as every collective here does) and sends the sum back,
-//! so a group across nodes computes the same bits as the same group of threads on one node.
+//! On CPU ranks the all-reduce is a star over these streams: the leader takes every rank's
+//! partial, sums them in rank order (`((p₀ + p₁) + p₂) + …`, as every collective here does) and
+//! sends the sum back, so a group across nodes computes the same bits as the same group of
+//! threads on one node. GPU ranks sum through NCCL instead (the join carries the group's NCCL
+//! id: the link is the only bootstrap channel), and no `Partial`/`Sum` travels.
 //!
 //! Everything a peer sends is checked before use (sizes against the receiver's own shapes, item
 //! extents against the batch); a frame is at most [`MAX_RANK_FRAME_BYTES`].
@@ -34,6 +38,9 @@ pub struct RankJoin {
     pub size: u32,
     pub block_size: u32,
     pub num_blocks: u32,
+    /// GPU ranks: the NCCL unique id of the group (128 bytes) that rank 0 made; empty for CPU
+    /// ranks, which sum over the streams.
+    pub nccl_id: Vec<u8>,
 }
 
 /// One item of a step's batch, its tokens and block table given as lengths: the host cuts
@@ -49,6 +56,9 @@ pub struct RankItem {
 /// A frame on a rank stream after the join (module docs).
 #[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 pub enum RankMsg {
+    /// The join is accepted and the model loaded; the rank is being built (on GPUs: joining the
+    /// NCCL group, which rank 0 must now join too).
+    Joining,
     /// The rank is built: its KV blocks (the leader checks them against its own) and the bytes
     /// of its weights.
     Ready { num_blocks: u32, weight_bytes: u64 },
@@ -102,6 +112,7 @@ mod tests {
     fn rank_frames_round_trip_and_bad_batches_are_refused() {
         let items = vec![RankItem { tokens: 3, table: 2, start_pos: 0, want_logits: true }, RankItem { tokens: 1, table: 1, start_pos: 9, want_logits: false }];
         for m in [
+            RankMsg::Joining,
             RankMsg::Ready { num_blocks: 64, weight_bytes: 1 << 30 },
             RankMsg::Failed { message: "no".into() },
             RankMsg::Forward { tokens: vec![1, 2, 3, 4], tables: vec![0, 1, 2], items: items.clone() },

@@ -362,6 +362,18 @@ pub fn group(model: Model, devices: std::ops::Range<usize>, block_size: usize, k
     TensorParallel::from_shards(cfg, &plans, backends)
 }
 
+/// One rank of a GPU group whose ranks are on several nodes (each node opens its own): opens GPU
+/// `ordinal`, joins the NCCL group `id` names as `plan.rank` (blocking until every rank of the
+/// group has joined, wherever it runs), and uploads `model`'s shard with exactly `num_blocks`
+/// KV blocks (the ranks' configs agree on the count).
+pub fn rank(model: &Model, plan: &ShardPlan, ordinal: usize, id: &[u8; 128], block_size: usize, num_blocks: usize) -> Result<Cuda> {
+    let shard = model.shard(plan, 1)?;
+    let e = gpu_err(ordinal);
+    let gpu = Gpu::open(ordinal).map_err(&e)?;
+    let group = NcclGroup::join(&gpu, plan.rank, plan.size, id).map_err(&e)?;
+    Cuda::upload(gpu, shard, Some(group), block_size, KvSize::Blocks(num_blocks))
+}
+
 impl Backend for Cuda {
     fn config(&self) -> &ModelConfig {
         &self.cfg

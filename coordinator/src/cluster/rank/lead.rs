@@ -9,7 +9,7 @@ use zerolayer_common::config::WorkerConfig;
 use zerolayer_common::wire::rank::{RankItem, RankJoin, RankMsg};
 use zerolayer_common::wire::{self, Open};
 use zerolayer_common::ClusterConfig;
-use zerolayer_worker::backend::{Backend, Cpu, KvGeometry, TensorParallel};
+use zerolayer_worker::backend::{self, Backend, Cpu, KvGeometry, TensorParallel};
 use zerolayer_worker::error::{Result as WResult, WorkerError};
 use zerolayer_worker::model::shard::ShardPlan;
 use zerolayer_worker::model::{ForwardItem, KvCache, Model, ModelConfig};
@@ -116,9 +116,9 @@ async fn address_of(config: &ClusterConfig, node: &str) -> anyhow::Result<Socket
     tokio::net::lookup_host(q).await?.next().ok_or_else(|| anyhow::anyhow!("quic address {q:?} of node {node:?} did not resolve"))
 }
 
-/// Joins rank `rank` on `node`: connects (retrying until `deadline`: the peer may still be
-/// starting), opens the stream, sends the join and waits for the rank to be built.
-async fn join(endpoint: &quinn::Endpoint, config: &ClusterConfig, node: &str, j: RankJoin, deadline: Instant, conns: &Connections) -> anyhow::Result<(Link, u32, u64)> {
+/// Opens the stream of rank `j.rank` on `node` and sends its join: connects, retrying until
+/// `deadline` (the peer may still be starting).
+async fn open_rank(endpoint: &quinn::Endpoint, config: &ClusterConfig, node: &str, j: RankJoin, deadline: Instant, conns: &Connections) -> anyhow::Result<Link> {
     let addr = address_of(config, node).await?;
     let rank = j.rank;
     let conn = loop {
@@ -135,29 +135,53 @@ async fn join(endpoint: &quinn::Endpoint, config: &ClusterConfig, node: &str, j:
     conns.add(conn.clone());
     let (mut send, recv) = conn.open_bi().await?;
     send.write_all(&wire::encode_open(&Open::Rank(j))?).await?;
-    let link = Link::start(&format!("lead-{rank}"), send, recv)?;
-    let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_secs(1));
-    let (link, answer) = tokio::task::spawn_blocking(move || {
-        let a = link.control.recv_timeout(left);
-        (link, a)
-    })
-    .await?;
-    match answer {
-        Ok(RankMsg::Ready { num_blocks, weight_bytes }) => Ok((link, num_blocks, weight_bytes)),
-        Ok(RankMsg::Failed { message }) => anyhow::bail!("node {node} could not host rank {rank}: {message}"),
-        Ok(_) => anyhow::bail!("node {node} answered the join of rank {rank} out of turn"),
-        Err(_) => anyhow::bail!("node {node} did not build rank {rank} in time (or closed the stream)"),
+    Link::start(&format!("lead-{rank}"), send, recv)
+}
+
+/// A rank on its way: where its frames go and come from, until it is a [`RemoteRank`].
+struct Pending {
+    node: String,
+    rank: usize,
+    out: SyncSender<RankMsg>,
+    sums: Option<Receiver<RankMsg>>,
+    control: Receiver<RankMsg>,
+}
+
+impl Pending {
+    /// The rank's next answer to its join, by `deadline`: `Joining`, then `Ready`.
+    async fn answer(self, deadline: Instant) -> anyhow::Result<(Pending, RankMsg)> {
+        let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_secs(1));
+        let (p, a) = tokio::task::spawn_blocking(move || {
+            let a = self.control.recv_timeout(left);
+            (self, a)
+        })
+        .await?;
+        match a {
+            Ok(RankMsg::Failed { message }) => anyhow::bail!("node {} could not host rank {}: {message}", p.node, p.rank),
+            Ok(m) => Ok((p, m)),
+            Err(_) => anyhow::bail!("node {} did not build rank {} in time (or closed the stream)", p.node, p.rank),
+        }
     }
 }
 
 /// The backend of worker `wc` of node `me`, whose ranks `wc.rank_nodes` spread over nodes:
 /// rank 0 here (a shard of `model`), the others joined on their nodes. Fails, saying which,
 /// if a rank's node cannot be reached or refuses within `[cluster] rank_join_timeout_ms`.
+///
+/// The order matters on GPUs: every host has checked the join and loaded the model
+/// (`Joining`) before rank 0 joins the NCCL group, so that a refusal cannot leave rank 0
+/// waiting in NCCL for a rank that will never come; then the hosts' joins complete with rank
+/// 0's, and each answers `Ready`.
 pub async fn open_group(config: &ClusterConfig, me: &str, wc: &WorkerConfig, model: Model) -> anyhow::Result<Box<dyn Backend>> {
     let size = wc.rank_nodes.len();
     let cfg = model.cfg.clone();
     let plans = ShardPlan::for_group(&cfg, size)?;
     let num_blocks = KvCache::blocks_for(&cfg, wc.block_size, wc.kv_cache_mb << 20)?;
+    let gpu = super::host::gpu_of(wc, 0, me);
+    let nccl_id = match gpu {
+        Some(ordinal) => Some(backend::gpu_group_id(ordinal)?),
+        None => None,
+    };
     let cc = &config.cluster;
     let dir = cc.tls_dir.clone().ok_or_else(|| anyhow::anyhow!("[cluster] tls_dir is required for a group across nodes"))?;
     let mat = tls::TlsMaterial::load(&dir, me)?;
@@ -166,39 +190,98 @@ pub async fn open_group(config: &ClusterConfig, me: &str, wc: &WorkerConfig, mod
     endpoint.set_default_client_config(tls::client_config(&mat, idle)?);
     let deadline = Instant::now() + Duration::from_millis(cc.rank_join_timeout_ms);
     let conns = Connections::default();
-    let mut links = Vec::with_capacity(size - 1);
+    let formed = form(&endpoint, config, me, wc, model, &plans, num_blocks, gpu.zip(nccl_id), deadline, &conns).await;
+    let shards = match formed {
+        Ok(s) => s,
+        Err(e) => {
+            conns.close("the group could not be formed");
+            return Err(e);
+        }
+    };
+    let group = TensorParallel::from_shards(cfg, &plans, shards)?;
+    // The endpoint must outlive the connections: it drives them.
+    Ok(Box::new(Grouped { group, _endpoint: endpoint }))
+}
+
+/// Joins every remote rank and builds rank 0 (see [`open_group`]): the group's shards in rank
+/// order.
+#[allow(clippy::too_many_arguments)]
+async fn form(
+    endpoint: &quinn::Endpoint,
+    config: &ClusterConfig,
+    me: &str,
+    wc: &WorkerConfig,
+    model: Model,
+    plans: &[ShardPlan],
+    num_blocks: usize,
+    gpu: Option<(usize, [u8; 128])>,
+    deadline: Instant,
+    conns: &Connections,
+) -> anyhow::Result<Vec<Box<dyn Backend>>> {
+    let cfg = model.cfg.clone();
+    let size = plans.len();
+    let mut pending = Vec::with_capacity(size - 1);
     for (rank, node) in wc.rank_nodes.iter().enumerate().skip(1) {
-        let j = RankJoin { origin_node: me.into(), worker: wc.id.clone(), rank: rank as u32, size: size as u32, block_size: wc.block_size as u32, num_blocks: num_blocks as u32 };
-        match join(&endpoint, config, node, j, deadline, &conns).await {
-            Ok((link, blocks, weight_bytes)) if blocks as usize == num_blocks => links.push((node.clone(), rank, link, weight_bytes)),
-            Ok((_, blocks, _)) => {
-                conns.close("the ranks disagree on the KV blocks");
-                anyhow::bail!("rank {rank} on node {node} has {blocks} KV blocks, rank 0 {num_blocks}");
-            }
-            Err(e) => {
-                conns.close("the group could not be formed");
-                return Err(e);
-            }
+        let j = RankJoin {
+            origin_node: me.into(),
+            worker: wc.id.clone(),
+            rank: rank as u32,
+            size: size as u32,
+            block_size: wc.block_size as u32,
+            num_blocks: num_blocks as u32,
+            nccl_id: gpu.map(|(_, id)| id.to_vec()).unwrap_or_default(),
+        };
+        let Link { out, sums, control } = open_rank(endpoint, config, node, j, deadline, conns).await?;
+        pending.push(Pending { node: node.clone(), rank, out, sums: Some(sums), control });
+    }
+    let mut joining = Vec::with_capacity(pending.len());
+    for p in pending {
+        match p.answer(deadline).await? {
+            (p, RankMsg::Joining) => joining.push(p),
+            (p, _) => anyhow::bail!("node {} answered the join of rank {} out of turn", p.node, p.rank),
         }
     }
-    let mut shard = model.shard(&plans[0], wc.threads)?;
-    drop(model);
-    let mut star = Vec::with_capacity(links.len());
-    let mut shards: Vec<Box<dyn Backend>> = Vec::with_capacity(size);
-    let mut remotes = Vec::with_capacity(links.len());
-    for (node, rank, link, weight_bytes) in links {
-        let Link { out, sums, control } = link;
-        star.push((out.clone(), sums));
-        let part = plans[rank].kv_heads.len() * cfg.head_dim * wc.block_size * std::mem::size_of::<f32>() * 2 * cfg.n_layers;
+    let lead: Box<dyn Backend> = match gpu {
+        Some((ordinal, id)) => {
+            let (plan, bs) = (plans[0].clone(), wc.block_size);
+            let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_secs(1));
+            // A thread of its own, not the runtime's blocking pool: a join that never completes
+            // (a host gone mid-join) must not hold up the runtime's shutdown.
+            let (tx, built) = tokio::sync::oneshot::channel();
+            std::thread::Builder::new().name("zl-rank-0-join".into()).spawn(move || {
+                let _ = tx.send(backend::gpu_rank(&model, &plan, ordinal, &id, bs, num_blocks));
+            })?;
+            tokio::time::timeout(left, built).await.map_err(|_| anyhow::anyhow!("rank 0 could not join its NCCL group in time"))???
+        }
+        None => {
+            let star = joining.iter_mut().map(|p| (p.out.clone(), p.sums.take().expect("a star's partials, once"))).collect();
+            let mut shard = model.shard(&plans[0], wc.threads)?;
+            drop(model);
+            shard.join(Box::new(StarLead::new(star, conns.clone())))?;
+            Box::new(Cpu::with_blocks(shard, wc.block_size, num_blocks))
+        }
+    };
+    let mut shards = vec![lead];
+    for p in joining {
+        let (p, weight_bytes) = match p.answer(deadline).await? {
+            (p, RankMsg::Ready { num_blocks: b, weight_bytes }) if b as usize == num_blocks => (p, weight_bytes),
+            (p, RankMsg::Ready { num_blocks: b, .. }) => anyhow::bail!("rank {} on node {} has {b} KV blocks, rank 0 {num_blocks}", p.rank, p.node),
+            (p, _) => anyhow::bail!("node {} answered the join of rank {} out of turn", p.node, p.rank),
+        };
+        let part = plans[p.rank].kv_heads.len() * cfg.head_dim * wc.block_size * std::mem::size_of::<f32>() * 2 * cfg.n_layers;
         let geometry = KvGeometry { block_size: wc.block_size, num_blocks, block_bytes: part, bytes: part * num_blocks };
-        remotes.push(RemoteRank { cfg: plans[rank].shard_cfg(&cfg), node, rank, out, control, geometry, weight_bytes: weight_bytes as usize, conns: conns.clone() });
+        shards.push(Box::new(RemoteRank {
+            cfg: plans[p.rank].shard_cfg(&cfg),
+            node: p.node,
+            rank: p.rank,
+            out: p.out,
+            control: p.control,
+            geometry,
+            weight_bytes: weight_bytes as usize,
+            conns: conns.clone(),
+        }));
     }
-    shard.join(Box::new(StarLead::new(star, conns.clone())))?;
-    shards.push(Box::new(Cpu::with_blocks(shard, wc.block_size, num_blocks)));
-    shards.extend(remotes.into_iter().map(|r| Box::new(r) as Box<dyn Backend>));
-    // The endpoint must outlive the connections: it drives them.
-    let group = TensorParallel::from_shards(cfg, &plans, shards)?;
-    Ok(Box::new(Grouped { group, _endpoint: endpoint }))
+    Ok(shards)
 }
 
 /// The group, holding the endpoint its remote ranks' connections run on.

@@ -18,6 +18,8 @@
 
 pub mod host;
 pub mod lead;
+#[cfg(all(test, feature = "cuda-emulator"))]
+mod on_the_emulator;
 
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
 use std::sync::{Arc, Mutex};
