@@ -404,9 +404,9 @@ impl Engine {
             assert!(row < rows, "one logits row per wanted item");
             // A token the device picked (greedy), or candidates it selected (top-k), else the
             // host samples the row's logits.
-            let r = match bufs.picks[row] {
-                Pick::Greedy if bufs.picked.token(row).is_some() => self.on_picked(it.seq, bufs.picked.token(row).unwrap(), &mut out),
-                Pick::TopK { .. } if bufs.picked.candidates(row).is_some() => self.on_candidates(it.seq, bufs.picked.candidates(row).unwrap(), &mut out),
+            let r = match (bufs.picks[row], bufs.picked.token(row), bufs.picked.candidates(row)) {
+                (Pick::Greedy, Some(tok), _) => self.on_picked(it.seq, tok, &mut out),
+                (Pick::TopK { .. }, _, Some(candidates)) => self.on_candidates(it.seq, candidates, &mut out),
                 _ => self.on_token(it.seq, &logits_buf[row * vocab..(row + 1) * vocab], &mut out),
             };
             if let Err(e) = r {

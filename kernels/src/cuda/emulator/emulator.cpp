@@ -155,8 +155,28 @@ void __syncthreads() {
     if (_setjmp(fibers[current].at) == 0) _longjmp(scheduler, 1);
 }
 
-#define KERNEL(k) \
-    if (std::strcmp(name, #k) == 0) return launch(#k, k, grid, block, params, sizes, n)
+// Every kernel of kernels.cu, once: both the launch table and load_function's check read it.
+#define ZL_KERNELS(X) \
+    X(embed_rows)     \
+    X(embed_rows_f32) \
+    X(rms_norm)       \
+    X(quantize_act)   \
+    X(matmul_q)       \
+    X(matmul_q_tiled) \
+    X(matmul_f32)     \
+    X(qkv_rope_store) \
+    X(attention)      \
+    X(silu_mul)       \
+    X(add_assign)     \
+    X(argmax_rows)    \
+    X(top_k_rows)     \
+    X(copy_f32)       \
+    X(sum_ranks)
+
+#define LAUNCH_IF_NAMED(k) \
+    if (std::strcmp(name, #k) == 0) return launch(#k, k, grid, block, params, sizes, n);
+#define IS_NAMED(k) \
+    if (std::strcmp(name, #k) == 0) return 1;
 
 // 0: ran; 1: no such kernel; 2: wrong argument count; 3: an argument's size differs from the
 // parameter's; 4: a block of more than 1,024 threads.
@@ -168,29 +188,12 @@ extern "C" int zl_emu_launch(const char* name, unsigned gx, unsigned gy, unsigne
     // their own threads): the fibers and the built-in variables are the emulator's one set.
     static std::mutex one_at_a_time;
     std::lock_guard<std::mutex> hold(one_at_a_time);
-    KERNEL(embed_rows);
-    KERNEL(embed_rows_f32);
-    KERNEL(rms_norm);
-    KERNEL(quantize_act);
-    KERNEL(matmul_q);
-    KERNEL(matmul_q_tiled);
-    KERNEL(matmul_f32);
-    KERNEL(qkv_rope_store);
-    KERNEL(attention);
-    KERNEL(silu_mul);
-    KERNEL(add_assign);
-    KERNEL(argmax_rows);
-    KERNEL(top_k_rows);
-    KERNEL(copy_f32);
-    KERNEL(sum_ranks);
+    ZL_KERNELS(LAUNCH_IF_NAMED)
     return 1;
 }
 
 // Whether `name` is a kernel of kernels.cu (the emulator's load_function).
 extern "C" int zl_emu_has_kernel(const char* name) {
-    const char* all[] = {"embed_rows", "embed_rows_f32", "rms_norm", "quantize_act", "matmul_q", "matmul_q_tiled", "matmul_f32", "qkv_rope_store",
-                         "attention", "silu_mul", "add_assign", "argmax_rows", "top_k_rows", "copy_f32", "sum_ranks"};
-    for (const char* k : all)
-        if (std::strcmp(name, k) == 0) return 1;
+    ZL_KERNELS(IS_NAMED)
     return 0;
 }
