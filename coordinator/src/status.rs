@@ -40,9 +40,11 @@ pub fn render(v: &Value) -> String {
             t.add_row(vec![id, &state(n), "-", "-", "-", "-", "-", "-", "-", "-", "-", s(n, "http")]);
         }
         for w in ws {
+            // A worker whose backend is gone (a lost tensor-parallel rank) takes no work.
+            let st = if w.get("unavailable").and_then(Value::as_bool) == Some(true) { format!("{}, worker unavailable", state(n)) } else { state(n) };
             t.add_row(vec![
                 Cell::new(id),
-                Cell::new(state(n)),
+                Cell::new(st),
                 Cell::new(s(w, "worker")),
                 Cell::new(s(w, "model")),
                 Cell::new(s(w, "device")),
@@ -70,12 +72,15 @@ mod tests {
             "nodes": [{"id": "a", "state": "ready", "http": "127.0.0.1:1"}, {"id": "b", "state": "dead", "http": "127.0.0.1:2"},
                       {"id": "c", "state": "draining", "moving": 3, "http": "127.0.0.1:3"}],
             "workers": [{"node": "a", "worker": "cpu0", "model": "qwen", "device": "cpu", "kv_blocks_free": 10, "kv_blocks_total": 12,
-                         "kv_blocks_cached": 3, "kv_blocks_pinned": 2, "kv_fragmentation_ratio": 0.01, "prefix_hit_ratio": 0.25, "running": 1, "waiting": 0, "tokens_per_second": 80.5}]
+                         "kv_blocks_cached": 3, "kv_blocks_pinned": 2, "kv_fragmentation_ratio": 0.01, "prefix_hit_ratio": 0.25, "running": 1, "waiting": 0, "tokens_per_second": 80.5},
+                        {"node": "a", "worker": "tp0", "unavailable": true}]
         });
         let out = super::render(&v);
         assert!(out.lines().any(|l| l.contains(" c ") && l.contains("draining, 3 moving")), "{out}");
         assert!(out.starts_with("cluster seen from node a: 3 nodes, 1 ready; placement cache_aware; cluster prefix-hit ratio 50.0%"), "{out}");
         assert!(out.contains("cpu0") && out.contains("qwen") && out.contains("10/12") && out.contains("3/2") && out.contains("80.5") && out.contains("25.0%"), "{out}");
         assert!(out.lines().any(|l| l.contains(" b ") && l.contains("dead")), "{out}");
+        assert!(out.lines().any(|l| l.contains("tp0") && l.contains("ready, worker unavailable")), "{out}");
+        assert!(!out.lines().any(|l| l.contains("cpu0") && l.contains("unavailable")), "{out}");
     }
 }

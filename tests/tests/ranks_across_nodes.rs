@@ -8,8 +8,9 @@
 //!   differently in another order).
 //! - Its KV blocks read and write in the common layout through the remote rank.
 //! - A node started with such a worker runs it (through its engine and worker actor).
-//! - Startup fails, saying which rank, when the host does not answer; a lost host fails the
-//!   group's next step within the QUIC idle timeout instead of hanging it.
+//! - Startup fails, saying which rank, when the host does not answer or refuses (its config
+//!   disagrees); a lost host fails the group's next step within the QUIC idle timeout instead
+//!   of hanging it.
 
 use std::time::{Duration, Instant};
 
@@ -74,6 +75,14 @@ async fn a_group_across_nodes_computes_what_it_computes_on_one_node() {
     assert!(t.elapsed() < Duration::from_secs(15), "gave up after {:?}", t.elapsed());
 
     let host = Node::start_with(cfg.clone(), "b", Some(sb), |_, _, _| {}).await.expect("node b starts");
+    // A leader whose config disagrees with the host's (another cache size) is refused by the
+    // host, over the link, and says why; the host keeps no slot for it.
+    let mut other = cfg.clone();
+    other.nodes[0].workers[0].kv_cache_mb = 8;
+    let e = open_group(&other, "a", &other.nodes[0].workers[0], load(&model_path(), None, 1, |_, _| {}).unwrap().model).await.err().expect("refused").to_string();
+    assert!(e.contains("could not host rank 1") && e.contains("blocks"), "{e}");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(host.coordinator.cluster.hosted_ranks(), 0, "a refused join holds no slot");
     let group = open_group(&cfg, "a", &wc, loaded.model).await.expect("the group forms");
     assert_eq!(host.coordinator.cluster.hosted_ranks(), 2);
     assert!(group.describe().contains("across nodes"), "{}", group.describe());

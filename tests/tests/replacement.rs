@@ -240,7 +240,11 @@ async fn a_lost_rank_host_hands_the_groups_streams_to_another_worker() {
     let page = http.get(cluster.nodes[0].url("/metrics")).send().await.unwrap().text().await.unwrap();
     let replays = zerolayer_tests::metric_with(&page, "zerolayer_migrations_total", &[("node", "a"), ("kind", "replay")]).unwrap_or(0.0);
     assert!(replays >= 1.0, "the stream was continued elsewhere ({replays} replays)");
-    // The group is gone for good: placement skips the worker, and new requests still succeed.
+    // The group is gone for good: the admin view says so, placement skips the worker, and new
+    // requests still succeed.
+    let v: Value = http.get(cluster.nodes[0].url("/admin/cluster")).send().await.unwrap().json().await.unwrap();
+    let w = v["workers"].as_array().unwrap().iter().find(|w| w["node"] == "a" && w["worker"] == "cpu0").cloned().unwrap();
+    assert_eq!(w["unavailable"], true, "{w}");
     let r = zerolayer_tests::ask(&http, &cluster.nodes[0].url("/v1/messages"), "Say hello.", 4).await;
     assert_ne!(r.served_by, "a/cpu0", "a worker whose group broke takes no new work");
 }

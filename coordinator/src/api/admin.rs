@@ -57,6 +57,7 @@ pub fn cluster_json(c: &Coordinator) -> Value {
                 "running": s.running,
                 "waiting": s.waiting,
                 "tokens_per_second": s.tokens_per_second,
+                "unavailable": s.unavailable,
                 "signals": s,
             })
         })
@@ -66,6 +67,7 @@ pub fn cluster_json(c: &Coordinator) -> Value {
         "policy": c.config.placement.policy,
         "nodes": nodes,
         "workers": workers,
+        "hosted_ranks": c.cluster.hosted_ranks(),
         "prefix_cache_hits_total": hits,
         "prefix_cache_queries_total": queries,
         "prefix_hit_ratio": if queries == 0 { 0.0 } else { hits as f64 / queries as f64 },
