@@ -85,7 +85,7 @@ async fn a_group_across_nodes_computes_what_it_computes_on_one_node() {
     assert_eq!(host.coordinator.cluster.hosted_ranks(), 0, "a refused join holds no slot");
     let group = open_group(&cfg, "a", &wc, loaded.model).await.expect("the group forms");
     assert_eq!(host.coordinator.cluster.hosted_ranks(), 2);
-    assert!(group.describe().contains("across nodes"), "{}", group.describe());
+    assert!(group.describe().contains("rank 1 on node b; rank 2 on node b"), "{}", group.describe());
     let local = backend::cpu(load(&model_path(), None, 1, |_, _| {}).unwrap().model, 3, 2, wc.block_size, wc.kv_cache_mb << 20).unwrap();
     assert_eq!(group.kv(), local.kv(), "the same KV geometry as the group on one node");
 

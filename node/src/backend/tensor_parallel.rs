@@ -70,6 +70,8 @@ pub struct TensorParallel {
     part_bytes: Vec<usize>,
     geometry: KvGeometry,
     weight_bytes: usize,
+    /// What runs each rank, in rank order (for `describe`).
+    described: Vec<String>,
 }
 
 impl TensorParallel {
@@ -103,6 +105,7 @@ impl TensorParallel {
         let (block_size, num_blocks) = (first.block_size, first.num_blocks);
         let part_bytes: Vec<usize> = plans.iter().map(|p| block_size * p.kv_heads.len() * cfg.head_dim * std::mem::size_of::<f32>()).collect();
         let weight_bytes = shards.iter().map(|s| s.weight_bytes()).sum();
+        let described = shards.iter().map(|s| s.describe()).collect();
         let mut shards = shards.into_iter();
         let lead = shards.next().expect("a group has rank 0");
         let mut others = Vec::with_capacity(size - 1);
@@ -121,7 +124,7 @@ impl TensorParallel {
             block_bytes: cfg.kv_bytes_per_token() * block_size,
             bytes: cfg.kv_bytes_per_token() * block_size * num_blocks,
         };
-        Ok(TensorParallel { cfg, lead, others, part_bytes, geometry, weight_bytes })
+        Ok(TensorParallel { cfg, lead, others, part_bytes, geometry, weight_bytes, described })
     }
 }
 
@@ -242,7 +245,8 @@ impl Backend for TensorParallel {
         replies.into_iter().try_for_each(|rx| rx.recv().map_err(|_| rank_gone())?)
     }
     fn describe(&self) -> String {
-        format!("tensor parallel over {} ranks, rank 0 on {}", self.others.len() + 1, self.lead.describe())
+        let ranks: Vec<String> = self.described.iter().enumerate().map(|(i, d)| format!("rank {i} on {d}")).collect();
+        format!("tensor parallel over {} ranks: {}", self.described.len(), ranks.join("; "))
     }
 }
 

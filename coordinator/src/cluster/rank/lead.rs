@@ -95,7 +95,7 @@ impl Backend for RemoteRank {
         error.map_or(Ok(()), |e| Err(WorkerError::Invalid(format!("rank {} on node {}: {e}", self.rank, self.node))))
     }
     fn describe(&self) -> String {
-        format!("rank {} on node {}", self.rank, self.node)
+        format!("node {}", self.node)
     }
 }
 
@@ -189,7 +189,8 @@ pub async fn open_group(config: &ClusterConfig, me: &str, wc: &WorkerConfig, mod
     let mut endpoint = quinn::Endpoint::client(SocketAddr::from(([0, 0, 0, 0], 0)))?;
     endpoint.set_default_client_config(tls::client_config(&mat, idle)?);
     let deadline = Instant::now() + Duration::from_millis(cc.rank_join_timeout_ms);
-    let conns = Connections::default();
+    // The connections hold the endpoint: it lives as long as a rank of the group does.
+    let conns = Connections::on(endpoint.clone());
     let formed = form(&endpoint, config, me, wc, model, &plans, num_blocks, gpu.zip(nccl_id), deadline, &conns).await;
     let shards = match formed {
         Ok(s) => s,
@@ -198,9 +199,7 @@ pub async fn open_group(config: &ClusterConfig, me: &str, wc: &WorkerConfig, mod
             return Err(e);
         }
     };
-    let group = TensorParallel::from_shards(cfg, &plans, shards)?;
-    // The endpoint must outlive the connections: it drives them.
-    Ok(Box::new(Grouped { group, _endpoint: endpoint }))
+    Ok(Box::new(TensorParallel::from_shards(cfg, &plans, shards)?))
 }
 
 /// Joins every remote rank and builds rank 0 (see [`open_group`]): the group's shards in rank
@@ -282,37 +281,4 @@ async fn form(
         }));
     }
     Ok(shards)
-}
-
-/// The group, holding the endpoint its remote ranks' connections run on.
-struct Grouped {
-    group: TensorParallel,
-    _endpoint: quinn::Endpoint,
-}
-
-impl Backend for Grouped {
-    fn config(&self) -> &ModelConfig {
-        self.group.config()
-    }
-    fn weight_bytes(&self) -> usize {
-        self.group.weight_bytes()
-    }
-    fn kv(&self) -> KvGeometry {
-        self.group.kv()
-    }
-    fn forward_into(&mut self, items: &[ForwardItem<'_>], logits: &mut Vec<f32>) -> WResult<usize> {
-        self.group.forward_into(items, logits)
-    }
-    fn forward_pick(&mut self, items: &[ForwardItem<'_>], picks: &[zerolayer_worker::sampler::Pick], logits: &mut Vec<f32>, picked: &mut zerolayer_worker::sampler::Picked) -> WResult<usize> {
-        self.group.forward_pick(items, picks, logits, picked)
-    }
-    fn read_block(&self, b: u32, out: &mut Vec<u8>) -> WResult<()> {
-        self.group.read_block(b, out)
-    }
-    fn write_block(&mut self, b: u32, bytes: &[u8]) -> WResult<()> {
-        self.group.write_block(b, bytes)
-    }
-    fn describe(&self) -> String {
-        format!("{} (ranks across nodes)", self.group.describe())
-    }
 }

@@ -99,16 +99,24 @@ pub async fn read_rank_frame(recv: &mut quinn::RecvStream) -> anyhow::Result<Opt
 }
 
 /// The connections of a group, closed together when it breaks or is dropped, so that every
-/// thread waiting on one of its streams (here and on the hosts) stops waiting.
+/// thread waiting on one of its streams (here and on the hosts) stops waiting. It also holds
+/// the endpoint that drives them, for as long as any rank of the group does.
 #[derive(Clone, Default)]
-pub struct Connections(Arc<Mutex<Vec<quinn::Connection>>>);
+pub struct Connections {
+    conns: Arc<Mutex<Vec<quinn::Connection>>>,
+    _endpoint: Option<quinn::Endpoint>,
+}
 
 impl Connections {
+    /// The connections of a group that `endpoint` dials.
+    pub fn on(endpoint: quinn::Endpoint) -> Self {
+        Connections { conns: Arc::default(), _endpoint: Some(endpoint) }
+    }
     pub fn add(&self, c: quinn::Connection) {
-        self.0.lock().unwrap_or_else(|e| e.into_inner()).push(c);
+        self.conns.lock().unwrap_or_else(|e| e.into_inner()).push(c);
     }
     pub fn close(&self, why: &str) {
-        for c in self.0.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+        for c in self.conns.lock().unwrap_or_else(|e| e.into_inner()).iter() {
             c.close(1u32.into(), why.as_bytes());
         }
     }

@@ -67,7 +67,7 @@ async fn a_gpu_group_across_nodes_forms_from_the_nccl_id_sent_over_the_link() {
     let model = |_| Model::from_gguf(&path, 1, |_, _| {}).unwrap().0;
     let group = tokio::time::timeout(Duration::from_secs(120), open_group(&cfg, "a", &wc, model(0))).await.expect("the group forms in time").unwrap();
     assert_eq!(host.hosted_ranks(), 1);
-    assert!(group.describe().contains("cuda:0") && group.describe().contains("across nodes"), "{}", group.describe());
+    assert!(group.describe().contains("cuda:0") && group.describe().contains("rank 1 on node b"), "{}", group.describe());
     let local = backend::cuda_group(model(1), 0..2, wc.block_size, wc.kv_cache_mb << 20, 0.9).unwrap();
     tokio::task::spawn_blocking(move || {
         let (mut group, mut local): (Box<dyn Backend>, Box<dyn Backend>) = (group, Box::new(local));
