@@ -38,6 +38,25 @@ pub fn has_vnni() -> bool {
     }
 }
 
+/// AVX-512F and VL with AVX2 (32 vector registers for 256-bit code), for the attention kernel
+/// that runs several query heads per pass. Setting `ZEROLAYER_NO_AVX512` turns it off (for A/B
+/// benchmarks; results are identical either way).
+pub fn has_avx512vl() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::sync::OnceLock;
+        static AVX512VL: OnceLock<bool> = OnceLock::new();
+        *AVX512VL.get_or_init(|| has_avx2()
+            && is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512vl")
+            && std::env::var_os("ZEROLAYER_NO_AVX512").is_none())
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
 pub fn has_avx2() -> bool {
     #[cfg(target_arch = "x86_64")]
     {

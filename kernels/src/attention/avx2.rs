@@ -8,6 +8,12 @@
 //! and V is walked in runs of [`V_RUN`] positions, each run used by every head before the next
 //! is loaded (the heads' accumulators go back to `out` between runs). Per KV head, K and V
 //! stream from memory once per step instead of once per query head.
+//!
+//! With AVX-512VL (32 vector registers, [`attend_group_wide`]) up to [`WIDE_HEADS`] heads run
+//! side by side inside the inner loops: each 8-lane load of K or V feeds that many heads' FMA
+//! chains, which halves the loads per (head, position) and gives the out-of-order core
+//! independent chains to hide the FMA latency and the misses behind. The per-head order of
+//! every operation is unchanged, so both entry points are bit-identical to the portable code.
 
 use std::arch::x86_64::*;
 
@@ -21,13 +27,33 @@ const V_RUN: usize = 16;
 /// How many positions ahead the score loop prefetches K (and V, for the accumulation pass).
 const PREFETCH_AHEAD: usize = 16;
 
+/// Heads per pass in the wide kernel: 3 heads × 8 accumulators (head size 64) + 3 query or
+/// weight vectors + 1 loaded vector = 28 of the 32 registers.
+pub(super) const WIDE_HEADS: usize = 3;
+
 /// Attention for the query heads in `query.q` (`group * head_dim` values, consecutive heads
-/// that all read `query.kv_head`); `out` receives `group * head_dim` values. `scores` is scratch.
+/// that all read `query.kv_head`); `out` receives `group * head_dim` values. `scratch` is
+/// scratch. One head per pass (16 vector registers).
 ///
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C, and `head_dim` must be a multiple of 8, at most 256.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn attend_group(kv: &KvView<'_>, query: &Query<'_>, scratch: &mut Scratch, out: &mut [f32]) {
+    attend::<1>(kv, query, scratch, out)
+}
+
+/// As [`attend_group`], up to [`WIDE_HEADS`] heads per pass (32 vector registers).
+///
+/// # Safety
+/// As [`attend_group`], and the CPU must support AVX-512F and AVX-512VL.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
+pub(super) unsafe fn attend_group_wide(kv: &KvView<'_>, query: &Query<'_>, scratch: &mut Scratch, out: &mut [f32]) {
+    attend::<WIDE_HEADS>(kv, query, scratch, out)
+}
+
+/// The kernel body, `MAXG` heads per pass (at most 3).
+#[inline(always)]
+unsafe fn attend<const MAXG: usize>(kv: &KvView<'_>, query: &Query<'_>, scratch: &mut Scratch, out: &mut [f32]) {
     let (layout, k_cache, v_cache) = (kv.layout, kv.k, kv.v);
     let (table, pos, kv_head, q, scale) = (query.table, query.pos, query.kv_head, query.q, query.scale);
     let hd = layout.head_dim;
@@ -67,21 +93,16 @@ pub(super) unsafe fn attend_group(kv: &KvView<'_>, query: &Query<'_>, scratch: &
             prefetch(kbase.add(off), hd, false);
             prefetch(vbase.add(off), hd, true);
         }
-        for h in 0..group {
-            let qh = q.as_ptr().add(h * hd);
-            let mut acc = [_mm256_setzero_ps(); 8];
-            for c in 0..chunks {
-                let qv = _mm256_loadu_ps(qh.add(c * 8));
-                for (a, k) in acc.iter_mut().zip(&kp) {
-                    *a = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k.add(c * 8)), *a);
-                }
+        let mut h = 0;
+        while h < group {
+            let g = (group - h).min(MAXG);
+            let (qh, sp) = (q.as_ptr().add(h * hd), scores.as_mut_ptr().add(h * n + p));
+            match g {
+                3 => scores8::<3>(qh, hd, &kp, sp, n, scale),
+                2 => scores8::<2>(qh, hd, &kp, sp, n, scale),
+                _ => scores8::<1>(qh, hd, &kp, sp, n, scale),
             }
-            let t = transpose8(&acc);
-            let r = _mm256_add_ps(
-                _mm256_add_ps(_mm256_add_ps(t[0], t[4]), _mm256_add_ps(t[2], t[6])),
-                _mm256_add_ps(_mm256_add_ps(t[1], t[5]), _mm256_add_ps(t[3], t[7])),
-            );
-            _mm256_storeu_ps(scores.as_mut_ptr().add(h * n + p), _mm256_mul_ps(r, _mm256_set1_ps(scale)));
+            h += g;
         }
         p += 8;
     }
@@ -127,10 +148,38 @@ pub(super) unsafe fn attend_group(kv: &KvView<'_>, query: &Query<'_>, scratch: &
     // V, in position order per head; the accumulators live in registers within a run (a const
     // count for the common head sizes).
     match chunks {
-        8 => accumulate_v::<8>(hd, v_cache, offsets, scores, out),
-        16 => accumulate_v::<16>(hd, v_cache, offsets, scores, out),
-        4 => accumulate_v::<4>(hd, v_cache, offsets, scores, out),
-        _ => accumulate_v::<32>(hd, v_cache, offsets, scores, out),
+        8 => accumulate_v::<8, MAXG>(hd, v_cache, offsets, scores, out),
+        4 => accumulate_v::<4, MAXG>(hd, v_cache, offsets, scores, out),
+        // Wider heads: one head per pass (more accumulators than registers otherwise).
+        16 => accumulate_v::<16, 1>(hd, v_cache, offsets, scores, out),
+        _ => accumulate_v::<32, 1>(hd, v_cache, offsets, scores, out),
+    }
+}
+
+/// The scores of 8 keys (`kp`) for `G` consecutive query heads from `q` (`hd` values each),
+/// scaled, to `out + g * n` (8 values per head): per head and key, 8 independent FMA lanes over
+/// the head's chunks in order, then an 8×8 transpose so each key's horizontal sum runs in a
+/// lane, in [`dot8_fma`]'s exact order ((l0+l4) + (l2+l6)) + ((l1+l5) + (l3+l7)). Each loaded
+/// chunk of a key feeds all `G` heads.
+#[inline(always)]
+unsafe fn scores8<const G: usize>(q: *const f32, hd: usize, kp: &[*const KvElem; 8], out: *mut f32, n: usize, scale: f32) {
+    let mut acc = [[_mm256_setzero_ps(); 8]; G];
+    for c in 0..hd / 8 {
+        let qv: [__m256; G] = std::array::from_fn(|g| _mm256_loadu_ps(q.add(g * hd + c * 8)));
+        for (j, k) in kp.iter().enumerate() {
+            let kv = _mm256_loadu_ps(k.add(c * 8));
+            for (a, qg) in acc.iter_mut().zip(&qv) {
+                a[j] = _mm256_fmadd_ps(*qg, kv, a[j]);
+            }
+        }
+    }
+    for (g, a) in acc.iter().enumerate() {
+        let t = transpose8(a);
+        let r = _mm256_add_ps(
+            _mm256_add_ps(_mm256_add_ps(t[0], t[4]), _mm256_add_ps(t[2], t[6])),
+            _mm256_add_ps(_mm256_add_ps(t[1], t[5]), _mm256_add_ps(t[3], t[7])),
+        );
+        _mm256_storeu_ps(out.add(g * n), _mm256_mul_ps(r, _mm256_set1_ps(scale)));
     }
 }
 
@@ -159,15 +208,13 @@ fn per_head(values: &[f32], n: usize, group: usize, init: f32, f: impl Fn(f32, f
 }
 
 /// `out[h] = Σ_p w[h][p] · V[p]` for each head `h` of the group, `w[h]` at `weights[h * n..]`
-/// (`n` positions, V of position `p` at `offsets[p]`),
-/// with `C` 8-lane accumulators (`C * 8 >= head_dim`; only `head_dim / 8` are used).
+/// (`n` positions, V of position `p` at `offsets[p]`), with `C` 8-lane accumulators per head
+/// (`C * 8 >= head_dim`; only `head_dim / 8` are used), up to `MAXG` heads per pass over a run.
 #[inline(always)]
-unsafe fn accumulate_v<const C: usize>(hd: usize, v_cache: &[KvElem], offsets: &[usize], weights: &[f32], out: &mut [f32]) {
+unsafe fn accumulate_v<const C: usize, const MAXG: usize>(hd: usize, v_cache: &[KvElem], offsets: &[usize], weights: &[f32], out: &mut [f32]) {
     let n = offsets.len();
-    let chunks = hd / 8;
     let group = out.len() / hd;
-    debug_assert!(chunks <= C);
-    let used = |c: usize| C == chunks || c < chunks;
+    debug_assert!(hd / 8 <= C);
     let mut p0 = 0;
     while p0 < n {
         let run = V_RUN.min(n - p0);
@@ -175,32 +222,55 @@ unsafe fn accumulate_v<const C: usize>(hd: usize, v_cache: &[KvElem], offsets: &
         for (j, v) in vp.iter_mut().enumerate().take(run) {
             *v = v_cache.as_ptr().add(offsets[p0 + j]);
         }
-        for h in 0..group {
-            let oh = out.as_mut_ptr().add(h * hd);
-            let mut o = [_mm256_setzero_ps(); C];
-            if p0 > 0 {
-                for (c, oc) in o.iter_mut().enumerate() {
-                    if used(c) {
-                        *oc = _mm256_loadu_ps(oh.add(c * 8));
-                    }
-                }
+        let mut h = 0;
+        while h < group {
+            let g = (group - h).min(MAXG);
+            let (w, oh) = (weights.as_ptr().add(h * n + p0), out.as_mut_ptr().add(h * hd));
+            match g {
+                3 => v_run::<C, 3>(hd, &vp[..run], w, n, oh, p0 == 0),
+                2 => v_run::<C, 2>(hd, &vp[..run], w, n, oh, p0 == 0),
+                _ => v_run::<C, 1>(hd, &vp[..run], w, n, oh, p0 == 0),
             }
-            let w = weights.as_ptr().add(h * n + p0);
-            for (j, v) in vp.iter().enumerate().take(run) {
-                let wj = _mm256_broadcast_ss(&*w.add(j));
-                for (c, oc) in o.iter_mut().enumerate() {
-                    if used(c) {
-                        *oc = _mm256_fmadd_ps(wj, _mm256_loadu_ps(v.add(c * 8)), *oc);
-                    }
-                }
-            }
-            for (c, oc) in o.iter().enumerate() {
+            h += g;
+        }
+        p0 += run;
+    }
+}
+
+/// One run of V positions (`vp`) for `G` consecutive heads: head `g`'s weights at `w + g * n`,
+/// its output at `out + g * hd` (read back first unless this is the first run). Each output
+/// lane is one FMA chain in position order; each loaded chunk of V feeds all `G` heads.
+#[inline(always)]
+unsafe fn v_run<const C: usize, const G: usize>(hd: usize, vp: &[*const KvElem], w: *const f32, n: usize, out: *mut f32, first: bool) {
+    let chunks = hd / 8;
+    let used = |c: usize| C == chunks || c < chunks;
+    let mut o = [[_mm256_setzero_ps(); C]; G];
+    if !first {
+        for (g, og) in o.iter_mut().enumerate() {
+            for (c, oc) in og.iter_mut().enumerate() {
                 if used(c) {
-                    _mm256_storeu_ps(oh.add(c * 8), *oc);
+                    *oc = _mm256_loadu_ps(out.add(g * hd + c * 8));
                 }
             }
         }
-        p0 += run;
+    }
+    for (j, v) in vp.iter().enumerate() {
+        let wj: [__m256; G] = std::array::from_fn(|g| _mm256_broadcast_ss(&*w.add(g * n + j)));
+        for c in 0..C {
+            if used(c) {
+                let vv = _mm256_loadu_ps(v.add(c * 8));
+                for (og, wg) in o.iter_mut().zip(&wj) {
+                    og[c] = _mm256_fmadd_ps(*wg, vv, og[c]);
+                }
+            }
+        }
+    }
+    for (g, og) in o.iter().enumerate() {
+        for (c, oc) in og.iter().enumerate() {
+            if used(c) {
+                _mm256_storeu_ps(out.add(g * hd + c * 8), *oc);
+            }
+        }
     }
 }
 

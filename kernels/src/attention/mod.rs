@@ -29,8 +29,14 @@ pub fn attend_group(kv: &KvView<'_>, query: &Query<'_>, scratch: &mut Scratch, o
     assert!(query.q.len() % hd == 0 && out.len() == query.q.len() && group <= MAX_GROUP);
     #[cfg(target_arch = "x86_64")]
     if crate::has_avx2() && hd % 8 == 0 && hd <= 256 {
-        // SAFETY: AVX2, FMA and F16C were detected at run time; the head size is checked.
-        unsafe { avx2::attend_group(kv, query, scratch, out) };
+        if crate::has_avx512vl() {
+            // SAFETY: AVX2, FMA, F16C, AVX-512F and VL were detected at run time; the head
+            // size is checked.
+            unsafe { avx2::attend_group_wide(kv, query, scratch, out) };
+        } else {
+            // SAFETY: AVX2, FMA and F16C were detected at run time; the head size is checked.
+            unsafe { avx2::attend_group(kv, query, scratch, out) };
+        }
         return;
     }
     for h in 0..group {
