@@ -2,7 +2,9 @@
 //! heads on 3 KV heads of 64), `LAYERS` layers of KV, blocks scattered as concurrent decoding
 //! leaves them or contiguous.
 //!
-//! `cargo run --release -p zerolayer-kernels --example attention_bench -- [THREADS] [LAYERS] [scatter|contig] [REPS] [CONTEXT]`
+//! `cargo run --release -p zerolayer-kernels --example attention_bench -- [THREADS] [LAYERS] [scatter|contig] [REPS] [CONTEXT] [BLOCK_SIZE]`
+//!
+//! The block size defaults to 16; the engine's default is 4.
 //!
 //! One layer stays in the last-level cache; 30 layers (the model's) stream KV from memory
 //! every step. Prints, per timed round, the time per step (all layers), the time per (query
@@ -20,7 +22,8 @@ fn main() {
     let scatter = args.get(3).is_none_or(|v| v == "scatter");
     let reps = arg(4, 1);
     let ctx = arg(5, 238);
-    let (bs, rows_n, n_heads, hd) = (16, 16, 9, 64);
+    let bs = arg(6, 16);
+    let (rows_n, n_heads, hd) = (16, 9, 64);
     let layout = KvLayout { block_size: bs, n_kv_heads: 3, head_dim: hd };
     let bps = ctx.div_ceil(bs);
     let nblocks = rows_n * bps;

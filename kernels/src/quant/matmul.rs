@@ -69,14 +69,23 @@ pub struct MatmulScratch {
     x: Vec<f32>,
 }
 
-/// Rows of weights per task: a function of the weight shape only (never of the batch).
+/// Rows of weights per task by size: about 32 KiB of weights, between 8 and 128 rows, whole
+/// panels. Fewer, larger tasks than 16 KiB measured faster at batch 1 (task claiming costs a
+/// shared atomic per task) and no slower batched.
 pub(super) fn tile_rows(w: &Weight) -> usize {
     let rb = w.row_bytes().max(1);
-    // About 32 KiB of weights per task, between 8 and 128 rows, a multiple of 8 (whole panels):
-    // fewer, larger tasks than 16 KiB measured faster at batch 1 (task claiming costs a shared
-    // atomic per task) and no slower batched.
-    // It depends only on the weight's shape (batch invariance).
     ((32768 / rb).clamp(8, 128) / PANEL) * PANEL
+}
+
+/// The weight-tile tasks of one matmul: the tile count of [`tile_rows`] rounded up to a
+/// multiple of the pool's threads (at most one task per panel), so every thread gets as many
+/// tiles (wo at SmolLM2's shape: 8 tiles of 9 panels instead of 7 of 11 and one thread idle
+/// for a seventh of it). Task `t` takes panels `t·P/T .. (t+1)·P/T`, sizes within one panel.
+/// Where tiles fall changes no value: each output is one dot product in a fixed order.
+pub(super) fn tile_tasks(w: &Weight, threads: usize) -> usize {
+    let panels = w.rows.div_ceil(PANEL);
+    let per_task = (tile_rows(w) / PANEL).max(1);
+    panels.div_ceil(per_task).next_multiple_of(threads.max(1)).min(panels)
 }
 
 /// `y[b × rows] = x[b × cols] · Wᵀ` for `b = x.len() / cols` activation rows.
@@ -161,13 +170,13 @@ pub(super) fn multiply(pool: &ThreadPool, w: &Weight, x: &[f32], b: usize, y: &m
     if b == 0 {
         return;
     }
-    let tile = tile_rows(w);
-    let n_tasks = n.div_ceil(tile);
+    let panels = n.div_ceil(PANEL);
+    let n_tasks = tile_tasks(w, pool.n_threads());
     let yp = SyncPtr(y.as_mut_ptr());
     let kernel = Kernel::detect();
     pool.run(n_tasks, |t| {
-        let r0 = t * tile;
-        let r1 = (r0 + tile).min(n);
+        let r0 = t * panels / n_tasks * PANEL;
+        let r1 = ((t + 1) * panels / n_tasks * PANEL).min(n);
         // SAFETY: each task writes only columns r0..r1 of every output row, disjoint across
         // tasks, and `y` outlives `pool.run`.
         let y = unsafe { std::slice::from_raw_parts_mut(yp.get(), b * n) };

@@ -169,6 +169,20 @@ unsafe fn block_sums<F: Fmt, const V: bool>(w: &[__m256i; 8], q: *const i8) -> (
     (_mm256_add_epi32(s0, s1), _mm256_add_epi32(s2, s3))
 }
 
+/// The exact integer sum `Σ w·a` of one panel block against one activation block, per lane, for
+/// the VNNI path of formats without halves: one `vpdpbusd` chain over the 8 groups, so a
+/// block costs 8 dot instructions and no zeroing or adding of partial chains. The rows of a
+/// chunk are independent chains, enough to cover the instruction's latency.
+#[inline(always)]
+unsafe fn block_sum_vnni<F: Fmt>(w: &[__m256i; 8], q: *const i8) -> __m256i {
+    let bc = |g: usize| _mm256_set1_epi32((q.add(4 * g) as *const i32).read_unaligned());
+    let mut s = F::dot::<true>(_mm256_setzero_si256(), w[0], bc(0));
+    for (g, wg) in w.iter().enumerate().skip(1) {
+        s = F::dot::<true>(s, *wg, bc(g));
+    }
+    s
+}
+
 /// A tile's weight panels: `np` panels of `pb` bytes from `ptr`; the last has `lanes_last`
 /// real rows.
 #[derive(Clone, Copy)]
@@ -299,14 +313,17 @@ unsafe fn chunk<F: Fmt, const V: bool, const N: usize>(w: Panels, rows: Rows, pr
             rows!(N, i, {
                 let acc = &mut acc[i];
                 let a = &*acts.add(i * nb + j);
-                let (lo, hi) = block_sums::<F, V>(&w, a.qs.as_ptr());
-                let t = if F::HALVES {
+                let t = if V && !F::HALVES {
+                    block_term::<F>(block_sum_vnni::<F>(&w, a.qs.as_ptr()), dw, mw, a, offset)
+                } else if F::HALVES {
+                    let (lo, hi) = block_sums::<F, V>(&w, a.qs.as_ptr());
                     // Q6K: `(Σlo · d_lo + Σhi · d_hi) · d_a`, as the scalar code.
                     let lo = _mm256_sub_epi32(lo, _mm256_set1_epi32(offset * a.sum_lo));
                     let hi = _mm256_sub_epi32(hi, _mm256_set1_epi32(offset * (a.sum - a.sum_lo)));
                     let t = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(lo), dw), _mm256_mul_ps(_mm256_cvtepi32_ps(hi), mw));
                     _mm256_mul_ps(t, _mm256_set1_ps(a.d))
                 } else {
+                    let (lo, hi) = block_sums::<F, V>(&w, a.qs.as_ptr());
                     block_term::<F>(_mm256_add_epi32(lo, hi), dw, mw, a, offset)
                 };
                 *acc = _mm256_add_ps(*acc, t);

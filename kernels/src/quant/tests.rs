@@ -374,6 +374,37 @@ fn matmul_matches_reference_and_is_batch_invariant() {
     }
 }
 
+/// The tiles of a matmul cover every panel once and come in multiples of the thread count;
+/// where they fall changes no value (1, 2 and 3 threads give the same bits).
+#[test]
+fn tiles_split_evenly_and_change_no_value() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+    let pools = [ThreadPool::new(1), ThreadPool::new(2), ThreadPool::new(3)];
+    for &(rows, cols) in &[(576usize, 576usize), (960, 576), (130, 96), (8, 32)] {
+        let w = quantize_weight(WeightFormat::Q4_1, rows, cols, &rand_vec(&mut rng, rows * cols));
+        let panels = rows.div_ceil(PANEL);
+        for threads in 1..=4 {
+            let t = tile_tasks(&w, threads);
+            assert!(t >= 1 && t <= panels, "{rows}x{cols}: {t} tasks");
+            assert!(t % threads == 0 || t == panels, "{rows}x{cols}: {t} tasks on {threads} threads");
+            let sizes: Vec<usize> = (0..t).map(|i| (i + 1) * panels / t - i * panels / t).collect();
+            assert_eq!(sizes.iter().sum::<usize>(), panels);
+            assert!(sizes.iter().max().unwrap() - sizes.iter().min().unwrap() <= 1 && *sizes.iter().min().unwrap() >= 1);
+        }
+        let b = 16;
+        let x = rand_vec(&mut rng, b * cols);
+        let outs: Vec<Vec<u32>> = pools
+            .iter()
+            .map(|pool| {
+                let mut y = vec![0f32; b * rows];
+                matmul(pool, &w, &x, &mut y, &mut MatmulScratch::default());
+                y.iter().map(|v| v.to_bits()).collect()
+            })
+            .collect();
+        assert!(outs.windows(2).all(|p| p[0] == p[1]), "{rows}x{cols}: thread counts disagree");
+    }
+}
+
 /// GGUF `Q5_0` loads as `Q8_0` with the same scales: every value is ggml's
 /// `dequantize_row_q5_0` bit for bit, so every Q8_0 kernel computes ggml's `q5_0 × q8_0` dot.
 #[test]
