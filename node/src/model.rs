@@ -23,7 +23,7 @@ use zerolayer_kernels::attention::{paged_attention, write_kv, AttnRow, KvElem, K
 use zerolayer_kernels::collective::{Collective, Solo};
 use zerolayer_kernels::ops::{add_assign, rms_norm_row, silu_mul, RopeStyle, RopeTable};
 use zerolayer_kernels::pool::ThreadPool;
-use zerolayer_kernels::quant::{matmul, matmul_rows, MatmulScratch, Weight};
+use zerolayer_kernels::quant::{matmul_rows_warming, matmul_warming, MatmulScratch, Warm, Weight, PANEL, QK};
 
 mod load;
 pub mod shard;
@@ -177,6 +177,9 @@ struct Scratch {
     /// Buffers for the per-row bookkeeping, reused across calls (empty between them).
     rows: Vec<AttnRow<'static>>,
     last_rows: Vec<usize>,
+    /// Byte offsets (the same in every layer's K and V arrays) of the KV runs this step's
+    /// attention reads: one block of one KV head each.
+    warm_runs: Vec<usize>,
 }
 
 /// A loaded model, ready to run forward steps.
@@ -229,6 +232,24 @@ pub(crate) fn recycle<T, U>(mut v: Vec<T>) -> Vec<U> {
     const { assert!(std::mem::size_of::<T>() == std::mem::size_of::<U>() && std::mem::align_of::<T>() == std::mem::align_of::<U>()) };
     v.clear();
     v.into_iter().map(|_| unreachable!("the vector is empty")).collect()
+}
+
+/// Whether batched steps warm the next layer's KV during a layer's projections (on unless
+/// `ZEROLAYER_NO_KV_WARM` is set, for A/B benchmarks; no value depends on it).
+fn kv_warming() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os("ZEROLAYER_NO_KV_WARM").is_none())
+}
+
+impl Layer {
+    /// The shares of the next layer's KV lines that the O, gate/up and down projections warm:
+    /// in proportion to their panel blocks (their compute), so the loads spread evenly.
+    fn warm_shares(&self) -> [(f32, f32); 3] {
+        let blocks = |w: &Weight| (w.rows.div_ceil(PANEL) * (w.cols / QK)) as f32;
+        let (o, gu, down) = (blocks(&self.wo), blocks(&self.wgate_up), blocks(&self.wdown));
+        let all = (o + gu + down).max(1.0);
+        [(0.0, o / all), (o / all, (o + gu) / all), ((o + gu) / all, 1.0)]
+    }
 }
 
 fn resize(v: &mut Vec<f32>, n: usize) {
@@ -346,6 +367,19 @@ impl Model {
             }
         }
         let s = &mut self.scratch;
+        // The KV attention reads, by runs: with several sequences in the step, each layer's
+        // projections bring the next layer's into the caches as they compute (`Warm`).
+        s.warm_runs.clear();
+        let layout = cache.layout;
+        let run_bytes = layout.block_size * layout.head_dim * std::mem::size_of::<KvElem>();
+        if items.len() >= 2 && run_bytes % 64 == 0 && kv_warming() {
+            for it in items {
+                let blocks = (it.start_pos + it.tokens.len()).div_ceil(layout.block_size);
+                for h in 0..layout.n_kv_heads {
+                    s.warm_runs.extend(it.block_table[..blocks].iter().map(|&b| layout.offset(b as usize, h, 0) * std::mem::size_of::<KvElem>()));
+                }
+            }
+        }
         resize(&mut s.x, t_total * d);
         let mut r = 0;
         for it in items {
@@ -363,10 +397,18 @@ impl Model {
         resize(&mut s.gu, t_total * 2 * cfg.ffn_dim);
         let scale = 1.0 / (hd as f32).sqrt();
         let (eps, f) = (cfg.rms_eps, cfg.ffn_dim);
+        let n_layers = self.layers.len();
         for (li, layer) in self.layers.iter().enumerate() {
+            // Layer 0's KV warms during its own QKV projection; every later layer's during the
+            // previous layer's O, gate/up and down projections, split between them.
+            let bases = |l: usize| [cache.k[l].as_ptr() as *const u8, cache.v[l].as_ptr() as *const u8];
+            let (here, next) = (bases(li), bases((li + 1).min(n_layers - 1)));
+            let warm = |bases, share| (!s.warm_runs.is_empty()).then_some(Warm { bases, runs: &s.warm_runs, run_bytes, share });
+            let warm_qkv = warm(&here[..], (0.0, 1.0)).filter(|_| li == 0);
+            let [warm_o, warm_gate_up, warm_down] = layer.warm_shares().map(|share| warm(&next[..], share).filter(|_| li + 1 < n_layers));
             // RMSNorm runs per row inside the projection's parallel activation quantization.
             let x = &s.x;
-            matmul_rows(&self.pool, &layer.wqkv, t_total, &mut s.qkv, &mut s.mm, |i, out| rms_norm_row(&x[i * d..(i + 1) * d], &layer.attn_norm, eps, out));
+            matmul_rows_warming(&self.pool, &layer.wqkv, t_total, &mut s.qkv, &mut s.mm, warm_qkv.as_ref(), |i, out| rms_norm_row(&x[i * d..(i + 1) * d], &layer.attn_norm, eps, out));
             let (kc, vc) = (&mut cache.k[li], &mut cache.v[li]);
             for (t, row) in rows.iter().enumerate() {
                 let rr = &mut s.qkv[t * qkv_w..(t + 1) * qkv_w];
@@ -380,14 +422,14 @@ impl Model {
                 write_kv(&cache.layout, kc, vc, row.table, row.pos, k, v);
             }
             paged_attention(&self.pool, &KvView { layout: &cache.layout, k: kc, v: vc }, &rows, &s.qkv, qkv_w, cfg.n_heads, scale, &mut s.att);
-            matmul(&self.pool, &layer.wo, &s.att, &mut s.proj, &mut s.mm);
+            matmul_warming(&self.pool, &layer.wo, &s.att, &mut s.proj, &mut s.mm, warm_o.as_ref());
             self.group.all_reduce_sum(&mut s.proj).map_err(|e| WorkerError::Unavailable(e.to_string()))?;
             add_assign(&mut s.x, &s.proj);
             let x = &s.x;
-            matmul_rows(&self.pool, &layer.wgate_up, t_total, &mut s.gu, &mut s.mm, |i, out| rms_norm_row(&x[i * d..(i + 1) * d], &layer.ffn_norm, eps, out));
+            matmul_rows_warming(&self.pool, &layer.wgate_up, t_total, &mut s.gu, &mut s.mm, warm_gate_up.as_ref(), |i, out| rms_norm_row(&x[i * d..(i + 1) * d], &layer.ffn_norm, eps, out));
             // SiLU(gate)·up per row, inside the down projection's activation quantization.
             let gu = &s.gu;
-            matmul_rows(&self.pool, &layer.wdown, t_total, &mut s.proj, &mut s.mm, |i, out| {
+            matmul_rows_warming(&self.pool, &layer.wdown, t_total, &mut s.proj, &mut s.mm, warm_down.as_ref(), |i, out| {
                 let (g, u) = gu[i * 2 * f..(i + 1) * 2 * f].split_at(f);
                 out.copy_from_slice(g);
                 silu_mul(out, u);
@@ -414,7 +456,7 @@ impl Model {
             let v = cfg.vocab_size;
             resize(logits, last_rows.len() * v);
             let x = &s.x;
-            matmul_rows(&self.pool, &self.output, last_rows.len(), logits, &mut s.mm, |i, out| {
+            matmul_rows_warming(&self.pool, &self.output, last_rows.len(), logits, &mut s.mm, None, |i, out| {
                 let row = last_rows[i];
                 rms_norm_row(&x[row * d..(row + 1) * d], &self.norm, eps, out)
             });

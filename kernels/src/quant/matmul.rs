@@ -62,6 +62,56 @@ pub(super) fn f32_row(bytes: &[u8]) -> &[f32] {
     crate::cast_f32(bytes)
 }
 
+/// Memory for a matmul to bring into the caches while it computes: for each of `bases`, runs
+/// of `run_bytes` (a multiple of 64) at byte offsets `runs`. The lines are shared out over the
+/// matmul's tiles and prefetched a few after each panel block, so the loads of a later
+/// memory-bound pass (the next layer's attention reading its KV) overlap this compute-bound
+/// one. A hint: no value anywhere depends on it, and any address may be named.
+#[derive(Clone, Copy)]
+pub struct Warm<'a> {
+    pub bases: &'a [*const u8],
+    pub runs: &'a [usize],
+    pub run_bytes: usize,
+    /// The share of all the lines this matmul takes, as a fraction range (`0.0..1.0`: all),
+    /// so that consecutive matmuls can split one warming between them.
+    pub share: (f32, f32),
+}
+
+// SAFETY: the pointers are only turned into prefetch addresses, never dereferenced.
+unsafe impl Sync for Warm<'_> {}
+
+impl Warm<'_> {
+    fn lines(&self) -> usize {
+        self.bases.len() * self.runs.len() * (self.run_bytes / 64)
+    }
+
+    /// The cursor of task `t` of `n`, spreading its share of the lines over `blocks` panel
+    /// blocks.
+    #[cfg(target_arch = "x86_64")]
+    pub(super) fn cursor(&self, t: usize, n: usize, blocks: usize) -> avx2::WarmCursor {
+        let lpr = (self.run_bytes / 64).max(1);
+        let all = self.lines();
+        let (lo, hi) = ((all as f32 * self.share.0) as usize, ((all as f32 * self.share.1) as usize).min(all));
+        let total = hi.saturating_sub(lo);
+        let (from, to) = (lo + t * total / n, lo + (t + 1) * total / n);
+        if self.runs.is_empty() || to == from {
+            return avx2::WarmCursor::NONE;
+        }
+        avx2::WarmCursor {
+            bases: self.bases.as_ptr(),
+            n_bases: self.bases.len(),
+            runs: self.runs.as_ptr(),
+            n_runs: self.runs.len(),
+            lines_per_run: lpr,
+            per_block: (to - from).div_ceil(blocks.max(1)),
+            base: from / (self.runs.len() * lpr),
+            run: (from / lpr) % self.runs.len(),
+            line: from % lpr,
+            left: to - from,
+        }
+    }
+}
+
 /// Scratch space reused across calls so the decode loop does not allocate.
 #[derive(Default)]
 pub struct MatmulScratch {
@@ -90,11 +140,16 @@ pub(super) fn tile_tasks(w: &Weight, threads: usize) -> usize {
 
 /// `y[b × rows] = x[b × cols] · Wᵀ` for `b = x.len() / cols` activation rows.
 pub fn matmul(pool: &ThreadPool, w: &Weight, x: &[f32], y: &mut [f32], scratch: &mut MatmulScratch) {
+    matmul_warming(pool, w, x, y, scratch, None)
+}
+
+/// [`matmul`], bringing `warm` into the caches as it computes.
+pub fn matmul_warming(pool: &ThreadPool, w: &Weight, x: &[f32], y: &mut [f32], scratch: &mut MatmulScratch, warm: Option<&Warm<'_>>) {
     let k = w.cols;
     assert_eq!(x.len() % k, 0);
     let b = x.len() / k;
     if w.format == WeightFormat::F32 {
-        return multiply(pool, w, x, b, y, &[]);
+        return multiply(pool, w, x, b, y, &[], warm);
     }
     let nb = k / QK;
     scratch.act.resize(b * nb, ActBlock::default());
@@ -107,7 +162,7 @@ pub fn matmul(pool: &ThreadPool, w: &Weight, x: &[f32], y: &mut [f32], scratch: 
             quantize_row(&x[i * k..(i + 1) * k], a);
         }
     });
-    multiply(pool, w, x, b, y, &scratch.act);
+    multiply(pool, w, x, b, y, &scratch.act, warm);
 }
 
 /// `y = X · Wᵀ` where row `i` of the `b × cols` matrix `X` is written by `row(i, out)`: the rows
@@ -115,6 +170,11 @@ pub fn matmul(pool: &ThreadPool, w: &Weight, x: &[f32], y: &mut [f32], scratch: 
 /// multiplied. This fuses per-row work that feeds a projection (RMSNorm, SiLU·mul) into the
 /// projection's activation quantization, in parallel instead of on the calling thread.
 pub fn matmul_rows<R: Fn(usize, &mut [f32]) + Sync>(pool: &ThreadPool, w: &Weight, b: usize, y: &mut [f32], scratch: &mut MatmulScratch, row: R) {
+    matmul_rows_warming(pool, w, b, y, scratch, None, row)
+}
+
+/// [`matmul_rows`], bringing `warm` into the caches as it computes.
+pub fn matmul_rows_warming<R: Fn(usize, &mut [f32]) + Sync>(pool: &ThreadPool, w: &Weight, b: usize, y: &mut [f32], scratch: &mut MatmulScratch, warm: Option<&Warm<'_>>, row: R) {
     let k = w.cols;
     let nb = k / QK;
     let quantized = w.format != WeightFormat::F32;
@@ -136,7 +196,7 @@ pub fn matmul_rows<R: Fn(usize, &mut [f32]) + Sync>(pool: &ThreadPool, w: &Weigh
         }
     });
     let act: &[ActBlock] = if quantized { &scratch.act } else { &[] };
-    multiply(pool, w, &scratch.x, b, y, act);
+    multiply(pool, w, &scratch.x, b, y, act, warm);
 }
 
 /// Pool tasks for `b` rows of per-row work: a few per thread (rows are cheap, regions are not).
@@ -164,7 +224,7 @@ impl ActPtr {
 
 /// The weight-tile region: `act` holds `b` quantized rows (quantized weights) and `x` the f32
 /// rows (F32 weights).
-pub(super) fn multiply(pool: &ThreadPool, w: &Weight, x: &[f32], b: usize, y: &mut [f32], act: &[ActBlock]) {
+pub(super) fn multiply(pool: &ThreadPool, w: &Weight, x: &[f32], b: usize, y: &mut [f32], act: &[ActBlock], warm: Option<&Warm<'_>>) {
     let n = w.rows;
     assert_eq!(y.len(), b * n);
     if b == 0 {
@@ -180,7 +240,22 @@ pub(super) fn multiply(pool: &ThreadPool, w: &Weight, x: &[f32], b: usize, y: &m
         // SAFETY: each task writes only columns r0..r1 of every output row, disjoint across
         // tasks, and `y` outlives `pool.run`.
         let y = unsafe { std::slice::from_raw_parts_mut(yp.get(), b * n) };
-        tile_run(kernel, w, x, act, y, r0, r1, b);
+        #[cfg(target_arch = "x86_64")]
+        let mut cursor = match (warm, kernel) {
+            (Some(warm), Kernel::Avx2 | Kernel::Vnni) => {
+                let max = if kernel == Kernel::Vnni { avx2::VNNI_ROWS } else { avx2::AVX2_ROWS };
+                let blocks = (r1 - r0).div_ceil(PANEL) * (w.cols / QK) * avx2::chunks(b, max);
+                warm.cursor(t, n_tasks, blocks)
+            }
+            _ => avx2::WarmCursor::NONE,
+        };
+        #[cfg(target_arch = "x86_64")]
+        tile_run_body(kernel, w, x, act, y, r0, r1, b, &mut cursor);
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = warm; // the portable kernel takes no hints
+            tile_run_body(kernel, w, x, act, y, r0, r1, b);
+        }
     });
 }
 
@@ -210,8 +285,18 @@ impl Kernel {
 }
 
 /// Rows `r0..r1` (whole panels, except at the end) of all `b` outputs.
+#[cfg(test)]
 #[allow(clippy::too_many_arguments)]
 pub(super) fn tile_run(kernel: Kernel, w: &Weight, x: &[f32], act: &[ActBlock], y: &mut [f32], r0: usize, r1: usize, b: usize) {
+    #[cfg(target_arch = "x86_64")]
+    tile_run_body(kernel, w, x, act, y, r0, r1, b, &mut { avx2::WarmCursor::NONE });
+    #[cfg(not(target_arch = "x86_64"))]
+    tile_run_body(kernel, w, x, act, y, r0, r1, b);
+}
+
+/// [`tile_run`]; the SIMD kernels prefetch `warm`'s lines as they go.
+#[allow(clippy::too_many_arguments)]
+fn tile_run_body(kernel: Kernel, w: &Weight, x: &[f32], act: &[ActBlock], y: &mut [f32], r0: usize, r1: usize, b: usize, #[cfg(target_arch = "x86_64")] warm: &mut avx2::WarmCursor) {
     let k = w.cols;
     let n = w.rows;
     if w.format == WeightFormat::F32 {
@@ -246,16 +331,16 @@ pub(super) fn tile_run(kernel: Kernel, w: &Weight, x: &[f32], act: &[ActBlock], 
                 let panels = avx2::Panels { ptr: w.data.as_ptr().add(p0 * pb), pb, np: p1 - p0, lanes_last: r1 - (p1 - 1) * PANEL };
                 let rows = avx2::Rows { acts: act.as_ptr(), nb, b, out: y.as_mut_ptr().add(p0 * PANEL), stride: n };
                 match (w.format, kernel == Kernel::Vnni) {
-                    (WeightFormat::Q4_1, true) => avx2::tile_vnni::<avx2::Q41>(panels, rows),
-                    (WeightFormat::Q4_0, true) => avx2::tile_vnni::<avx2::Q40>(panels, rows),
-                    (WeightFormat::Q8_0, true) => avx2::tile_vnni::<avx2::Q80>(panels, rows),
-                    (WeightFormat::Q4K, true) => avx2::tile_vnni::<avx2::Q4K>(panels, rows),
-                    (WeightFormat::Q6K, true) => avx2::tile_vnni::<avx2::Q6K>(panels, rows),
-                    (WeightFormat::Q4K, false) => avx2::tile_avx2::<avx2::Q4K>(panels, rows),
-                    (WeightFormat::Q6K, false) => avx2::tile_avx2::<avx2::Q6K>(panels, rows),
-                    (WeightFormat::Q4_1, false) => avx2::tile_avx2::<avx2::Q41>(panels, rows),
-                    (WeightFormat::Q4_0, false) => avx2::tile_avx2::<avx2::Q40>(panels, rows),
-                    (WeightFormat::Q8_0, false) => avx2::tile_avx2::<avx2::Q80>(panels, rows),
+                    (WeightFormat::Q4_1, true) => avx2::tile_vnni::<avx2::Q41>(panels, rows, warm),
+                    (WeightFormat::Q4_0, true) => avx2::tile_vnni::<avx2::Q40>(panels, rows, warm),
+                    (WeightFormat::Q8_0, true) => avx2::tile_vnni::<avx2::Q80>(panels, rows, warm),
+                    (WeightFormat::Q4K, true) => avx2::tile_vnni::<avx2::Q4K>(panels, rows, warm),
+                    (WeightFormat::Q6K, true) => avx2::tile_vnni::<avx2::Q6K>(panels, rows, warm),
+                    (WeightFormat::Q4K, false) => avx2::tile_avx2::<avx2::Q4K>(panels, rows, warm),
+                    (WeightFormat::Q6K, false) => avx2::tile_avx2::<avx2::Q6K>(panels, rows, warm),
+                    (WeightFormat::Q4_1, false) => avx2::tile_avx2::<avx2::Q41>(panels, rows, warm),
+                    (WeightFormat::Q4_0, false) => avx2::tile_avx2::<avx2::Q40>(panels, rows, warm),
+                    (WeightFormat::Q8_0, false) => avx2::tile_avx2::<avx2::Q80>(panels, rows, warm),
                     (WeightFormat::F32, _) => unreachable!(),
                 }
             }

@@ -210,6 +210,74 @@ impl Rows {
     }
 }
 
+/// Cache lines a matmul task brings in as it computes (built by `matmul::Warm`): line `line`
+/// of run `run` (at byte offset `runs[run]`) from `bases[base]`, then onwards, `per_block`
+/// lines after each panel block, until `left` lines are done. Prefetches only: no value
+/// depends on it.
+#[derive(Clone, Copy)]
+pub struct WarmCursor {
+    pub bases: *const *const u8,
+    pub n_bases: usize,
+    pub runs: *const usize,
+    pub n_runs: usize,
+    pub lines_per_run: usize,
+    pub per_block: usize,
+    pub base: usize,
+    pub run: usize,
+    pub line: usize,
+    pub left: usize,
+}
+
+impl WarmCursor {
+    /// Nothing to warm.
+    pub const NONE: WarmCursor = WarmCursor {
+        bases: std::ptr::null(),
+        n_bases: 0,
+        runs: std::ptr::null(),
+        n_runs: 0,
+        lines_per_run: 1,
+        per_block: 0,
+        base: 0,
+        run: 0,
+        line: 0,
+        left: 0,
+    };
+
+    /// The next line's address, if any are left.
+    #[inline(always)]
+    pub(super) fn next_line(&mut self) -> Option<*const u8> {
+        if self.left == 0 {
+            return None;
+        }
+        debug_assert!(self.base < self.n_bases && self.run < self.n_runs);
+        // SAFETY: `base < n_bases` and `run < n_runs` while lines are left (`Warm::cursor`
+        // sizes `left` to the lines that exist); the address is only ever prefetched.
+        let p = unsafe { (*self.bases.add(self.base)).wrapping_add(*self.runs.add(self.run) + self.line * 64) };
+        self.left -= 1;
+        self.line += 1;
+        if self.line == self.lines_per_run {
+            self.line = 0;
+            self.run += 1;
+            if self.run == self.n_runs {
+                self.run = 0;
+                self.base += 1;
+            }
+        }
+        Some(p)
+    }
+
+    /// Prefetches this panel block's share of lines into L2.
+    #[inline(always)]
+    unsafe fn step(&mut self) {
+        for _ in 0..self.per_block {
+            match self.next_line() {
+                Some(p) => _mm_prefetch::<_MM_HINT_T1>(p as *const i8),
+                None => return,
+            }
+        }
+    }
+}
+
 /// Runs `$body` with `$i` = 0, 1, … `$n - 1` (`$n` ≤ 8, a constant), unrolled.
 macro_rules! rows {
     ($n:expr, $i:ident, $body:block) => {
@@ -228,7 +296,7 @@ macro_rules! rows {
 /// The first `N` of `rows` against every panel, writing `out[i * stride + 8p + r]` for lanes
 /// `r < 8` (`< lanes_last` in the last panel).
 #[inline(always)]
-unsafe fn chunk<F: Fmt, const V: bool, const N: usize>(w: Panels, rows: Rows, prefetch: bool) {
+unsafe fn chunk<F: Fmt, const V: bool, const N: usize>(w: Panels, rows: Rows, prefetch: bool, warm: &mut WarmCursor) {
     let Panels { ptr: panels, pb, np, lanes_last } = w;
     let Rows { acts, nb, out, stride, .. } = rows;
     debug_assert!(rows.b >= N);
@@ -237,6 +305,7 @@ unsafe fn chunk<F: Fmt, const V: bool, const N: usize>(w: Panels, rows: Rows, pr
         let mut acc = [_mm256_setzero_ps(); N];
         for j in 0..nb {
             let blk = panels.add(p * pb + j * F::PB);
+            warm.step();
             if prefetch {
                 // The first chunk streams the tile from memory: ask for blocks ahead (a few
                 // blocks of the next panel at the end of a row; past the tile it is harmless).
@@ -359,42 +428,56 @@ unsafe fn block_term<F: Fmt>(si: __m256i, dw: __m256, mw: __m256, a: &ActBlock, 
 /// All rows in chunks of `MAX` (then 4, 2, 1), each chunk against every panel of the tile
 /// while the tile's weights stay in L1.
 #[inline(always)]
-unsafe fn tile_body<F: Fmt, const V: bool, const MAX: usize>(w: Panels, rows: Rows) {
+unsafe fn tile_body<F: Fmt, const V: bool, const MAX: usize>(w: Panels, rows: Rows, warm: &mut WarmCursor) {
     let mut i = 0;
     while i < rows.b {
         let (r, first) = (rows.skip(i), i == 0);
         i += if r.b >= MAX {
-            chunk::<F, V, MAX>(w, r, first);
+            chunk::<F, V, MAX>(w, r, first, warm);
             MAX
         } else if r.b >= 4 {
-            chunk::<F, V, 4>(w, r, first);
+            chunk::<F, V, 4>(w, r, first, warm);
             4
         } else if r.b >= 2 {
-            chunk::<F, V, 2>(w, r, first);
+            chunk::<F, V, 2>(w, r, first, warm);
             2
         } else {
-            chunk::<F, V, 1>(w, r, first);
+            chunk::<F, V, 1>(w, r, first, warm);
             1
         };
     }
 }
 
+/// How many chunks [`tile_body`] splits `b` rows into, with chunks of at most `max`.
+pub fn chunks(b: usize, max: usize) -> usize {
+    let (mut i, mut n) = (0, 0);
+    while i < b {
+        let r = b - i;
+        i += if r >= max { max } else if r >= 4 { 4 } else if r >= 2 { 2 } else { 1 };
+        n += 1;
+    }
+    n
+}
+
 /// The AVX2 panel kernel (16 vector registers: chunks of 4 activation rows).
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn tile_avx2<F: Fmt>(w: Panels, rows: Rows) {
-    tile_body::<F, false, 4>(w, rows)
+pub unsafe fn tile_avx2<F: Fmt>(w: Panels, rows: Rows, warm: &mut WarmCursor) {
+    tile_body::<F, false, AVX2_ROWS>(w, rows, warm)
 }
+
+/// Activation rows per chunk in the AVX2 kernel.
+pub const AVX2_ROWS: usize = 4;
 
 /// How far ahead (in panel blocks) the kernel prefetches weights.
 const PREFETCH_BLOCKS: usize = 4;
 
 /// Activation rows per chunk in the VNNI kernel.
-const VNNI_ROWS: usize = 8;
+pub const VNNI_ROWS: usize = 8;
 
 /// The AVX-512 VNNI panel kernel on 256-bit vectors (32 registers: chunks of 8 rows).
 #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
-pub unsafe fn tile_vnni<F: Fmt>(w: Panels, rows: Rows) {
-    tile_body::<F, true, VNNI_ROWS>(w, rows)
+pub unsafe fn tile_vnni<F: Fmt>(w: Panels, rows: Rows, warm: &mut WarmCursor) {
+    tile_body::<F, true, VNNI_ROWS>(w, rows, warm)
 }
 
 const _: () = assert!(QK == 32 && PANEL == 8);

@@ -405,6 +405,42 @@ fn tiles_split_evenly_and_change_no_value() {
     }
 }
 
+/// A warming's lines, shared over matmuls and their tasks, cover every line of every run once;
+/// and a matmul that warms gives the same bits as one that does not.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn warming_covers_every_line_once_and_changes_no_value() {
+    let buf = vec![0u8; 1 << 16];
+    let bases = [buf.as_ptr(), buf.as_ptr().wrapping_add(32768)];
+    let runs = [0usize, 1024, 4096, 192];
+    let warm = |share| Warm { bases: &bases, runs: &runs, run_bytes: 128, share };
+    let mut seen = vec![];
+    for share in [(0.0, 0.3), (0.3, 0.75), (0.75, 1.0)] {
+        for t in 0..3 {
+            let mut c = warm(share).cursor(t, 3, 5);
+            while let Some(p) = c.next_line() {
+                seen.push(p as usize - buf.as_ptr() as usize);
+            }
+        }
+    }
+    let mut want: Vec<usize> = [0usize, 32768].iter().flat_map(|b| runs.iter().flat_map(move |r| [b + r, b + r + 64])).collect();
+    want.sort();
+    seen.sort();
+    assert_eq!(seen, want);
+
+    let pool = ThreadPool::new(2);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+    for format in [WeightFormat::Q4_1, WeightFormat::Q8_0] {
+        let (rows, cols, b) = (200, 96, 11);
+        let w = quantize_weight(format, rows, cols, &rand_vec(&mut rng, rows * cols));
+        let x = rand_vec(&mut rng, b * cols);
+        let (mut y0, mut y1) = (vec![0f32; b * rows], vec![f32::NAN; b * rows]);
+        matmul(&pool, &w, &x, &mut y0, &mut MatmulScratch::default());
+        matmul_warming(&pool, &w, &x, &mut y1, &mut MatmulScratch::default(), Some(&warm((0.0, 1.0))));
+        assert_eq!(y0.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), y1.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "{format:?}");
+    }
+}
+
 /// GGUF `Q5_0` loads as `Q8_0` with the same scales: every value is ggml's
 /// `dequantize_row_q5_0` bit for bit, so every Q8_0 kernel computes ggml's `q5_0 × q8_0` dot.
 #[test]
