@@ -63,6 +63,7 @@ impl Node {
             let ecfg = EngineConfig {
                 block_size: wc.block_size,
                 kv_cache_bytes: wc.kv_cache_mb << 20,
+                kv_dtype: wc.kv_dtype,
                 max_batch_tokens: wc.max_batch_tokens,
                 max_running: wc.max_running,
                 max_waiting: wc.max_waiting,

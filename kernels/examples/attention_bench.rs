@@ -2,16 +2,16 @@
 //! heads on 3 KV heads of 64), `LAYERS` layers of KV, blocks scattered as concurrent decoding
 //! leaves them or contiguous.
 //!
-//! `cargo run --release -p zerolayer-kernels --example attention_bench -- [THREADS] [LAYERS] [scatter|contig] [REPS] [CONTEXT] [BLOCK_SIZE]`
+//! `cargo run --release -p zerolayer-kernels --example attention_bench -- [THREADS] [LAYERS] [scatter|contig] [REPS] [CONTEXT] [BLOCK_SIZE] [f32|f16]`
 //!
-//! The block size defaults to 16; the engine's default is 4.
+//! The block size defaults to 16 (the engine's default is 4), the KV element to f32.
 //!
 //! One layer stays in the last-level cache; 30 layers (the model's) stream KV from memory
 //! every step. Prints, per timed round, the time per step (all layers), the time per (query
 //! head, position) pair, and the KV bytes read per second (each KV head's K and V once).
 use std::time::Instant;
 
-use zerolayer_kernels::attention::{paged_attention, AttnRow, KvElem, KvLayout, KvView};
+use zerolayer_kernels::attention::{paged_attention, AttnRow, KvElement, KvLayout, KvView};
 use zerolayer_kernels::pool::ThreadPool;
 
 fn main() {
@@ -23,12 +23,20 @@ fn main() {
     let reps = arg(4, 1);
     let ctx = arg(5, 238);
     let bs = arg(6, 16);
+    match args.get(7).map(String::as_str) {
+        None | Some("f32") => run::<f32>(threads, layers, scatter, reps, ctx, bs),
+        Some("f16") => run::<half::f16>(threads, layers, scatter, reps, ctx, bs),
+        Some(other) => panic!("KV element {other:?}: f32 or f16"),
+    }
+}
+
+fn run<E: KvElement>(threads: usize, layers: usize, scatter: bool, reps: usize, ctx: usize, bs: usize) {
     let (rows_n, n_heads, hd) = (16, 9, 64);
     let layout = KvLayout { block_size: bs, n_kv_heads: 3, head_dim: hd };
     let bps = ctx.div_ceil(bs);
     let nblocks = rows_n * bps;
     let pool = ThreadPool::new(threads);
-    let kc: Vec<Vec<KvElem>> = (0..layers).map(|l| (0..nblocks * layout.block_elems()).map(|i| ((i * 7 + l) % 13) as f32 * 0.01).collect()).collect();
+    let kc: Vec<Vec<E>> = (0..layers).map(|l| (0..nblocks * layout.block_elems()).map(|i| E::from_f32(((i * 7 + l) % 13) as f32 * 0.01)).collect()).collect();
     let vc = kc.clone();
     // Scattered: sequences took turns allocating blocks (block b of row r is b * rows + r).
     let tables: Vec<Vec<u32>> = (0..rows_n).map(|r| (0..bps).map(|b| if scatter { b * rows_n + r } else { r * bps + b } as u32).collect()).collect();
@@ -43,7 +51,7 @@ fn main() {
         }
         let e = t.elapsed().as_secs_f64();
         let pairs = (rows_n * n_heads * ctx * layers * reps) as f64;
-        let kv_bytes = (rows_n * 3 * ctx * layers * reps * 2 * hd * std::mem::size_of::<KvElem>()) as f64;
+        let kv_bytes = (rows_n * 3 * ctx * layers * reps * 2 * hd * std::mem::size_of::<E>()) as f64;
         if round > 0 {
             println!("{:.2} ms per step; {:.1} ns per (head, pos); {:.1} GB/s KV", e * 1e3 / reps as f64, e * 1e9 / pairs, kv_bytes / e / 1e9);
         }

@@ -8,8 +8,10 @@
 //!   that GPU groups use, run and tested where CI runs.
 //!
 //! A backend's KV blocks travel (migration, drain) in one layout whatever it is:
-//! `[K₀ V₀ K₁ V₁ …]` per block, every KV head in order, f32 little-endian. So a sequence moves
-//! between a sharded and an unsharded worker of the same model.
+//! `[K₀ V₀ K₁ V₁ …]` per block, every KV head in order, in the cache's element type (`kv_dtype`:
+//! f32, or f16 on the CPU), little-endian. So a sequence moves between a sharded and an
+//! unsharded worker of the same model; caches of different element types have different block
+//! sizes, and an import refuses blocks of another size.
 
 mod cpu;
 #[cfg(feature = "gpu")]
@@ -23,6 +25,8 @@ pub use cuda::{group as cuda_group, Cuda};
 pub use step::{Backend, KvGeometry};
 pub use tensor_parallel::TensorParallel;
 
+use zerolayer_common::config::KvDtype;
+
 use crate::error::{Result, WorkerError};
 use crate::model::Model;
 
@@ -32,7 +36,9 @@ use crate::model::Model;
 pub fn open(wc: &zerolayer_common::config::WorkerConfig, model: Model) -> Result<Box<dyn Backend>> {
     let budget = wc.kv_cache_mb << 20;
     match wc.gpu() {
-        Ok(None) => cpu(model, wc.tensor_parallel, wc.threads, wc.block_size, budget),
+        Ok(None) => cpu(model, wc.tensor_parallel, wc.threads, wc.block_size, wc.kv_dtype, budget),
+        // GPU KV caches are f32 (the config refuses anything else on a GPU).
+        Ok(Some(_)) if wc.kv_dtype != KvDtype::F32 => Err(WorkerError::Invalid(format!("device {}: kv_dtype {} runs on the CPU only", wc.device, wc.kv_dtype))),
         Ok(Some(n)) => gpu(model, n, wc.tensor_parallel, wc.block_size, budget, wc.gpu_kv_share),
         Err(()) => Err(WorkerError::Invalid(format!("unknown device {:?}", wc.device))),
     }
@@ -82,10 +88,10 @@ pub fn gpu_rank(model: &Model, plan: &crate::model::shard::ShardPlan, ordinal: u
 
 /// The backend for `model` on the CPU: the model itself when `tensor_parallel` is 1, else a
 /// tensor-parallel group of that many ranks sharing `threads` kernel threads (0: all cores).
-/// The KV budget is the worker's, across all ranks.
-pub fn cpu(model: Model, tensor_parallel: usize, threads: usize, block_size: usize, kv_budget_bytes: usize) -> Result<Box<dyn Backend>> {
+/// The KV budget is the worker's, across all ranks, for a cache of `dtype`.
+pub fn cpu(model: Model, tensor_parallel: usize, threads: usize, block_size: usize, dtype: KvDtype, kv_budget_bytes: usize) -> Result<Box<dyn Backend>> {
     if tensor_parallel <= 1 {
-        return Ok(Box::new(Cpu::new(model, block_size, kv_budget_bytes)?));
+        return Ok(Box::new(Cpu::new(model, block_size, dtype, kv_budget_bytes)?));
     }
-    Ok(Box::new(TensorParallel::new(model, tensor_parallel, threads, block_size, kv_budget_bytes)?))
+    Ok(Box::new(TensorParallel::new(model, tensor_parallel, threads, block_size, dtype, kv_budget_bytes)?))
 }

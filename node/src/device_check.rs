@@ -17,6 +17,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use serde_json::{json, Value};
+use zerolayer_common::config::KvDtype;
 use zerolayer_kernels::attention::{paged_attention, AttnRow, KvLayout, KvView};
 use zerolayer_kernels::cuda::Gpu;
 use zerolayer_kernels::ops::{rms_norm_row, silu_mul};
@@ -202,8 +203,8 @@ pub fn equivalence(path: &std::path::Path, device: usize, label: &str) -> Res<Va
     let (cpu_model, _) = Model::from_gguf(path, 0, |_, _| {})?;
     let (gpu_model, _) = Model::from_gguf(path, 0, |_, _| {})?;
     let vocab = cpu_model.cfg.vocab_size as u64;
-    let budget = cpu_model.cfg.kv_bytes_per_token() * bs * 1024;
-    let mut cpu = Cpu::new(cpu_model, bs, budget)?;
+    let budget = cpu_model.cfg.kv_bytes_per_token(KvDtype::F32) * bs * 1024;
+    let mut cpu = Cpu::new(cpu_model, bs, KvDtype::F32, budget)?;
     let mut gpu = Cuda::new(gpu_model, device, bs, budget, 0.9)?;
     let table: Vec<u32> = (0..64).collect();
     let prompts: Vec<Vec<u32>> = (0..4u64).map(|i| (0..(9 + 13 * i)).map(|j| ((j * 7919 + i * 104_729) % vocab) as u32).collect()).collect();
@@ -263,7 +264,7 @@ pub fn tensor_parallel(path: &std::path::Path, device: usize) -> Res<Value> {
     let bs = 16;
     let (one_m, _) = Model::from_gguf(path, 0, |_, _| {})?;
     let (two_m, _) = Model::from_gguf(path, 0, |_, _| {})?;
-    let budget = one_m.cfg.kv_bytes_per_token() * bs * 256;
+    let budget = one_m.cfg.kv_bytes_per_token(KvDtype::F32) * bs * 256;
     let mut one = Cuda::new(one_m, device, bs, budget, 0.9)?;
     let mut two = crate::backend::cuda_group(two_m, device..device + 2, bs, budget, 0.9)?;
     let table: Vec<u32> = (0..64).collect();

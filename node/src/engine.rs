@@ -2,6 +2,7 @@
 //! Sans-IO apart from the compute: the worker actor's thread calls `step()` in a loop and routes
 //! the returned events; tests drive it directly.
 
+use zerolayer_common::config::KvDtype;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
@@ -25,6 +26,8 @@ mod transfer;
 pub struct EngineConfig {
     pub block_size: usize,
     pub kv_cache_bytes: usize,
+    /// The KV cache's element type (f32: exact; f16: half the bytes, rounded K and V).
+    pub kv_dtype: KvDtype,
     pub max_batch_tokens: usize,
     pub max_running: usize,
     pub max_waiting: usize,
@@ -46,6 +49,7 @@ impl Default for EngineConfig {
         EngineConfig {
             block_size: 16,
             kv_cache_bytes: 512 << 20,
+            kv_dtype: KvDtype::F32,
             max_batch_tokens: 512,
             max_running: 32,
             max_waiting: 256,
@@ -156,9 +160,10 @@ struct StepBufs {
 }
 
 impl Engine {
-    /// An engine running `model` on the CPU, with a KV cache of `cfg.kv_cache_bytes`.
+    /// An engine running `model` on the CPU, with a KV cache of `cfg.kv_cache_bytes` in
+    /// `cfg.kv_dtype`.
     pub fn new(model: Model, tokenizer: Arc<Tokenizer>, cfg: &EngineConfig) -> Result<Self> {
-        Self::with_backend(Box::new(backend::Cpu::new(model, cfg.block_size, cfg.kv_cache_bytes)?), tokenizer, cfg)
+        Self::with_backend(Box::new(backend::Cpu::new(model, cfg.block_size, cfg.kv_dtype, cfg.kv_cache_bytes)?), tokenizer, cfg)
     }
 
     /// An engine over `backend`, whose KV cache has `cfg.block_size`-token blocks.
@@ -166,6 +171,9 @@ impl Engine {
         let kv = backend.kv();
         if kv.block_size != cfg.block_size {
             return Err(WorkerError::Invalid(format!("the backend's KV blocks hold {} tokens, the engine's {}", kv.block_size, cfg.block_size)));
+        }
+        if kv.dtype != cfg.kv_dtype {
+            return Err(WorkerError::Invalid(format!("the backend's KV cache holds {}, the engine's config says {}", kv.dtype, cfg.kv_dtype)));
         }
         let mut sched = Scheduler::new(SchedulerConfig {
             block_size: cfg.block_size,

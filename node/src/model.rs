@@ -19,14 +19,18 @@
 
 use std::sync::Arc;
 
-use zerolayer_kernels::attention::{paged_attention, write_kv, AttnRow, KvElem, KvLayout, KvView, KV_ZERO};
+use zerolayer_common::config::KvDtype;
+use zerolayer_kernels::attention::AttnRow;
 use zerolayer_kernels::collective::{Collective, Solo};
 use zerolayer_kernels::ops::{add_assign, rms_norm_row, silu_mul, RopeStyle, RopeTable};
 use zerolayer_kernels::pool::ThreadPool;
-use zerolayer_kernels::quant::{matmul_rows_warming, matmul_warming, MatmulScratch, Warm, Weight, PANEL, QK};
+use zerolayer_kernels::quant::{matmul_rows, matmul_rows_warming, matmul_warming, MatmulScratch, Warm, Weight, PANEL, QK};
 
+mod kv_cache;
 mod load;
 pub mod shard;
+
+pub use kv_cache::KvCache;
 
 use crate::error::{WorkerError, Result};
 
@@ -54,9 +58,9 @@ impl ModelConfig {
     pub fn kv_dim(&self) -> usize {
         self.n_kv_heads * self.head_dim
     }
-    /// Bytes of KV cache per token across all layers (K and V).
-    pub fn kv_bytes_per_token(&self) -> usize {
-        self.n_layers * 2 * self.kv_dim() * std::mem::size_of::<KvElem>()
+    /// Bytes of KV cache per token across all layers (K and V), in elements of `dtype`.
+    pub fn kv_bytes_per_token(&self, dtype: KvDtype) -> usize {
+        self.n_layers * 2 * self.kv_dim() * dtype.bytes()
     }
 }
 
@@ -71,88 +75,6 @@ struct Layer {
     /// Gate and up stacked: `2 * ffn_dim` output rows.
     wgate_up: Weight,
     wdown: Weight,
-}
-
-/// The paged KV cache: per layer, K and V arrays of `num_blocks` blocks.
-pub struct KvCache {
-    pub layout: KvLayout,
-    pub num_blocks: usize,
-    k: Vec<Vec<KvElem>>,
-    v: Vec<Vec<KvElem>>,
-}
-
-impl KvCache {
-    /// A cache holding as many blocks as fit in `budget_bytes`.
-    pub fn with_budget(cfg: &ModelConfig, block_size: usize, budget_bytes: usize) -> Result<Self> {
-        Ok(Self::new(cfg, block_size, Self::blocks_for(cfg, block_size, budget_bytes)?))
-    }
-
-    /// How many `block_size`-token blocks of `cfg`'s K/V fit in `budget_bytes` (at least one).
-    /// A tensor-parallel group sizes every rank's cache by the whole model's count.
-    pub fn blocks_for(cfg: &ModelConfig, block_size: usize, budget_bytes: usize) -> Result<usize> {
-        let per_block = cfg.kv_bytes_per_token() * block_size;
-        match budget_bytes / per_block {
-            0 => Err(WorkerError::Invalid(format!("KV budget {budget_bytes} B is below one block ({per_block} B)"))),
-            n => Ok(n),
-        }
-    }
-
-    pub fn new(cfg: &ModelConfig, block_size: usize, num_blocks: usize) -> Self {
-        let layout = KvLayout { block_size, n_kv_heads: cfg.n_kv_heads, head_dim: cfg.head_dim };
-        let n = num_blocks * layout.block_elems();
-        // Commit every page now (as vLLM reserves its KV cache at startup): the budget is real
-        // memory from the start, a machine without it fails at load rather than mid-request,
-        // and RSS stays flat while blocks are first used.
-        let committed = || {
-            let mut v = vec![KV_ZERO; n];
-            for x in v.iter_mut().step_by(1024) {
-                *x = std::hint::black_box(KV_ZERO);
-            }
-            v
-        };
-        KvCache { layout, num_blocks, k: (0..cfg.n_layers).map(|_| committed()).collect(), v: (0..cfg.n_layers).map(|_| committed()).collect() }
-    }
-
-    /// Bytes of one block across every layer, K and V: what a KV transfer moves per block.
-    pub fn block_bytes(&self) -> usize {
-        (self.k.len() + self.v.len()) * self.layout.block_elems() * std::mem::size_of::<KvElem>()
-    }
-
-    /// Appends block `b`'s K and V, layer by layer (`[K₀ V₀ K₁ V₁ …]`, little-endian), to `out`.
-    pub fn read_block(&self, b: u32, out: &mut Vec<u8>) {
-        let be = self.layout.block_elems();
-        let r = b as usize * be..(b as usize + 1) * be;
-        for (k, v) in self.k.iter().zip(&self.v) {
-            out.extend_from_slice(zerolayer_kernels::f32_bytes(&k[r.clone()]));
-            out.extend_from_slice(zerolayer_kernels::f32_bytes(&v[r.clone()]));
-        }
-    }
-
-    /// Overwrites block `b` with bytes in [`Self::read_block`]'s layout.
-    pub fn write_block(&mut self, b: u32, bytes: &[u8]) {
-        assert_eq!(bytes.len(), self.block_bytes(), "KV block size");
-        let be = self.layout.block_elems();
-        let r = b as usize * be..(b as usize + 1) * be;
-        let part = be * std::mem::size_of::<KvElem>();
-        let mut parts = bytes.chunks_exact(part);
-        let put = |dst: &mut [KvElem], src: &[u8]| {
-            if (src.as_ptr() as usize).is_multiple_of(std::mem::align_of::<KvElem>()) {
-                dst.copy_from_slice(zerolayer_kernels::cast_f32(src));
-            } else {
-                for (d, c) in dst.iter_mut().zip(src.chunks_exact(4)) {
-                    *d = KvElem::from_le_bytes([c[0], c[1], c[2], c[3]]);
-                }
-            }
-        };
-        for (k, v) in self.k.iter_mut().zip(self.v.iter_mut()) {
-            put(&mut k[r.clone()], parts.next().unwrap());
-            put(&mut v[r.clone()], parts.next().unwrap());
-        }
-    }
-
-    pub fn bytes(&self) -> usize {
-        (self.k.len() + self.v.len()) * self.num_blocks * self.layout.block_elems() * std::mem::size_of::<KvElem>()
-    }
 }
 
 /// One sequence's share of a forward call.
@@ -371,12 +293,13 @@ impl Model {
         // projections bring the next layer's into the caches as they compute (`Warm`).
         s.warm_runs.clear();
         let layout = cache.layout;
-        let run_bytes = layout.block_size * layout.head_dim * std::mem::size_of::<KvElem>();
+        let elem = cache.elem_bytes();
+        let run_bytes = layout.block_size * layout.head_dim * elem;
         if items.len() >= 2 && run_bytes % 64 == 0 && kv_warming() {
             for it in items {
                 let blocks = (it.start_pos + it.tokens.len()).div_ceil(layout.block_size);
                 for h in 0..layout.n_kv_heads {
-                    s.warm_runs.extend(it.block_table[..blocks].iter().map(|&b| layout.offset(b as usize, h, 0) * std::mem::size_of::<KvElem>()));
+                    s.warm_runs.extend(it.block_table[..blocks].iter().map(|&b| layout.offset(b as usize, h, 0) * elem));
                 }
             }
         }
@@ -401,15 +324,13 @@ impl Model {
         for (li, layer) in self.layers.iter().enumerate() {
             // Layer 0's KV warms during its own QKV projection; every later layer's during the
             // previous layer's O, gate/up and down projections, split between them.
-            let bases = |l: usize| [cache.k[l].as_ptr() as *const u8, cache.v[l].as_ptr() as *const u8];
-            let (here, next) = (bases(li), bases((li + 1).min(n_layers - 1)));
+            let (here, next) = (cache.bases(li), cache.bases((li + 1).min(n_layers - 1)));
             let warm = |bases, share| (!s.warm_runs.is_empty()).then_some(Warm { bases, runs: &s.warm_runs, run_bytes, share });
             let warm_qkv = warm(&here[..], (0.0, 1.0)).filter(|_| li == 0);
             let [warm_o, warm_gate_up, warm_down] = layer.warm_shares().map(|share| warm(&next[..], share).filter(|_| li + 1 < n_layers));
             // RMSNorm runs per row inside the projection's parallel activation quantization.
             let x = &s.x;
             matmul_rows_warming(&self.pool, &layer.wqkv, t_total, &mut s.qkv, &mut s.mm, warm_qkv.as_ref(), |i, out| rms_norm_row(&x[i * d..(i + 1) * d], &layer.attn_norm, eps, out));
-            let (kc, vc) = (&mut cache.k[li], &mut cache.v[li]);
             for (t, row) in rows.iter().enumerate() {
                 let rr = &mut s.qkv[t * qkv_w..(t + 1) * qkv_w];
                 if let Some(b) = &layer.bqkv {
@@ -419,9 +340,9 @@ impl Model {
                 let (k, v) = rest.split_at_mut(kvd);
                 self.rope.apply(q, row.pos);
                 self.rope.apply(k, row.pos);
-                write_kv(&cache.layout, kc, vc, row.table, row.pos, k, v);
+                cache.write(li, row.table, row.pos, k, v);
             }
-            paged_attention(&self.pool, &KvView { layout: &cache.layout, k: kc, v: vc }, &rows, &s.qkv, qkv_w, cfg.n_heads, scale, &mut s.att);
+            cache.attend(li, &self.pool, &rows, &s.qkv, qkv_w, cfg.n_heads, scale, &mut s.att);
             matmul_warming(&self.pool, &layer.wo, &s.att, &mut s.proj, &mut s.mm, warm_o.as_ref());
             self.group.all_reduce_sum(&mut s.proj).map_err(|e| WorkerError::Unavailable(e.to_string()))?;
             add_assign(&mut s.x, &s.proj);
@@ -456,7 +377,7 @@ impl Model {
             let v = cfg.vocab_size;
             resize(logits, last_rows.len() * v);
             let x = &s.x;
-            matmul_rows_warming(&self.pool, &self.output, last_rows.len(), logits, &mut s.mm, None, |i, out| {
+            matmul_rows(&self.pool, &self.output, last_rows.len(), logits, &mut s.mm, |i, out| {
                 let row = last_rows[i];
                 rms_norm_row(&x[row * d..(row + 1) * d], &self.norm, eps, out)
             });
@@ -470,47 +391,6 @@ impl Model {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn kv_blocks_round_trip_through_bytes() {
-        let cfg = ModelConfig {
-            arch: "llama".into(),
-            n_layers: 3,
-            dim: 16,
-            ffn_dim: 32,
-            n_heads: 4,
-            n_kv_heads: 2,
-            head_dim: 4,
-            vocab_size: 10,
-            rope_base: 1e4,
-            rms_eps: 1e-5,
-            context_length: 64,
-            rope_style: RopeStyle::Interleaved,
-        };
-        let mut a = KvCache::new(&cfg, 4, 8);
-        for (l, (k, v)) in a.k.iter_mut().zip(a.v.iter_mut()).enumerate() {
-            for (i, x) in k.iter_mut().enumerate() {
-                *x = (l * 1000 + i) as f32 * 0.5;
-            }
-            for (i, x) in v.iter_mut().enumerate() {
-                *x = -((l * 1000 + i) as f32);
-            }
-        }
-        let mut bytes = Vec::new();
-        a.read_block(5, &mut bytes);
-        assert_eq!(bytes.len(), a.block_bytes());
-        let mut b = KvCache::new(&cfg, 4, 8);
-        b.write_block(2, &bytes);
-        // Unaligned bytes take the slow path to the same values.
-        let mut shifted = vec![0u8; 1];
-        shifted.extend_from_slice(&bytes);
-        b.write_block(3, &shifted[1..]);
-        let be = a.layout.block_elems();
-        for l in 0..3 {
-            assert_eq!(b.k[l][2 * be..3 * be], a.k[l][5 * be..6 * be]);
-            assert_eq!(b.v[l][3 * be..4 * be], a.v[l][5 * be..6 * be]);
-        }
-    }
 
     #[test]
     fn recycle_keeps_the_allocation() {

@@ -123,7 +123,7 @@ mod tests {
         let p = m.parts();
         let formats = [p.embed.format, p.output.format, p.layers[0].wqkv.format, p.layers[0].wo.format, p.layers[0].wgate_up.format, p.layers[0].wdown.format];
         assert_eq!(formats, [WeightFormat::Q8_0, WeightFormat::Q6K, WeightFormat::Q4K, WeightFormat::Q6K, WeightFormat::Q4_1, WeightFormat::Q4_0]);
-        let mut cache = KvCache::new(&m.cfg, 16, 8);
+        let mut cache = KvCache::new(&m.cfg, 16, zerolayer_common::config::KvDtype::F32, 8);
         let table: Vec<u32> = (0..8).collect();
         let l = m.forward(&mut cache, &[ForwardItem { tokens: &[1, 20, 300, 4], start_pos: 0, block_table: &table, want_logits: true }]).unwrap().remove(0);
         assert!(l.iter().all(|x| x.is_finite()));

@@ -100,7 +100,7 @@ fn device_picked_tokens_and_top_k_candidates_equal_the_host_sampler() {
     let mut host = engine(cfg.clone());
     let l = load_default();
     let (picked, selected, skipped) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
-    let backend = Picking { inner: Cpu::new(l.model, cfg.block_size, cfg.kv_cache_bytes).unwrap(), picked: picked.clone(), selected: selected.clone(), logits_skipped: skipped.clone() };
+    let backend = Picking { inner: Cpu::new(l.model, cfg.block_size, cfg.kv_dtype, cfg.kv_cache_bytes).unwrap(), picked: picked.clone(), selected: selected.clone(), logits_skipped: skipped.clone() };
     let mut device = Engine::with_backend(Box::new(backend), l.tokenizer, &cfg).unwrap();
     // Phase 0: greedy only (every step's logits stay on the "device"); phase 1: a sampled
     // sequence (logits come back for it) and a top-k one among greedy ones; phase 2: top-k

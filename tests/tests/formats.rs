@@ -14,7 +14,7 @@ use zerolayer_tests::*;
 const PROMPT: &str = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n";
 
 fn logits(model: &mut Model, ids: &[u32]) -> Vec<f32> {
-    let mut cache = KvCache::new(&model.cfg, 16, 8);
+    let mut cache = KvCache::new(&model.cfg, 16, zerolayer_common::config::KvDtype::F32, 8);
     let table: Vec<u32> = (0..8).collect();
     model.forward(&mut cache, &[ForwardItem { tokens: ids, start_pos: 0, block_table: &table, want_logits: true }]).unwrap().remove(0)
 }

@@ -86,7 +86,7 @@ async fn a_group_across_nodes_computes_what_it_computes_on_one_node() {
     let group = open_group(&cfg, "a", &wc, loaded.model).await.expect("the group forms");
     assert_eq!(host.coordinator.cluster.hosted_ranks(), 2);
     assert!(group.describe().contains("rank 1 on node b; rank 2 on node b"), "{}", group.describe());
-    let local = backend::cpu(load(&model_path(), None, 1, |_, _| {}).unwrap().model, 3, 2, wc.block_size, wc.kv_cache_mb << 20).unwrap();
+    let local = backend::cpu(load(&model_path(), None, 1, |_, _| {}).unwrap().model, 3, 2, wc.block_size, wc.kv_dtype, wc.kv_cache_mb << 20).unwrap();
     assert_eq!(group.kv(), local.kv(), "the same KV geometry as the group on one node");
 
     let (group, local) = tokio::task::spawn_blocking(move || {
@@ -140,7 +140,7 @@ async fn a_group_across_nodes_computes_what_it_computes_on_one_node() {
         }
     }
     assert_eq!(tokens.len(), 8, "{end:?}");
-    let mut one = backend::cpu(load(&model_path(), None, 1, |_, _| {}).unwrap().model, 3, 2, wc.block_size, wc.kv_cache_mb << 20).unwrap();
+    let mut one = backend::cpu(load(&model_path(), None, 1, |_, _| {}).unwrap().model, 3, 2, wc.block_size, wc.kv_dtype, wc.kv_cache_mb << 20).unwrap();
     let want = tokio::task::spawn_blocking(move || greedy_on(&mut *one, &prompt, 8, &(0..8).collect::<Vec<u32>>()).0).await.unwrap();
     assert_eq!(tokens, want, "the node's worker gives the one-node group's tokens");
 

@@ -12,6 +12,7 @@
 //!   engine.
 //! - Uneven splits work: SmolLM2's 3 KV heads over 2 ranks (2 + 1).
 
+use zerolayer_common::config::KvDtype;
 use zerolayer_common::{SamplingParams, SeqEvent};
 use zerolayer_worker::backend::{self, Backend};
 use zerolayer_worker::engine::{Engine, EngineConfig};
@@ -31,8 +32,8 @@ fn load_model(qwen: bool) -> Loaded {
 
 fn backend_of(qwen: bool, tp: usize) -> Box<dyn Backend> {
     let l = load_model(qwen);
-    let budget = l.model.cfg.kv_bytes_per_token() * BLOCK * BLOCKS;
-    backend::cpu(l.model, tp, 2, BLOCK, budget).expect("backend")
+    let budget = l.model.cfg.kv_bytes_per_token(KvDtype::F32) * BLOCK * BLOCKS;
+    backend::cpu(l.model, tp, 2, BLOCK, KvDtype::F32, budget).expect("backend")
 }
 
 /// Greedy decoding of `n` tokens straight on a backend: the tokens, and the logits each was
@@ -181,14 +182,20 @@ fn tp_kv_blocks_are_in_the_common_layout() {
 /// A sequence exported from a TP = 2 engine mid-decode resumes on another TP = 2 engine with
 /// exactly the tokens of an uninterrupted run (its KV blocks are used, not recomputed), and its
 /// blocks are accepted by an unsharded engine of the same model, which serves the rest from
-/// them.
+/// them. With either KV element type; a cache of the other type refuses the blocks.
 #[test]
 fn sequences_move_between_sharded_and_unsharded_engines() {
     let _g = heavy();
-    let ecfg = EngineConfig { block_size: BLOCK, kv_cache_bytes: 32 << 20, ..Default::default() };
+    for (kv_dtype, other) in [(KvDtype::F32, KvDtype::F16), (KvDtype::F16, KvDtype::F32)] {
+        move_between_engines(kv_dtype, other);
+    }
+}
+
+fn move_between_engines(kv_dtype: KvDtype, other: KvDtype) {
+    let ecfg = EngineConfig { block_size: BLOCK, kv_cache_bytes: 32 << 20, kv_dtype, ..Default::default() };
     let make = |tp: usize| {
         let l = load_model(false);
-        let b = backend::cpu(l.model, tp, 2, BLOCK, ecfg.kv_cache_bytes).unwrap();
+        let b = backend::cpu(l.model, tp, 2, BLOCK, ecfg.kv_dtype, ecfg.kv_cache_bytes).unwrap();
         Engine::with_backend(b, l.tokenizer, &ecfg).unwrap()
     };
     let prompt = prompts(false)[1].clone();
@@ -217,6 +224,13 @@ fn sequences_move_between_sharded_and_unsharded_engines() {
         block_bytes: export.block_bytes,
         blocks: export.block_hashes.iter().zip(export.kv.chunks(export.block_bytes)).map(|(h, b)| (*h, Some(b.to_vec()))).collect(),
     };
+    // A cache of the other element type has blocks of another size: refused, nothing written.
+    let l = load_model(false);
+    let wrong_cfg = EngineConfig { kv_dtype: other, ..ecfg.clone() };
+    let b = backend::cpu(l.model, 1, 2, BLOCK, other, ecfg.kv_cache_bytes).unwrap();
+    let mut wrong = Engine::with_backend(b, l.tokenizer, &wrong_cfg).unwrap();
+    let e = wrong.import(&import()).unwrap_err().to_string();
+    assert!(e.contains("bytes"), "{kv_dtype} blocks into a {other} cache: {e}");
     for tp in [2, 1] {
         let mut target = make(tp);
         let report = target.import(&import()).unwrap();
@@ -240,7 +254,7 @@ fn sequences_move_between_sharded_and_unsharded_engines() {
         let all: Vec<u32> = got.iter().chain(&rest).copied().collect();
         assert_eq!(all.len(), 40);
         if tp == 2 {
-            assert_eq!(all, reference, "moved between TP=2 engines: the tokens of an uninterrupted run");
+            assert_eq!(all, reference, "{kv_dtype} KV, moved between TP=2 engines: the tokens of an uninterrupted run");
         }
     }
 }

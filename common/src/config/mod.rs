@@ -273,6 +273,13 @@ pub struct WorkerConfig {
     /// and share prefixes at a finer grain; the attention kernel gathers keys across blocks, so
     /// they cost no speed (BENCHMARKS.md).
     pub block_size: usize,
+    /// The KV cache's element type: `f32` (the default: exact, logits match the reference
+    /// implementation's) or `f16` (llama.cpp's default: half the KV memory, so twice the
+    /// cached tokens per MB, and half the bytes attention reads per step; K and V are rounded
+    /// to 11 significant bits, which moves logits and can change greedy answers). CPU workers
+    /// only; every worker of a config needs the same one (a moved sequence continues with the
+    /// same tokens only on a cache of the same element type).
+    pub kv_dtype: KvDtype,
     /// Most tokens computed in one engine step (chunked prefill budget).
     pub max_batch_tokens: usize,
     /// Most sequences in the running batch.
@@ -299,6 +306,34 @@ pub struct WorkerConfig {
     pub pinned_kv_share: f64,
 }
 
+/// The element type of a worker's KV cache (`kv_dtype`).
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq, Hash)]
+#[serde(rename_all = "lowercase")]
+pub enum KvDtype {
+    #[default]
+    F32,
+    F16,
+}
+
+impl KvDtype {
+    /// Bytes per element.
+    pub fn bytes(self) -> usize {
+        match self {
+            KvDtype::F32 => 4,
+            KvDtype::F16 => 2,
+        }
+    }
+}
+
+impl std::fmt::Display for KvDtype {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            KvDtype::F32 => "f32",
+            KvDtype::F16 => "f16",
+        })
+    }
+}
+
 impl WorkerConfig {
     /// The GPU it names: `Ok(Some(n))` for `cuda:n`, `Ok(None)` for the CPU, `Err` for
     /// anything else.
@@ -322,6 +357,7 @@ impl Default for WorkerConfig {
             kv_cache_mb: 1024,
             gpu_kv_share: 0.9,
             block_size: 4,
+            kv_dtype: KvDtype::F32,
             max_batch_tokens: 512,
             max_running: 32,
             max_waiting: 256,
@@ -519,6 +555,21 @@ mod tests {
             assert!(e.contains("rank_nodes"), "{why}: {e}");
         }
         assert!(ClusterConfig::from_toml(&format!("{base}device='cuda:0'\nkv_cache_mb=0\n")).is_ok(), "a GPU cache may take a share of free memory");
+    }
+
+    #[test]
+    fn kv_dtype_is_f32_unless_set_and_the_same_for_every_worker() {
+        let one = "[[nodes]]\nid='a'\n[[nodes.workers]]\nid='cpu0'\nKV\n";
+        assert_eq!(ClusterConfig::from_toml(&one.replace("KV", "")).unwrap().nodes[0].workers[0].kv_dtype, KvDtype::F32);
+        let half = ClusterConfig::from_toml(&one.replace("KV", "kv_dtype='f16'")).unwrap();
+        assert_eq!((half.nodes[0].workers[0].kv_dtype, half.nodes[0].workers[0].kv_dtype.bytes()), (KvDtype::F16, 2));
+        let e = ClusterConfig::from_toml(&one.replace("KV", "kv_dtype='bf16'")).unwrap_err().to_string();
+        assert!(e.contains("bf16") && e.contains("f16") && e.contains("f32"), "an unknown element names the known ones: {e}");
+        let e = ClusterConfig::from_toml(&one.replace("KV", "kv_dtype='f16'\ndevice='cuda:0'")).unwrap_err().to_string();
+        assert!(e.contains("kv_dtype f16 runs on the CPU only"), "{e}");
+        let mixed = "[[nodes]]\nid='a'\n[[nodes.workers]]\nid='cpu0'\nkv_dtype='f16'\n[[nodes.workers]]\nid='cpu1'\n";
+        let e = ClusterConfig::from_toml(mixed).unwrap_err().to_string();
+        assert!(e.contains("same kv_dtype"), "{e}");
     }
 
     #[test]

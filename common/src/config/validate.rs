@@ -1,7 +1,7 @@
 //! What a configuration may not say: each rule refuses a config at load, naming the node,
 //! worker or field at fault, so a node never starts on a config it would misread.
 
-use super::{ClusterConfig, ConfigError};
+use super::{ClusterConfig, ConfigError, KvDtype};
 
 impl ClusterConfig {
     /// Checks every rule; the first broken one is the error.
@@ -21,6 +21,10 @@ impl ClusterConfig {
                 }
             }
         }
+        let dtypes: std::collections::HashSet<KvDtype> = self.nodes.iter().flat_map(|n| n.workers.iter().map(|w| w.kv_dtype)).collect();
+        if dtypes.len() > 1 {
+            return bad("every worker needs the same kv_dtype (a sequence moved by a drain or a loss continues with the same tokens only on a cache of the same element type)".into());
+        }
         let mut ids = std::collections::HashSet::new();
         for n in &self.nodes {
             if !ids.insert(&n.id) {
@@ -32,6 +36,9 @@ impl ClusterConfig {
             for w in &n.workers {
                 if w.block_size == 0 || w.block_size > 256 {
                     return bad(format!("worker {}/{}: block_size must be in 1..=256", n.id, w.id));
+                }
+                if w.kv_dtype != KvDtype::F32 && !matches!(w.gpu(), Ok(None)) {
+                    return bad(format!("worker {}/{}: kv_dtype {} runs on the CPU only (GPU KV caches are f32)", n.id, w.id, w.kv_dtype));
                 }
                 if w.max_batch_tokens == 0 || w.max_running == 0 {
                     return bad(format!("worker {}/{}: max_batch_tokens and max_running must be > 0", n.id, w.id));

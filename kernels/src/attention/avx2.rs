@@ -17,7 +17,7 @@
 
 use std::arch::x86_64::*;
 
-use super::kv::{KvElem, KvView, Query, Scratch, MAX_GROUP};
+use super::kv::{KvElement, KvView, Query, Scratch, MAX_GROUP};
 use super::portable::dot8_fma;
 use crate::ops::exp_fast;
 
@@ -38,8 +38,8 @@ pub(super) const WIDE_HEADS: usize = 3;
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C, and `head_dim` must be a multiple of 8, at most 256.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn attend_group(kv: &KvView<'_>, query: &Query<'_>, scratch: &mut Scratch, out: &mut [f32]) {
-    attend::<1>(kv, query, scratch, out)
+pub(super) unsafe fn attend_group<E: KvElement>(kv: &KvView<'_, E>, query: &Query<'_>, scratch: &mut Scratch, out: &mut [f32]) {
+    attend::<E, 1>(kv, query, scratch, out)
 }
 
 /// As [`attend_group`], up to [`WIDE_HEADS`] heads per pass (32 vector registers).
@@ -47,13 +47,13 @@ pub(super) unsafe fn attend_group(kv: &KvView<'_>, query: &Query<'_>, scratch: &
 /// # Safety
 /// As [`attend_group`], and the CPU must support AVX-512F and AVX-512VL.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
-pub(super) unsafe fn attend_group_wide(kv: &KvView<'_>, query: &Query<'_>, scratch: &mut Scratch, out: &mut [f32]) {
-    attend::<WIDE_HEADS>(kv, query, scratch, out)
+pub(super) unsafe fn attend_group_wide<E: KvElement>(kv: &KvView<'_, E>, query: &Query<'_>, scratch: &mut Scratch, out: &mut [f32]) {
+    attend::<E, WIDE_HEADS>(kv, query, scratch, out)
 }
 
 /// The kernel body, `MAXG` heads per pass (at most 3).
 #[inline(always)]
-unsafe fn attend<const MAXG: usize>(kv: &KvView<'_>, query: &Query<'_>, scratch: &mut Scratch, out: &mut [f32]) {
+unsafe fn attend<E: KvElement, const MAXG: usize>(kv: &KvView<'_, E>, query: &Query<'_>, scratch: &mut Scratch, out: &mut [f32]) {
     let (layout, k_cache, v_cache) = (kv.layout, kv.k, kv.v);
     let (table, pos, kv_head, q, scale) = (query.table, query.pos, query.kv_head, query.q, query.scale);
     let hd = layout.head_dim;
@@ -85,7 +85,7 @@ unsafe fn attend<const MAXG: usize>(kv: &KvView<'_>, query: &Query<'_>, scratch:
     let (kbase, vbase) = (k_cache.as_ptr(), v_cache.as_ptr());
     let mut p = 0;
     while p + 8 <= n {
-        let kp: [*const KvElem; 8] = std::array::from_fn(|j| kbase.add(offsets[p + j]));
+        let kp: [*const E; 8] = std::array::from_fn(|j| kbase.add(offsets[p + j]));
         // K and V sit in runs of `block_size` positions that the hardware prefetcher cannot
         // follow through the block table: ask for them ahead.
         for f in p + PREFETCH_AHEAD..(p + PREFETCH_AHEAD + 8).min(n) {
@@ -98,9 +98,9 @@ unsafe fn attend<const MAXG: usize>(kv: &KvView<'_>, query: &Query<'_>, scratch:
             let g = (group - h).min(MAXG);
             let (qh, sp) = (q.as_ptr().add(h * hd), scores.as_mut_ptr().add(h * n + p));
             match g {
-                3 => scores8::<3>(qh, hd, &kp, sp, n, scale),
-                2 => scores8::<2>(qh, hd, &kp, sp, n, scale),
-                _ => scores8::<1>(qh, hd, &kp, sp, n, scale),
+                3 => scores8::<E, 3>(qh, hd, &kp, sp, n, scale),
+                2 => scores8::<E, 2>(qh, hd, &kp, sp, n, scale),
+                _ => scores8::<E, 1>(qh, hd, &kp, sp, n, scale),
             }
             h += g;
         }
@@ -108,8 +108,12 @@ unsafe fn attend<const MAXG: usize>(kv: &KvView<'_>, query: &Query<'_>, scratch:
     }
     while p < n {
         let off = offsets[p];
+        let mut kb = [0f32; 256];
+        for (d, s) in kb.iter_mut().zip(&k_cache[off..off + hd]) {
+            *d = s.to_f32();
+        }
         for h in 0..group {
-            scores[h * n + p] = dot8_fma(&q[h * hd..(h + 1) * hd], &k_cache[off..off + hd]) * scale;
+            scores[h * n + p] = dot8_fma(&q[h * hd..(h + 1) * hd], &kb[..hd]) * scale;
         }
         p += 1;
     }
@@ -148,11 +152,11 @@ unsafe fn attend<const MAXG: usize>(kv: &KvView<'_>, query: &Query<'_>, scratch:
     // V, in position order per head; the accumulators live in registers within a run (a const
     // count for the common head sizes).
     match chunks {
-        8 => accumulate_v::<8, MAXG>(hd, v_cache, offsets, scores, out),
-        4 => accumulate_v::<4, MAXG>(hd, v_cache, offsets, scores, out),
+        8 => accumulate_v::<E, 8, MAXG>(hd, v_cache, offsets, scores, out),
+        4 => accumulate_v::<E, 4, MAXG>(hd, v_cache, offsets, scores, out),
         // Wider heads: one head per pass (more accumulators than registers otherwise).
-        16 => accumulate_v::<16, 1>(hd, v_cache, offsets, scores, out),
-        _ => accumulate_v::<32, 1>(hd, v_cache, offsets, scores, out),
+        16 => accumulate_v::<E, 16, 1>(hd, v_cache, offsets, scores, out),
+        _ => accumulate_v::<E, 32, 1>(hd, v_cache, offsets, scores, out),
     }
 }
 
@@ -162,12 +166,12 @@ unsafe fn attend<const MAXG: usize>(kv: &KvView<'_>, query: &Query<'_>, scratch:
 /// lane, in [`dot8_fma`]'s exact order ((l0+l4) + (l2+l6)) + ((l1+l5) + (l3+l7)). Each loaded
 /// chunk of a key feeds all `G` heads.
 #[inline(always)]
-unsafe fn scores8<const G: usize>(q: *const f32, hd: usize, kp: &[*const KvElem; 8], out: *mut f32, n: usize, scale: f32) {
+unsafe fn scores8<E: KvElement, const G: usize>(q: *const f32, hd: usize, kp: &[*const E; 8], out: *mut f32, n: usize, scale: f32) {
     let mut acc = [[_mm256_setzero_ps(); 8]; G];
     for c in 0..hd / 8 {
         let qv: [__m256; G] = std::array::from_fn(|g| _mm256_loadu_ps(q.add(g * hd + c * 8)));
         for (j, k) in kp.iter().enumerate() {
-            let kv = _mm256_loadu_ps(k.add(c * 8));
+            let kv = load8(k.add(c * 8));
             for (a, qg) in acc.iter_mut().zip(&qv) {
                 a[j] = _mm256_fmadd_ps(*qg, kv, a[j]);
             }
@@ -211,7 +215,7 @@ fn per_head(values: &[f32], n: usize, group: usize, init: f32, f: impl Fn(f32, f
 /// (`n` positions, V of position `p` at `offsets[p]`), with `C` 8-lane accumulators per head
 /// (`C * 8 >= head_dim`; only `head_dim / 8` are used), up to `MAXG` heads per pass over a run.
 #[inline(always)]
-unsafe fn accumulate_v<const C: usize, const MAXG: usize>(hd: usize, v_cache: &[KvElem], offsets: &[usize], weights: &[f32], out: &mut [f32]) {
+unsafe fn accumulate_v<E: KvElement, const C: usize, const MAXG: usize>(hd: usize, v_cache: &[E], offsets: &[usize], weights: &[f32], out: &mut [f32]) {
     let n = offsets.len();
     let group = out.len() / hd;
     debug_assert!(hd / 8 <= C);
@@ -227,9 +231,9 @@ unsafe fn accumulate_v<const C: usize, const MAXG: usize>(hd: usize, v_cache: &[
             let g = (group - h).min(MAXG);
             let (w, oh) = (weights.as_ptr().add(h * n + p0), out.as_mut_ptr().add(h * hd));
             match g {
-                3 => v_run::<C, 3>(hd, &vp[..run], w, n, oh, p0 == 0),
-                2 => v_run::<C, 2>(hd, &vp[..run], w, n, oh, p0 == 0),
-                _ => v_run::<C, 1>(hd, &vp[..run], w, n, oh, p0 == 0),
+                3 => v_run::<E, C, 3>(hd, &vp[..run], w, n, oh, p0 == 0),
+                2 => v_run::<E, C, 2>(hd, &vp[..run], w, n, oh, p0 == 0),
+                _ => v_run::<E, C, 1>(hd, &vp[..run], w, n, oh, p0 == 0),
             }
             h += g;
         }
@@ -241,7 +245,7 @@ unsafe fn accumulate_v<const C: usize, const MAXG: usize>(hd: usize, v_cache: &[
 /// its output at `out + g * hd` (read back first unless this is the first run). Each output
 /// lane is one FMA chain in position order; each loaded chunk of V feeds all `G` heads.
 #[inline(always)]
-unsafe fn v_run<const C: usize, const G: usize>(hd: usize, vp: &[*const KvElem], w: *const f32, n: usize, out: *mut f32, first: bool) {
+unsafe fn v_run<E: KvElement, const C: usize, const G: usize>(hd: usize, vp: &[*const E], w: *const f32, n: usize, out: *mut f32, first: bool) {
     let chunks = hd / 8;
     let used = |c: usize| C == chunks || c < chunks;
     let mut o = [[_mm256_setzero_ps(); C]; G];
@@ -258,7 +262,7 @@ unsafe fn v_run<const C: usize, const G: usize>(hd: usize, vp: &[*const KvElem],
         let wj: [__m256; G] = std::array::from_fn(|g| _mm256_broadcast_ss(&*w.add(g * n + j)));
         for c in 0..C {
             if used(c) {
-                let vv = _mm256_loadu_ps(v.add(c * 8));
+                let vv = load8(v.add(c * 8));
                 for (og, wg) in o.iter_mut().zip(&wj) {
                     og[c] = _mm256_fmadd_ps(*wg, vv, og[c]);
                 }
@@ -274,11 +278,21 @@ unsafe fn v_run<const C: usize, const G: usize>(hd: usize, vp: &[*const KvElem],
     }
 }
 
+/// Eight cache elements widened to f32 lanes (F16C for f16: exact).
+#[inline(always)]
+unsafe fn load8<E: KvElement>(p: *const E) -> __m256 {
+    if E::IS_F16 {
+        _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
+    } else {
+        _mm256_loadu_ps(p as *const f32)
+    }
+}
+
 /// Prefetches the `hd` cache elements at `p` (one position of one head): into L1, or into L2
 /// (`far`) for data used after the current pass.
 #[inline(always)]
-unsafe fn prefetch(p: *const KvElem, hd: usize, far: bool) {
-    let bytes = hd * std::mem::size_of::<KvElem>();
+unsafe fn prefetch<E: KvElement>(p: *const E, hd: usize, far: bool) {
+    let bytes = hd * std::mem::size_of::<E>();
     let mut at = 0;
     while at < bytes {
         let a = (p as *const i8).add(at);

@@ -1,18 +1,66 @@
 //! The KV cache's element type and layout, and the views the attention kernels read.
 
-/// The element type of the KV cache.
-pub type KvElem = f32;
+/// An element type the KV cache can hold. K and V are computed in f32 and rounded to the
+/// element once, when written; the kernels widen them back to f32 as they read, so every
+/// product and sum runs in f32 whatever the element.
+///
+/// - `f32` (the default): exact, so logits match the reference implementation's.
+/// - `half::f16` (llama.cpp's own default): half the memory and half the bytes attention reads
+///   per step, at the price of rounding K and V to 11 significant bits, which moves logits
+///   (and some greedy answers).
+pub trait KvElement: Copy + Send + Sync + std::fmt::Debug + PartialEq + 'static {
+    /// Whether the element is IEEE binary16 (the SIMD kernels widen it with F16C).
+    const IS_F16: bool;
+    /// The zero element.
+    const ZERO: Self;
+    /// `x` rounded to the element (round to nearest, ties to even).
+    fn from_f32(x: f32) -> Self;
+    /// The element as f32 (exact).
+    fn to_f32(self) -> f32;
+}
 
-#[inline(always)]
-pub(crate) fn to_kv(x: f32) -> KvElem {
-    x
+impl KvElement for f32 {
+    const IS_F16: bool = false;
+    const ZERO: Self = 0.0;
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        x
+    }
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
 }
-#[inline(always)]
-pub(crate) fn from_kv(x: KvElem) -> f32 {
-    x
+
+impl KvElement for half::f16 {
+    const IS_F16: bool = true;
+    const ZERO: Self = half::f16::ZERO;
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        half::f16::from_f32(x)
+    }
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        half::f16::to_f32(self)
+    }
 }
-/// A zero KV element.
-pub const KV_ZERO: KvElem = 0.0;
+
+/// Views KV elements as their little-endian bytes (KV blocks in transit are copied this way).
+pub fn kv_bytes<E: KvElement>(values: &[E]) -> &[u8] {
+    assert!(cfg!(target_endian = "little"), "zerolayer kernels assume a little-endian target");
+    // SAFETY: a u8 has no alignment requirement and every byte of an f32 or f16 is
+    // initialized; the length is the same memory's size in bytes.
+    unsafe { std::slice::from_raw_parts(values.as_ptr() as *const u8, std::mem::size_of_val(values)) }
+}
+
+/// Overwrites `dst` with elements from their little-endian bytes (`bytes` may be unaligned).
+pub fn kv_from_bytes<E: KvElement>(dst: &mut [E], bytes: &[u8]) {
+    assert!(cfg!(target_endian = "little"), "zerolayer kernels assume a little-endian target");
+    assert_eq!(bytes.len(), std::mem::size_of_val(dst), "KV bytes for {} elements", dst.len());
+    // SAFETY: the lengths are equal (checked); every bit pattern is a valid f32 or f16, and a
+    // byte copy has no alignment requirement.
+    unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), dst.as_mut_ptr() as *mut u8, bytes.len()) }
+}
 
 /// Geometry of one layer's cache.
 #[derive(Clone, Copy, Debug)]
@@ -36,25 +84,25 @@ impl KvLayout {
 }
 
 /// Writes one token's K and V rows (`n_kv_heads * head_dim` each) at `pos` through `table`.
-pub fn write_kv(layout: &KvLayout, k_cache: &mut [KvElem], v_cache: &mut [KvElem], table: &[u32], pos: usize, k: &[f32], v: &[f32]) {
+pub fn write_kv<E: KvElement>(layout: &KvLayout, k_cache: &mut [E], v_cache: &mut [E], table: &[u32], pos: usize, k: &[f32], v: &[f32]) {
     let block = table[pos / layout.block_size] as usize;
     let slot = pos % layout.block_size;
     let hd = layout.head_dim;
     for h in 0..layout.n_kv_heads {
         let off = layout.offset(block, h, slot);
         for i in 0..hd {
-            k_cache[off + i] = to_kv(k[h * hd + i]);
-            v_cache[off + i] = to_kv(v[h * hd + i]);
+            k_cache[off + i] = E::from_f32(k[h * hd + i]);
+            v_cache[off + i] = E::from_f32(v[h * hd + i]);
         }
     }
 }
 
 /// One layer's K and V caches and their geometry.
 #[derive(Clone, Copy, Debug)]
-pub struct KvView<'a> {
+pub struct KvView<'a, E: KvElement> {
     pub layout: &'a KvLayout,
-    pub k: &'a [KvElem],
-    pub v: &'a [KvElem],
+    pub k: &'a [E],
+    pub v: &'a [E],
 }
 
 /// The query heads of one row that read one KV head: their queries (`group * head_dim` values,

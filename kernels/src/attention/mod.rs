@@ -1,6 +1,7 @@
 //! Paged attention on the CPU.
 //!
-//! K and V live in a block pool (f32, so results match the reference implementation exactly), laid out per layer as
+//! K and V live in a block pool (f32 by default, so results match the reference implementation
+//! exactly, or f16: see [`KvElement`]), laid out per layer as
 //! `[block][kv_head][slot][head_dim]`: the 16 (block size) keys of one head in one block are
 //! contiguous. A sequence names its blocks in a block table; position `p` lives in block
 //! `table[p / block_size]` at slot `p % block_size`. Attention reads K/V through the table in
@@ -18,12 +19,12 @@ mod avx2;
 #[cfg(test)]
 mod tests;
 
-pub use kv::{write_kv, KvElem, KvLayout, KvView, Query, Scratch, KV_ZERO, MAX_GROUP};
+pub use kv::{kv_bytes, kv_from_bytes, write_kv, KvElement, KvLayout, KvView, Query, Scratch, MAX_GROUP};
 pub use portable::dot8_fma;
 
 /// Attention for one row's query heads that share a KV head: `out` receives `group *
 /// head_dim` values, each head's exactly as if it ran alone.
-pub fn attend_group(kv: &KvView<'_>, query: &Query<'_>, scratch: &mut Scratch, out: &mut [f32]) {
+pub fn attend_group<E: KvElement>(kv: &KvView<'_, E>, query: &Query<'_>, scratch: &mut Scratch, out: &mut [f32]) {
     let hd = kv.layout.head_dim;
     let group = query.q.len() / hd;
     assert!(query.q.len() % hd == 0 && out.len() == query.q.len() && group <= MAX_GROUP);
@@ -62,7 +63,7 @@ thread_local! {
 /// `out` receives `n_heads * head_dim` values per row. Query head `h` reads KV head
 /// `h / (n_heads / n_kv_heads)` (grouped-query attention).
 #[allow(clippy::too_many_arguments)]
-pub fn paged_attention(pool: &crate::pool::ThreadPool, kv: &KvView<'_>, rows: &[AttnRow<'_>], q: &[f32], q_stride: usize, n_heads: usize, scale: f32, out: &mut [f32]) {
+pub fn paged_attention<E: KvElement>(pool: &crate::pool::ThreadPool, kv: &KvView<'_, E>, rows: &[AttnRow<'_>], q: &[f32], q_stride: usize, n_heads: usize, scale: f32, out: &mut [f32]) {
     let layout = kv.layout;
     let hd = layout.head_dim;
     let group = n_heads / layout.n_kv_heads;

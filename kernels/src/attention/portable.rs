@@ -1,11 +1,11 @@
 //! The portable attention code: one query head at a time, and the fixed-order dot product
 //! every path (portable and SIMD) shares.
 
-use super::kv::{from_kv, KvView, Query};
+use super::kv::{KvElement, KvView, Query};
 use crate::ops::exp_fast;
 
 #[inline(always)]
-pub(super) fn attend_one(kv: &KvView<'_>, query: &Query<'_>, scores: &mut Vec<f32>, out: &mut [f32]) {
+pub(super) fn attend_one<E: KvElement>(kv: &KvView<'_, E>, query: &Query<'_>, scores: &mut Vec<f32>, out: &mut [f32]) {
     let (layout, k_cache, v_cache) = (kv.layout, kv.k, kv.v);
     let (table, pos, kv_head, q, scale) = (query.table, query.pos, query.kv_head, query.q, query.scale);
     let hd = layout.head_dim;
@@ -19,7 +19,7 @@ pub(super) fn attend_one(kv: &KvView<'_>, query: &Query<'_>, scores: &mut Vec<f3
     for p in 0..n {
         let off = layout.offset(table[p / bs] as usize, kv_head, p % bs);
         for (d, s) in kb.iter_mut().zip(&k_cache[off..off + hd]) {
-            *d = from_kv(*s);
+            *d = s.to_f32();
         }
         let s = dot8_fma(q, kb) * scale;
         scores[p] = s;
@@ -37,7 +37,7 @@ pub(super) fn attend_one(kv: &KvView<'_>, query: &Query<'_>, scores: &mut Vec<f3
         let off = layout.offset(table[p / bs] as usize, kv_head, p % bs);
         let w = scores[p] / sum;
         for (o, v) in out.iter_mut().zip(&v_cache[off..off + hd]) {
-            *o = w.mul_add(from_kv(*v), *o);
+            *o = w.mul_add(v.to_f32(), *o);
         }
     }
 }

@@ -8,6 +8,14 @@ fn avx2_attention_equals_portable_bit_for_bit() {
     if !crate::test_simd_paths("attention") {
         return;
     }
+    simd_equals_portable::<f32>();
+    simd_equals_portable::<half::f16>();
+}
+
+/// Every SIMD path against the portable code, bit for bit, on caches of element `E`.
+#[cfg(target_arch = "x86_64")]
+fn simd_equals_portable<E: KvElement>() {
+    let name = if E::IS_F16 { "f16" } else { "f32" };
     let mut seed = 0x2545_f491_4f6c_dd1du64;
     let mut rnd = || {
         seed ^= seed << 13;
@@ -19,8 +27,8 @@ fn avx2_attention_equals_portable_bit_for_bit() {
     for (bs, hd) in [(16usize, 64usize), (4, 8), (8, 32), (16, 128), (5, 16)] {
         let layout = KvLayout { block_size: bs, n_kv_heads: 3, head_dim: hd };
         let n_blocks = 12;
-        let kc: Vec<f32> = (0..n_blocks * layout.block_elems()).map(|_| rnd()).collect();
-        let vc: Vec<f32> = (0..n_blocks * layout.block_elems()).map(|_| rnd()).collect();
+        let kc: Vec<E> = (0..n_blocks * layout.block_elems()).map(|_| E::from_f32(rnd())).collect();
+        let vc: Vec<E> = (0..n_blocks * layout.block_elems()).map(|_| E::from_f32(rnd())).collect();
         let table: Vec<u32> = (0..n_blocks as u32).rev().collect(); // scattered
         let q: Vec<f32> = (0..7 * hd).map(|_| rnd()).collect();
         for pos in [0usize, 6, 7, 8, 15, 16, 17, 23, 24, 33, n_blocks * bs - 1] {
@@ -41,14 +49,14 @@ fn avx2_attention_equals_portable_bit_for_bit() {
                     unsafe { avx2::attend_group(&kv, &query, &mut s2, &mut got) };
                     let b1: Vec<u32> = want.iter().map(|x| x.to_bits()).collect();
                     let b2: Vec<u32> = got.iter().map(|x| x.to_bits()).collect();
-                    assert_eq!(b1, b2, "bs {bs} hd {hd} pos {pos} head {head} group {group}");
+                    assert_eq!(b1, b2, "{name}: bs {bs} hd {hd} pos {pos} head {head} group {group}");
                     if crate::has_avx512vl() {
                         // Several heads per pass (groups of 2 and 7 leave partial passes).
                         got.fill(f32::NAN);
                         // SAFETY: AVX-512F and VL detected as well.
                         unsafe { avx2::attend_group_wide(&kv, &query, &mut s2, &mut got) };
                         let b3: Vec<u32> = got.iter().map(|x| x.to_bits()).collect();
-                        assert_eq!(b1, b3, "wide: bs {bs} hd {hd} pos {pos} head {head} group {group}");
+                        assert_eq!(b1, b3, "{name}, wide: bs {bs} hd {hd} pos {pos} head {head} group {group}");
                         wide_ran = true;
                     }
                 }
@@ -62,10 +70,17 @@ fn avx2_attention_equals_portable_bit_for_bit() {
 
 #[test]
 fn paged_attention_matches_contiguous_reference() {
+    matches_contiguous_reference::<f32>();
+    matches_contiguous_reference::<half::f16>();
+}
+
+/// Paged attention over a scattered block table against an f64 computation over contiguous
+/// copies of the same (rounded) K and V.
+fn matches_contiguous_reference<E: KvElement>() {
     let layout = KvLayout { block_size: 4, n_kv_heads: 2, head_dim: 8 };
     let n_blocks = 6;
-    let mut kc = vec![KV_ZERO; n_blocks * layout.block_elems()];
-    let mut vc = vec![KV_ZERO; n_blocks * layout.block_elems()];
+    let mut kc = vec![E::ZERO; n_blocks * layout.block_elems()];
+    let mut vc = vec![E::ZERO; n_blocks * layout.block_elems()];
     // A scattered block table.
     let table = [4u32, 1, 5, 0];
     let len = 13;
@@ -86,7 +101,7 @@ fn paged_attention_matches_contiguous_reference() {
         let mut scratch = Scratch::default();
         attend_group(&KvView { layout: &layout, k: &kc, v: &vc }, &Query { table: &table, pos, kv_head: head, q: &q, scale: 0.35 }, &mut scratch, &mut out);
         // Reference over contiguous copies (rounded to the cache element type), in f64.
-        let r = |x: f32| from_kv(to_kv(x)) as f64;
+        let r = |x: f32| E::from_f32(x).to_f32() as f64;
         let sc: Vec<f64> = (0..=pos).map(|p| (0..8).map(|i| q[i] as f64 * r(ks[p][head * 8 + i])).sum::<f64>() * 0.35).collect();
         let m = sc.iter().cloned().fold(f64::MIN, f64::max);
         let e: Vec<f64> = sc.iter().map(|s| (s - m).exp()).collect();

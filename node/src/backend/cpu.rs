@@ -1,5 +1,7 @@
 //! The CPU backend: a model (whole, or one tensor-parallel shard) and its KV cache in host memory.
 
+use zerolayer_common::config::KvDtype;
+
 use super::step::{Backend, KvGeometry};
 use crate::error::{Result, WorkerError};
 use crate::model::{ForwardItem, KvCache, Model, ModelConfig};
@@ -11,16 +13,17 @@ pub struct Cpu {
 }
 
 impl Cpu {
-    /// `model` with a cache of as many `block_size`-token blocks as fit in `kv_budget_bytes`.
-    pub fn new(model: Model, block_size: usize, kv_budget_bytes: usize) -> Result<Self> {
-        let cache = KvCache::with_budget(model.shard_cfg(), block_size, kv_budget_bytes)?;
+    /// `model` with a cache of as many `block_size`-token blocks of `dtype` as fit in
+    /// `kv_budget_bytes`.
+    pub fn new(model: Model, block_size: usize, dtype: KvDtype, kv_budget_bytes: usize) -> Result<Self> {
+        let cache = KvCache::with_budget(model.shard_cfg(), block_size, dtype, kv_budget_bytes)?;
         Ok(Cpu { model, cache })
     }
 
     /// `model` with exactly `num_blocks` blocks (a tensor-parallel rank sizes its cache by the
     /// group's, so every rank has the same blocks).
-    pub fn with_blocks(model: Model, block_size: usize, num_blocks: usize) -> Self {
-        let cache = KvCache::new(model.shard_cfg(), block_size, num_blocks);
+    pub fn with_blocks(model: Model, block_size: usize, dtype: KvDtype, num_blocks: usize) -> Self {
+        let cache = KvCache::new(model.shard_cfg(), block_size, dtype, num_blocks);
         Cpu { model, cache }
     }
 }
@@ -33,7 +36,8 @@ impl Backend for Cpu {
         self.model.weight_bytes()
     }
     fn kv(&self) -> KvGeometry {
-        KvGeometry { block_size: self.cache.layout.block_size, num_blocks: self.cache.num_blocks, block_bytes: self.cache.block_bytes(), bytes: self.cache.bytes() }
+        let c = &self.cache;
+        KvGeometry { block_size: c.layout.block_size, num_blocks: c.num_blocks, dtype: c.dtype, block_bytes: c.block_bytes(), bytes: c.bytes() }
     }
     fn forward_into(&mut self, items: &[ForwardItem<'_>], logits: &mut Vec<f32>) -> Result<usize> {
         self.model.forward_into(&mut self.cache, items, logits)

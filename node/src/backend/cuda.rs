@@ -8,6 +8,7 @@
 //! repeats the CPU kernel's operations in the same order, so a GPU worker is batch invariant
 //! and meant to give the CPU worker's greedy tokens (checked on the GPU by `gpu-check`).
 
+use zerolayer_common::config::KvDtype;
 use zerolayer_kernels::cuda::{ActScratch, CudaSlice, DeviceMemory, DeviceWeight, Gpu, NcclGroup};
 
 use super::step::{step_rows, Backend, KvGeometry, StepRows};
@@ -143,7 +144,7 @@ impl Cuda {
         let half_split = parts.rope.style == zerolayer_kernels::ops::RopeStyle::HalfSplit;
         let norm = gpu.upload(parts.norm).map_err(&e)?;
         drop(model);
-        let per_block = shard_cfg.kv_bytes_per_token() * block_size;
+        let per_block = shard_cfg.kv_bytes_per_token(KvDtype::F32) * block_size;
         let num_blocks = match kv {
             KvSize::Blocks(n) => n,
             KvSize::Budget(b) => b / per_block,
@@ -180,7 +181,7 @@ impl Cuda {
             picked: gpu.zeros(1).map_err(&e)?,
             topk: TopKScratch { rows: gpu.zeros(1).map_err(&e)?, k: gpu.zeros(1).map_err(&e)?, inv_t: gpu.zeros(1).map_err(&e)?, idx: gpu.zeros(1).map_err(&e)?, val: gpu.zeros(1).map_err(&e)? },
         };
-        let geometry = KvGeometry { block_size, num_blocks, block_bytes: per_block, bytes: per_block * num_blocks };
+        let geometry = KvGeometry { block_size, num_blocks, dtype: KvDtype::F32, block_bytes: per_block, bytes: per_block * num_blocks };
         Ok(Cuda { gpu, cfg, shard_cfg, group, rank, embed, output, norm, layers, cos, sin, half_split, max_pos, k, v, geometry, weight_bytes, s })
     }
 
@@ -320,7 +321,7 @@ pub fn group(model: Model, devices: std::ops::Range<usize>, block_size: usize, k
     drop(model);
     // Each rank's blocks: the group's budget over the whole model's per-block bytes, or the
     // smallest free-memory share a rank can give (decided after the weights are in, below).
-    let blocks = if kv_budget_bytes > 0 { Some(KvCache::blocks_for(&cfg, block_size, kv_budget_bytes)?) } else { None };
+    let blocks = if kv_budget_bytes > 0 { Some(KvCache::blocks_for(&cfg, block_size, KvDtype::F32, kv_budget_bytes)?) } else { None };
     let opened: Vec<Result<(Gpu, Option<NcclGroup>, Model)>> = std::thread::scope(|sc| {
         let hs: Vec<_> = shards
             .into_iter()
@@ -349,7 +350,7 @@ pub fn group(model: Model, devices: std::ops::Range<usize>, block_size: usize, k
             for ((gpu, _, shard), dev) in ranks.iter().zip(devices.clone()) {
                 let free = gpu.memory().map_err(gpu_err(dev))?.free as f64 * free_share.clamp(0.0, 0.95);
                 let weights: usize = shard.weight_bytes();
-                let per_block = shard.shard_cfg().kv_bytes_per_token() * block_size;
+                let per_block = shard.shard_cfg().kv_bytes_per_token(KvDtype::F32) * block_size;
                 least = least.min((free as usize).saturating_sub(weights) / per_block);
             }
             least

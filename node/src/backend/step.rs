@@ -1,6 +1,7 @@
 //! What one engine step asks of a backend ([`Backend`]), the shape of its KV cache, and the
 //! host-side bookkeeping a device backend checks a step with before anything reaches the device.
 
+use zerolayer_common::config::KvDtype;
 use crate::error::{Result, WorkerError};
 use crate::model::{ForwardItem, ModelConfig};
 use crate::sampler::{Pick, Picked};
@@ -10,6 +11,8 @@ use crate::sampler::{Pick, Picked};
 pub struct KvGeometry {
     pub block_size: usize,
     pub num_blocks: usize,
+    /// The element type of K and V (and of the blocks' bytes in transit).
+    pub dtype: KvDtype,
     /// Bytes of one block across every layer, K and V (what a KV transfer moves per block).
     pub block_bytes: usize,
     /// Bytes of the whole cache.

@@ -12,6 +12,7 @@ use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
+use zerolayer_common::config::KvDtype;
 use zerolayer_kernels::collective::thread_group;
 
 use super::cpu::Cpu;
@@ -77,17 +78,17 @@ pub struct TensorParallel {
 impl TensorParallel {
     /// Shards `model` over `size` ranks that share `threads` kernel threads (0: all cores), with
     /// as many KV blocks as the whole model's cache would have in `kv_budget_bytes`.
-    pub fn new(model: Model, size: usize, threads: usize, block_size: usize, kv_budget_bytes: usize) -> Result<Self> {
+    pub fn new(model: Model, size: usize, threads: usize, block_size: usize, dtype: KvDtype, kv_budget_bytes: usize) -> Result<Self> {
         let cfg = model.cfg.clone();
         let plans = ShardPlan::for_group(&cfg, size)?;
         let total = if threads == 0 { std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) } else { threads };
         let threads_per_rank = (total / size).max(1);
-        let num_blocks = KvCache::blocks_for(&cfg, block_size, kv_budget_bytes)?;
+        let num_blocks = KvCache::blocks_for(&cfg, block_size, dtype, kv_budget_bytes)?;
         let mut shards: Vec<Box<dyn Backend>> = Vec::with_capacity(size);
         for (plan, group) in plans.iter().zip(thread_group(size)) {
             let mut shard = model.shard(plan, threads_per_rank)?;
             shard.join(Box::new(group))?;
-            shards.push(Box::new(Cpu::with_blocks(shard, block_size, num_blocks)));
+            shards.push(Box::new(Cpu::with_blocks(shard, block_size, dtype, num_blocks)));
         }
         drop(model);
         Self::from_shards(cfg, &plans, shards)
@@ -99,11 +100,11 @@ impl TensorParallel {
         let size = plans.len();
         assert_eq!(shards.len(), size, "a shard per plan");
         let first = shards[0].kv();
-        if shards.iter().any(|s| s.kv().num_blocks != first.num_blocks || s.kv().block_size != first.block_size) {
+        if shards.iter().any(|s| s.kv().num_blocks != first.num_blocks || s.kv().block_size != first.block_size || s.kv().dtype != first.dtype) {
             return Err(WorkerError::Invalid("the ranks of a group must hold the same KV blocks".into()));
         }
-        let (block_size, num_blocks) = (first.block_size, first.num_blocks);
-        let part_bytes: Vec<usize> = plans.iter().map(|p| block_size * p.kv_heads.len() * cfg.head_dim * std::mem::size_of::<f32>()).collect();
+        let (block_size, num_blocks, dtype) = (first.block_size, first.num_blocks, first.dtype);
+        let part_bytes: Vec<usize> = plans.iter().map(|p| block_size * p.kv_heads.len() * cfg.head_dim * dtype.bytes()).collect();
         let weight_bytes = shards.iter().map(|s| s.weight_bytes()).sum();
         let described = shards.iter().map(|s| s.describe()).collect();
         let mut shards = shards.into_iter();
@@ -121,8 +122,9 @@ impl TensorParallel {
         let geometry = KvGeometry {
             block_size,
             num_blocks,
-            block_bytes: cfg.kv_bytes_per_token() * block_size,
-            bytes: cfg.kv_bytes_per_token() * block_size * num_blocks,
+            dtype,
+            block_bytes: cfg.kv_bytes_per_token(dtype) * block_size,
+            bytes: cfg.kv_bytes_per_token(dtype) * block_size * num_blocks,
         };
         Ok(TensorParallel { cfg, lead, others, part_bytes, geometry, weight_bytes, described })
     }

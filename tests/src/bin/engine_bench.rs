@@ -1,6 +1,6 @@
 //! Engine throughput on the real model, measured directly on the engine (no HTTP).
 //!
-//! `cargo run -p zerolayer-tests --bin engine_bench -- [--threads N] [--tensor-parallel N] [--json PATH] [--repeat N] [--only FIGURE]`
+//! `cargo run -p zerolayer-tests --bin engine_bench -- [--threads N] [--tensor-parallel N] [--json PATH] [--repeat N] [--only FIGURE] [--kv-dtype f32|f16]`
 //!
 //! Reports batch-1 decode tokens/s, prefill tokens/s, and aggregate decode tokens/s with 8 and
 //! 16 concurrent sequences (and 16 with the HTTP benchmark's longer contexts): each the median of `--repeat` runs (default 3). `--only b1|prefill|
@@ -8,6 +8,7 @@
 
 use std::time::Instant;
 
+use zerolayer_common::config::KvDtype;
 use zerolayer_common::{SamplingParams, SeqEvent};
 use zerolayer_worker::engine::{Engine, EngineConfig};
 use zerolayer_worker::loader::load;
@@ -60,9 +61,14 @@ fn main() {
     let json_path = get("--json");
     let tp: usize = get("--tensor-parallel").map(|v| v.parse().unwrap()).unwrap_or(1);
     let l = load(&model_path(), None, threads, |_, _| {}).unwrap();
-    let ecfg = EngineConfig { max_batch_tokens: 512, kv_cache_bytes: 1 << 30, ..Default::default() };
-    let backend = zerolayer_worker::backend::cpu(l.model, tp, threads, ecfg.block_size, ecfg.kv_cache_bytes).unwrap();
-    eprintln!("backend: {}", backend.describe());
+    let kv_dtype = match get("--kv-dtype").as_deref() {
+        None | Some("f32") => KvDtype::F32,
+        Some("f16") => KvDtype::F16,
+        Some(other) => panic!("--kv-dtype {other:?}: f32 or f16"),
+    };
+    let ecfg = EngineConfig { max_batch_tokens: 512, kv_cache_bytes: 1 << 30, kv_dtype, ..Default::default() };
+    let backend = zerolayer_worker::backend::cpu(l.model, tp, threads, ecfg.block_size, ecfg.kv_dtype, ecfg.kv_cache_bytes).unwrap();
+    eprintln!("backend: {}, KV cache in {kv_dtype}", backend.describe());
     let mut engine = Engine::with_backend(backend, l.tokenizer, &ecfg).unwrap();
     let repeat: usize = get("--repeat").map(|v| v.parse().unwrap()).unwrap_or(3).max(1);
     let only = get("--only");

@@ -162,7 +162,7 @@ fn build(config: &ClusterConfig, wc: &WorkerConfig, j: &RankJoin, me: &str, memb
     let cfg = model.cfg.clone();
     let plans = ShardPlan::for_group(&cfg, j.size as usize).map_err(|e| e.to_string())?;
     let plan = &plans[j.rank as usize];
-    let num_blocks = KvCache::blocks_for(&cfg, wc.block_size, wc.kv_cache_mb << 20).map_err(|e| e.to_string())?;
+    let num_blocks = KvCache::blocks_for(&cfg, wc.block_size, wc.kv_dtype, wc.kv_cache_mb << 20).map_err(|e| e.to_string())?;
     if num_blocks != j.num_blocks as usize {
         return Err(format!("the leader's cache has {} blocks, this rank's config gives {num_blocks}", j.num_blocks));
     }
@@ -174,7 +174,7 @@ fn build(config: &ClusterConfig, wc: &WorkerConfig, j: &RankJoin, me: &str, memb
     let mut shard = model.shard(plan, wc.threads).map_err(|e| e.to_string())?;
     drop(model);
     shard.join(Box::new(member)).map_err(|e| e.to_string())?;
-    Ok(Box::new(Cpu::with_blocks(shard, wc.block_size, num_blocks)))
+    Ok(Box::new(Cpu::with_blocks(shard, wc.block_size, wc.kv_dtype, num_blocks)))
 }
 
 #[cfg(test)]

@@ -176,7 +176,7 @@ pub async fn open_group(config: &ClusterConfig, me: &str, wc: &WorkerConfig, mod
     let size = wc.rank_nodes.len();
     let cfg = model.cfg.clone();
     let plans = ShardPlan::for_group(&cfg, size)?;
-    let num_blocks = KvCache::blocks_for(&cfg, wc.block_size, wc.kv_cache_mb << 20)?;
+    let num_blocks = KvCache::blocks_for(&cfg, wc.block_size, wc.kv_dtype, wc.kv_cache_mb << 20)?;
     let gpu = super::host::gpu_of(wc, 0, me);
     let nccl_id = match gpu {
         Some(ordinal) => Some(backend::gpu_group_id(ordinal)?),
@@ -257,7 +257,7 @@ async fn form(
             let mut shard = model.shard(&plans[0], wc.threads)?;
             drop(model);
             shard.join(Box::new(StarLead::new(star, conns.clone())))?;
-            Box::new(Cpu::with_blocks(shard, wc.block_size, num_blocks))
+            Box::new(Cpu::with_blocks(shard, wc.block_size, wc.kv_dtype, num_blocks))
         }
     };
     let mut shards = vec![lead];
@@ -267,8 +267,8 @@ async fn form(
             (p, RankMsg::Ready { num_blocks: b, .. }) => anyhow::bail!("rank {} on node {} has {b} KV blocks, rank 0 {num_blocks}", p.rank, p.node),
             (p, _) => anyhow::bail!("node {} answered the join of rank {} out of turn", p.node, p.rank),
         };
-        let part = plans[p.rank].kv_heads.len() * cfg.head_dim * wc.block_size * std::mem::size_of::<f32>() * 2 * cfg.n_layers;
-        let geometry = KvGeometry { block_size: wc.block_size, num_blocks, block_bytes: part, bytes: part * num_blocks };
+        let part = plans[p.rank].kv_heads.len() * cfg.head_dim * wc.block_size * wc.kv_dtype.bytes() * 2 * cfg.n_layers;
+        let geometry = KvGeometry { block_size: wc.block_size, num_blocks, dtype: wc.kv_dtype, block_bytes: part, bytes: part * num_blocks };
         shards.push(Box::new(RemoteRank {
             cfg: plans[p.rank].shard_cfg(&cfg),
             node: p.node,

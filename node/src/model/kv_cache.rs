@@ -1,0 +1,220 @@
+//! The paged KV cache in host memory: per layer, K and V arrays of `num_blocks` blocks, in the
+//! element type the worker's `kv_dtype` names (f32, or f16 at half the bytes).
+//!
+//! The forward pass reaches the arrays only through this type (write a token's K and V, attend
+//! over a layer, the layers' base addresses for warming), so the element type is decided in one
+//! `match` per call and the kernels run monomorphized for it.
+
+use zerolayer_common::config::KvDtype;
+use zerolayer_kernels::attention::{kv_bytes, kv_from_bytes, paged_attention, write_kv, AttnRow, KvElement, KvLayout, KvView};
+use zerolayer_kernels::pool::ThreadPool;
+
+use super::ModelConfig;
+use crate::error::{Result, WorkerError};
+
+/// Every layer's K and V arrays in one element type.
+struct Planes<E> {
+    k: Vec<Vec<E>>,
+    v: Vec<Vec<E>>,
+}
+
+impl<E: KvElement> Planes<E> {
+    fn new(layers: usize, elems: usize) -> Self {
+        // Commit every page now (as vLLM reserves its KV cache at startup): the budget is real
+        // memory from the start, a machine without it fails at load rather than mid-request,
+        // and RSS stays flat while blocks are first used.
+        let committed = || {
+            let mut v = vec![E::ZERO; elems];
+            for x in v.iter_mut().step_by(1024) {
+                *x = std::hint::black_box(E::ZERO);
+            }
+            v
+        };
+        Planes { k: (0..layers).map(|_| committed()).collect(), v: (0..layers).map(|_| committed()).collect() }
+    }
+}
+
+enum Store {
+    F32(Planes<f32>),
+    F16(Planes<half::f16>),
+}
+
+/// Runs `$body` with `$p` bound to the store's planes, whatever their element type.
+macro_rules! planes {
+    ($store:expr, $p:ident => $body:expr) => {
+        match $store {
+            Store::F32($p) => $body,
+            Store::F16($p) => $body,
+        }
+    };
+}
+
+/// The paged KV cache: per layer, K and V arrays of `num_blocks` blocks.
+pub struct KvCache {
+    pub layout: KvLayout,
+    pub num_blocks: usize,
+    pub dtype: KvDtype,
+    store: Store,
+}
+
+impl KvCache {
+    /// A cache holding as many blocks as fit in `budget_bytes`.
+    pub fn with_budget(cfg: &ModelConfig, block_size: usize, dtype: KvDtype, budget_bytes: usize) -> Result<Self> {
+        Ok(Self::new(cfg, block_size, dtype, Self::blocks_for(cfg, block_size, dtype, budget_bytes)?))
+    }
+
+    /// How many `block_size`-token blocks of `cfg`'s K/V in `dtype` fit in `budget_bytes` (at
+    /// least one). A tensor-parallel group sizes every rank's cache by the whole model's count.
+    pub fn blocks_for(cfg: &ModelConfig, block_size: usize, dtype: KvDtype, budget_bytes: usize) -> Result<usize> {
+        let per_block = cfg.kv_bytes_per_token(dtype) * block_size;
+        match budget_bytes / per_block {
+            0 => Err(WorkerError::Invalid(format!("KV budget {budget_bytes} B is below one block ({per_block} B)"))),
+            n => Ok(n),
+        }
+    }
+
+    pub fn new(cfg: &ModelConfig, block_size: usize, dtype: KvDtype, num_blocks: usize) -> Self {
+        let layout = KvLayout { block_size, n_kv_heads: cfg.n_kv_heads, head_dim: cfg.head_dim };
+        let n = num_blocks * layout.block_elems();
+        let store = match dtype {
+            KvDtype::F32 => Store::F32(Planes::new(cfg.n_layers, n)),
+            KvDtype::F16 => Store::F16(Planes::new(cfg.n_layers, n)),
+        };
+        KvCache { layout, num_blocks, dtype, store }
+    }
+
+    fn layers(&self) -> usize {
+        planes!(&self.store, p => p.k.len())
+    }
+
+    /// Bytes of one block across every layer, K and V: what a KV transfer moves per block.
+    pub fn block_bytes(&self) -> usize {
+        2 * self.layers() * self.layout.block_elems() * self.dtype.bytes()
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.num_blocks * self.block_bytes()
+    }
+
+    /// Appends block `b`'s K and V, layer by layer (`[K₀ V₀ K₁ V₁ …]`, in the cache's element
+    /// type, little-endian), to `out`.
+    pub fn read_block(&self, b: u32, out: &mut Vec<u8>) {
+        let be = self.layout.block_elems();
+        let r = b as usize * be..(b as usize + 1) * be;
+        planes!(&self.store, p => {
+            for (k, v) in p.k.iter().zip(&p.v) {
+                out.extend_from_slice(kv_bytes(&k[r.clone()]));
+                out.extend_from_slice(kv_bytes(&v[r.clone()]));
+            }
+        })
+    }
+
+    /// Overwrites block `b` with bytes in [`Self::read_block`]'s layout (aligned or not).
+    pub fn write_block(&mut self, b: u32, bytes: &[u8]) {
+        assert_eq!(bytes.len(), self.block_bytes(), "KV block size");
+        let be = self.layout.block_elems();
+        let r = b as usize * be..(b as usize + 1) * be;
+        let mut parts = bytes.chunks_exact(be * self.dtype.bytes());
+        planes!(&mut self.store, p => {
+            for (k, v) in p.k.iter_mut().zip(p.v.iter_mut()) {
+                kv_from_bytes(&mut k[r.clone()], parts.next().unwrap());
+                kv_from_bytes(&mut v[r.clone()], parts.next().unwrap());
+            }
+        })
+    }
+
+    /// Bytes per element.
+    pub(super) fn elem_bytes(&self) -> usize {
+        self.dtype.bytes()
+    }
+
+    /// The base addresses of layer `l`'s K and V arrays (for warming: offsets in bytes from them).
+    pub(super) fn bases(&self, l: usize) -> [*const u8; 2] {
+        planes!(&self.store, p => [p.k[l].as_ptr() as *const u8, p.v[l].as_ptr() as *const u8])
+    }
+
+    /// Writes one token's K and V rows (`n_kv_heads * head_dim` each, f32) at `pos` through
+    /// `table`, rounded to the element type, in layer `l`.
+    pub(super) fn write(&mut self, l: usize, table: &[u32], pos: usize, k: &[f32], v: &[f32]) {
+        let layout = &self.layout;
+        planes!(&mut self.store, p => write_kv(layout, &mut p.k[l], &mut p.v[l], table, pos, k, v))
+    }
+
+    /// Paged attention over layer `l` (see [`paged_attention`]).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn attend(&self, l: usize, pool: &ThreadPool, rows: &[AttnRow<'_>], q: &[f32], q_stride: usize, n_heads: usize, scale: f32, out: &mut [f32]) {
+        let layout = &self.layout;
+        planes!(&self.store, p => paged_attention(pool, &KvView { layout, k: &p.k[l], v: &p.v[l] }, rows, q, q_stride, n_heads, scale, out))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use zerolayer_kernels::ops::RopeStyle;
+
+    fn cfg() -> ModelConfig {
+        ModelConfig {
+            arch: "llama".into(),
+            n_layers: 3,
+            dim: 16,
+            ffn_dim: 32,
+            n_heads: 4,
+            n_kv_heads: 2,
+            head_dim: 4,
+            vocab_size: 10,
+            rope_base: 1e4,
+            rms_eps: 1e-5,
+            context_length: 64,
+            rope_style: RopeStyle::Interleaved,
+        }
+    }
+
+    #[test]
+    fn kv_blocks_round_trip_through_bytes() {
+        for dtype in [KvDtype::F32, KvDtype::F16] {
+            let cfg = cfg();
+            let mut a = KvCache::new(&cfg, 4, dtype, 8);
+            assert_eq!(a.block_bytes(), cfg.kv_bytes_per_token(dtype) * 4);
+            assert_eq!(a.block_bytes(), 2 * 3 * 4 * 2 * 4 * dtype.bytes());
+            // Every token of every block gets distinct values (exact in f16 too: small integers
+            // and halves).
+            let table: Vec<u32> = (0..8).collect();
+            for l in 0..3 {
+                for pos in 0..32 {
+                    let k: Vec<f32> = (0..8).map(|i| (l * 1000 + pos * 8 + i) as f32 * 0.5).collect();
+                    let v: Vec<f32> = k.iter().map(|x| -x).collect();
+                    a.write(l, &table, pos, &k, &v);
+                }
+            }
+            let mut bytes = Vec::new();
+            a.read_block(5, &mut bytes);
+            assert_eq!(bytes.len(), a.block_bytes(), "{dtype}");
+            let mut b = KvCache::new(&cfg, 4, dtype, 8);
+            b.write_block(2, &bytes);
+            // Unaligned bytes give the same values.
+            let mut shifted = vec![0u8; 1];
+            shifted.extend_from_slice(&bytes);
+            b.write_block(3, &shifted[1..]);
+            for blk in [2, 3] {
+                let mut back = Vec::new();
+                b.read_block(blk, &mut back);
+                assert_eq!(back, bytes, "{dtype}: block {blk}");
+            }
+            let mut other = Vec::new();
+            a.read_block(4, &mut other);
+            assert_ne!(other, bytes, "{dtype}: blocks differ");
+        }
+    }
+
+    #[test]
+    fn f16_holds_twice_the_blocks_of_f32_in_a_budget() {
+        let cfg = cfg();
+        let budget = 1 << 20;
+        let f32_blocks = KvCache::blocks_for(&cfg, 4, KvDtype::F32, budget).unwrap();
+        let f16_blocks = KvCache::blocks_for(&cfg, 4, KvDtype::F16, budget).unwrap();
+        assert_eq!(f16_blocks, 2 * f32_blocks);
+        let c = KvCache::with_budget(&cfg, 4, KvDtype::F16, budget).unwrap();
+        assert!(c.bytes() <= budget && c.bytes() + c.block_bytes() > budget);
+    }
+}
