@@ -19,55 +19,46 @@ pub mod quant;
 #[cfg(feature = "gpu")]
 pub mod cuda;
 
-/// Whether the AVX2+FMA+F16C code paths may run on this CPU (detected once).
-/// AVX-512 VNNI with 256-bit forms (and AVX2), for the integer dot products. Setting
-/// `ZEROLAYER_NO_VNNI` turns it off (for A/B benchmarks; results are identical either way).
-pub fn has_vnni() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::sync::OnceLock;
-        static VNNI: OnceLock<bool> = OnceLock::new();
-        *VNNI.get_or_init(|| has_avx2()
-            && is_x86_feature_detected!("avx512vnni")
-            && is_x86_feature_detected!("avx512vl")
-            && std::env::var_os("ZEROLAYER_NO_VNNI").is_none())
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
+/// A CPU-feature check, detected once (false off x86-64).
+macro_rules! cpu_feature {
+    ($(#[$doc:meta])* $name:ident => $probe:expr) => {
+        $(#[$doc])*
+        pub fn $name() -> bool {
+            #[cfg(target_arch = "x86_64")]
+            {
+                static DETECTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+                *DETECTED.get_or_init(|| $probe)
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            {
+                false
+            }
+        }
+    };
 }
 
-/// AVX-512F and VL with AVX2 (32 vector registers for 256-bit code), for the attention kernel
-/// that runs several query heads per pass. Setting `ZEROLAYER_NO_AVX512` turns it off (for A/B
-/// benchmarks; results are identical either way).
-pub fn has_avx512vl() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::sync::OnceLock;
-        static AVX512VL: OnceLock<bool> = OnceLock::new();
-        *AVX512VL.get_or_init(|| has_avx2()
-            && is_x86_feature_detected!("avx512f")
-            && is_x86_feature_detected!("avx512vl")
-            && std::env::var_os("ZEROLAYER_NO_AVX512").is_none())
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
+cpu_feature! {
+    /// Whether the AVX2+FMA+F16C code paths may run on this CPU.
+    has_avx2 => is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
 }
 
-pub fn has_avx2() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::sync::OnceLock;
-        static AVX2: OnceLock<bool> = OnceLock::new();
-        *AVX2.get_or_init(|| is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c"))
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
+cpu_feature! {
+    /// AVX-512 VNNI with 256-bit forms (and AVX2), for the integer dot products. Setting
+    /// `ZEROLAYER_NO_VNNI` turns it off (for A/B benchmarks; results are identical either way).
+    has_vnni => has_avx2()
+        && is_x86_feature_detected!("avx512vnni")
+        && is_x86_feature_detected!("avx512vl")
+        && std::env::var_os("ZEROLAYER_NO_VNNI").is_none()
+}
+
+cpu_feature! {
+    /// AVX-512F and VL with AVX2 (32 vector registers for 256-bit code), for the attention
+    /// kernel that runs several query heads per pass. Setting `ZEROLAYER_NO_AVX512` turns it off
+    /// (for A/B benchmarks; results are identical either way).
+    has_avx512vl => has_avx2()
+        && is_x86_feature_detected!("avx512f")
+        && is_x86_feature_detected!("avx512vl")
+        && std::env::var_os("ZEROLAYER_NO_AVX512").is_none()
 }
 
 /// For the kernel tests: whether the AVX2 paths can run here, so they are compared with the

@@ -214,18 +214,23 @@ impl Rows {
 /// of run `run` (at byte offset `runs[run]`) from `bases[base]`, then onwards, `per_block`
 /// lines after each panel block, until `left` lines are done. Prefetches only: no value
 /// depends on it.
+///
+/// Invariant (what makes [`WarmCursor::next_line`] sound): `bases` holds `n_bases` pointers and
+/// `runs` `n_runs` offsets, alive while the cursor is used, and `left` counts no more lines than
+/// remain from (`base`, `run`, `line`). The fields are private to `quant`, and only
+/// `matmul::Warm::cursor` (which sizes `left` from the lists) and [`WarmCursor::NONE`] build one.
 #[derive(Clone, Copy)]
 pub struct WarmCursor {
-    pub bases: *const *const u8,
-    pub n_bases: usize,
-    pub runs: *const usize,
-    pub n_runs: usize,
-    pub lines_per_run: usize,
-    pub per_block: usize,
-    pub base: usize,
-    pub run: usize,
-    pub line: usize,
-    pub left: usize,
+    pub(super) bases: *const *const u8,
+    pub(super) n_bases: usize,
+    pub(super) runs: *const usize,
+    pub(super) n_runs: usize,
+    pub(super) lines_per_run: usize,
+    pub(super) per_block: usize,
+    pub(super) base: usize,
+    pub(super) run: usize,
+    pub(super) line: usize,
+    pub(super) left: usize,
 }
 
 impl WarmCursor {
