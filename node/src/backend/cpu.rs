@@ -56,7 +56,7 @@ impl Backend for Cpu {
         Ok(())
     }
     fn describe(&self) -> String {
-        format!("cpu, {} kernel threads", self.model.threads())
+        format!("cpu, {} kernel threads, KV cache in {}", self.model.threads(), self.cache.dtype)
     }
 }
 
