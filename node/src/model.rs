@@ -19,50 +19,21 @@
 
 use std::sync::Arc;
 
-use zerolayer_common::config::KvDtype;
 use zerolayer_kernels::attention::AttnRow;
 use zerolayer_kernels::collective::{Collective, Solo};
-use zerolayer_kernels::ops::{add_assign, rms_norm_row, silu_mul, RopeStyle, RopeTable};
+use zerolayer_kernels::ops::{add_assign, rms_norm_row, silu_mul, RopeTable};
 use zerolayer_kernels::pool::ThreadPool;
 use zerolayer_kernels::quant::{matmul_rows, matmul_rows_warming, matmul_warming, MatmulScratch, Warm, Weight, PANEL, QK};
 
+mod config;
 mod kv_cache;
 mod load;
 pub mod shard;
 
+pub use config::ModelConfig;
 pub use kv_cache::KvCache;
 
 use crate::error::{WorkerError, Result};
-
-/// Architecture hyper-parameters.
-#[derive(Clone, Debug, PartialEq)]
-pub struct ModelConfig {
-    pub arch: String,
-    pub n_layers: usize,
-    pub dim: usize,
-    pub ffn_dim: usize,
-    pub n_heads: usize,
-    pub n_kv_heads: usize,
-    pub head_dim: usize,
-    pub vocab_size: usize,
-    pub rope_base: f32,
-    pub rms_eps: f32,
-    pub context_length: usize,
-    pub rope_style: RopeStyle,
-}
-
-impl ModelConfig {
-    pub fn q_dim(&self) -> usize {
-        self.n_heads * self.head_dim
-    }
-    pub fn kv_dim(&self) -> usize {
-        self.n_kv_heads * self.head_dim
-    }
-    /// Bytes of KV cache per token across all layers (K and V), in elements of `dtype`.
-    pub fn kv_bytes_per_token(&self, dtype: KvDtype) -> usize {
-        self.n_layers * 2 * self.kv_dim() * dtype.bytes()
-    }
-}
 
 struct Layer {
     attn_norm: Vec<f32>,

@@ -9,7 +9,7 @@ use zerolayer_common::config::KvDtype;
 use zerolayer_kernels::attention::{kv_bytes, kv_from_bytes, paged_attention, write_kv, AttnRow, KvElement, KvLayout, KvView};
 use zerolayer_kernels::pool::ThreadPool;
 
-use super::ModelConfig;
+use super::config::ModelConfig;
 use crate::error::{Result, WorkerError};
 
 /// Every layer's K and V arrays in one element type.
