@@ -11,8 +11,9 @@
 //! recomputed, and batch invariance makes every later token the one the source would have
 //! produced.
 //!
-//! Bytes are `[K₀ V₀ K₁ V₁ …]` per block, f32 little-endian, [`crate::model::KvCache::read_block`]'s
-//! layout; both sides must run the same model and block size, which the import checks.
+//! Bytes are `[K₀ V₀ K₁ V₁ …]` per block, in the cache's element type (`kv_dtype`), little-endian:
+//! [`crate::model::KvCache::read_block`]'s layout. Both sides must run the same model, block size
+//! and element type; the import checks the block's size, which differs for each.
 
 /// What a worker hands over for one sequence.
 #[derive(Debug, Clone, PartialEq)]
