@@ -89,15 +89,6 @@ pub fn cast_f32(bytes: &[u8]) -> &[f32] {
     unsafe { std::slice::from_raw_parts(bytes.as_ptr() as *const f32, bytes.len() / 4) }
 }
 
-/// Views f32s as their little-endian bytes (KV blocks in transit are copied this way, at
-/// memcpy speed).
-pub fn f32_bytes(values: &[f32]) -> &[u8] {
-    assert!(cfg!(target_endian = "little"), "zerolayer kernels assume a little-endian target");
-    // SAFETY: a u8 has no alignment requirement and every byte of an f32 is initialized; the
-    // length is the same memory's size in bytes.
-    unsafe { std::slice::from_raw_parts(values.as_ptr() as *const u8, std::mem::size_of_val(values)) }
-}
-
 /// A raw output pointer handed to pool tasks that write disjoint ranges of one buffer.
 #[derive(Clone, Copy)]
 pub(crate) struct SyncPtr(pub(crate) *mut f32);

@@ -264,7 +264,7 @@ impl Model {
         // projections bring the next layer's into the caches as they compute (`Warm`).
         s.warm_runs.clear();
         let layout = cache.layout;
-        let elem = cache.elem_bytes();
+        let elem = cache.dtype.bytes();
         let run_bytes = layout.block_size * layout.head_dim * elem;
         if items.len() >= 2 && run_bytes % 64 == 0 && kv_warming() {
             for it in items {

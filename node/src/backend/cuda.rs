@@ -408,7 +408,7 @@ impl Backend for Cuda {
         for (k, v) in self.k.iter().zip(&self.v) {
             for part in [k, v] {
                 let vals = self.gpu.read_at(part, b as usize * be, be).map_err(|e| WorkerError::Model(format!("reading KV block {b} from the device: {e}")))?;
-                bytes.extend_from_slice(zerolayer_kernels::f32_bytes(&vals));
+                bytes.extend_from_slice(zerolayer_kernels::attention::kv_bytes(&vals));
             }
         }
         out.extend_from_slice(&bytes);

@@ -123,11 +123,6 @@ impl KvCache {
         })
     }
 
-    /// Bytes per element.
-    pub(super) fn elem_bytes(&self) -> usize {
-        self.dtype.bytes()
-    }
-
     /// The base addresses of layer `l`'s K and V arrays (for warming: offsets in bytes from them).
     pub(super) fn bases(&self, l: usize) -> [*const u8; 2] {
         planes!(&self.store, p => [p.k[l].as_ptr() as *const u8, p.v[l].as_ptr() as *const u8])
