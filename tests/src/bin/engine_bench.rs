@@ -1,10 +1,10 @@
 //! Engine throughput on the real model, measured directly on the engine (no HTTP).
 //!
-//! `cargo run -p zerolayer-tests --bin engine_bench -- [--threads N] [--tensor-parallel N] [--json PATH] [--repeat N] [--only FIGURE] [--kv-dtype f32|f16]`
+//! `cargo run -p zerolayer-tests --bin engine_bench -- [--threads N] [--tensor-parallel N] [--json PATH] [--repeat N] [--only FIGURE] [--kv-dtype f32|f16] [--block-size N]`
 //!
 //! Reports batch-1 decode tokens/s, prefill tokens/s, and aggregate decode tokens/s with 8 and
 //! 16 concurrent sequences (and 16 with the HTTP benchmark's longer contexts): each the median of `--repeat` runs (default 3). `--only b1|prefill|
-//! agg8|agg16|agg16ctx` measures one figure (for profiling). Run it on an idle machine.
+//! agg8|agg16|agg16ctx` measures one figure (for profiling). `--block-size` overrides the KV block size (default the engine's). Run it on an idle machine.
 
 use std::time::Instant;
 
@@ -66,9 +66,11 @@ fn main() {
         Some("f16") => KvDtype::F16,
         Some(other) => panic!("--kv-dtype {other:?}: f32 or f16"),
     };
-    let ecfg = EngineConfig { max_batch_tokens: 512, kv_cache_bytes: 1 << 30, kv_dtype, ..Default::default() };
+    let defaults = EngineConfig::default();
+    let block_size: usize = get("--block-size").map(|v| v.parse().unwrap()).unwrap_or(defaults.block_size);
+    let ecfg = EngineConfig { max_batch_tokens: 512, kv_cache_bytes: 1 << 30, kv_dtype, block_size, ..defaults };
     let backend = zerolayer_worker::backend::cpu(l.model, tp, threads, ecfg.block_size, ecfg.kv_dtype, ecfg.kv_cache_bytes).unwrap();
-    eprintln!("backend: {}, KV cache in {kv_dtype}", backend.describe());
+    eprintln!("backend: {}", backend.describe());
     let mut engine = Engine::with_backend(backend, l.tokenizer, &ecfg).unwrap();
     let repeat: usize = get("--repeat").map(|v| v.parse().unwrap()).unwrap_or(3).max(1);
     let only = get("--only");
@@ -108,12 +110,14 @@ fn main() {
         let (_, d, g) = run(e, 16, 110, 256, s);
         g as f64 / d
     });
+    // A figure left out by `--only` reads "not run" (and `null` in the JSON).
+    let fig = |x: f64| if x.is_nan() { "not run".to_string() } else { format!("{x:.1}") };
     println!("| figure | tokens/s |\n|---|---|");
-    println!("| batch-1 decode (32-token prompt, 128 generated) | {b1:.1} |");
-    println!("| prefill, one 512-token prompt | {prefill:.1} |");
-    println!("| aggregate decode, 8 concurrent sequences | {a8:.1} |");
-    println!("| aggregate decode, 16 concurrent sequences | {a16:.1} |");
-    println!("| aggregate decode, 16 sequences, 110-token prompts, 256 generated | {a16ctx:.1} |");
+    println!("| batch-1 decode (32-token prompt, 128 generated) | {} |", fig(b1));
+    println!("| prefill, one 512-token prompt | {} |", fig(prefill));
+    println!("| aggregate decode, 8 concurrent sequences | {} |", fig(a8));
+    println!("| aggregate decode, 16 concurrent sequences | {} |", fig(a16));
+    println!("| aggregate decode, 16 sequences, 110-token prompts, 256 generated | {} |", fig(a16ctx));
     if let Some(p) = json_path {
         let j = serde_json::json!({"threads": threads, "batch1_decode_tps": b1, "prefill_tps": prefill, "agg8_decode_tps": a8, "agg16_decode_tps": a16, "agg16ctx_decode_tps": a16ctx});
         std::fs::write(p, serde_json::to_string_pretty(&j).unwrap()).unwrap();
