@@ -2,9 +2,13 @@
 //! heads on 3 KV heads of 64), `LAYERS` layers of KV, blocks scattered as concurrent decoding
 //! leaves them or contiguous.
 //!
-//! `cargo run --release -p zerolayer-kernels --example attention_bench -- [THREADS] [LAYERS] [scatter|contig] [REPS] [CONTEXT] [BLOCK_SIZE] [f32|f16]`
+//! `cargo run --release -p zerolayer-kernels --example attention_bench -- [THREADS] [LAYERS] [scatter|contig|groups] [REPS] [CONTEXT] [BLOCK_SIZE] [f32|f16] [GROUP]`
 //!
-//! The block size defaults to 16 (the engine's default is 4), the KV element to f32.
+//! The block size defaults to 16 (the engine's default is 4), the KV element to f32, the
+//! blocks per layout group ([`KvLayout::group`]) to the cache's own (`run_group`; 1 is the
+//! block-major layout). `scatter`: the rows took turns block by block; `groups`: they took
+//! turns group by group, as the engine's block pool hands blocks out; `contig`: each row's
+//! blocks are consecutive.
 //!
 //! One layer stays in the last-level cache; 30 layers (the model's) stream KV from memory
 //! every step. Prints, per timed round, the time per step (all layers), the time per (query
@@ -19,27 +23,33 @@ fn main() {
     let arg = |i: usize, default: usize| args.get(i).map(|v| v.parse().expect("a number")).unwrap_or(default);
     let threads = arg(1, 2);
     let layers = arg(2, 30);
-    let scatter = args.get(3).is_none_or(|v| v == "scatter");
+    let order = args.get(3).map(String::as_str).unwrap_or("scatter").to_string();
     let reps = arg(4, 1);
     let ctx = arg(5, 238);
     let bs = arg(6, 16);
+    let group = arg(8, zerolayer_kernels::attention::run_group(bs));
     match args.get(7).map(String::as_str) {
-        None | Some("f32") => run::<f32>(threads, layers, scatter, reps, ctx, bs),
-        Some("f16") => run::<half::f16>(threads, layers, scatter, reps, ctx, bs),
+        None | Some("f32") => run::<f32>(threads, layers, &order, reps, ctx, bs, group),
+        Some("f16") => run::<half::f16>(threads, layers, &order, reps, ctx, bs, group),
         Some(other) => panic!("KV element {other:?}: f32 or f16"),
     }
 }
 
-fn run<E: KvElement>(threads: usize, layers: usize, scatter: bool, reps: usize, ctx: usize, bs: usize) {
+fn run<E: KvElement>(threads: usize, layers: usize, order: &str, reps: usize, ctx: usize, bs: usize, group: usize) {
     let (rows_n, n_heads, hd) = (16, 9, 64);
-    let layout = KvLayout { block_size: bs, n_kv_heads: 3, head_dim: hd };
-    let bps = ctx.div_ceil(bs);
+    let layout = KvLayout { group, ..KvLayout::new(bs, 3, hd) };
+    let bps = ctx.div_ceil(bs).next_multiple_of(group);
     let nblocks = rows_n * bps;
     let pool = ThreadPool::new(threads);
-    let kc: Vec<Vec<E>> = (0..layers).map(|l| (0..nblocks * layout.block_elems()).map(|i| E::from_f32(((i * 7 + l) % 13) as f32 * 0.01)).collect()).collect();
+    let kc: Vec<Vec<E>> = (0..layers).map(|l| (0..layout.elems(nblocks)).map(|i| E::from_f32(((i * 7 + l) % 13) as f32 * 0.01)).collect()).collect();
     let vc = kc.clone();
-    // Scattered: sequences took turns allocating blocks (block b of row r is b * rows + r).
-    let tables: Vec<Vec<u32>> = (0..rows_n).map(|r| (0..bps).map(|b| if scatter { b * rows_n + r } else { r * bps + b } as u32).collect()).collect();
+    let block = |r: usize, b: usize| match order {
+        "scatter" => b * rows_n + r,
+        "groups" => (b / group * rows_n + r) * group + b % group,
+        "contig" => r * bps + b,
+        other => panic!("block order {other:?}: scatter, groups or contig"),
+    };
+    let tables: Vec<Vec<u32>> = (0..rows_n).map(|r| (0..bps).map(|b| block(r, b) as u32).collect()).collect();
     let rows: Vec<AttnRow> = tables.iter().map(|t| AttnRow { table: t, pos: ctx - 1 }).collect();
     let qd = n_heads * hd;
     let q: Vec<f32> = (0..rows_n * qd).map(|i| (i % 17) as f32 * 0.01).collect();

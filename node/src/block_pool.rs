@@ -1,8 +1,12 @@
 //! The KV block pool with automatic prefix caching. Sans-IO: a plain struct.
 //!
 //! - Fixed-size blocks (`block_size` tokens each), identified by `BlockId`.
-//! - O(1) allocate and free: blocks that hold nothing sit on a free stack; blocks that hold a
+//! - O(1) allocate and free: blocks that hold nothing sit in a free set; blocks that hold a
 //!   cached, unreferenced prefix sit on an intrusive LRU list (oldest release first).
+//! - Contiguity: the free set knows the KV cache's layout groups
+//!   ([`zerolayer_kernels::attention::run_group`]), and [`BlockPool::allocate_after`] gives a
+//!   growing sequence the next block of its group, so its K/V per head stay in long runs
+//!   (`free`).
 //! - Reference counts: a block shared by several sequences (a common prefix) is freed only
 //!   when the last one releases it.
 //! - Prefix caching: a *full* block is registered under the chained hash of its tokens
@@ -24,6 +28,9 @@
 use std::collections::HashMap;
 use zerolayer_common::KvEvent;
 
+mod free;
+use free::FreeBlocks;
+
 pub type BlockId = u32;
 
 const NIL: u32 = u32::MAX;
@@ -43,7 +50,7 @@ pub struct BlockPool {
     refcount: Vec<u32>,
     hash: Vec<Option<u64>>,
     place: Vec<Place>,
-    free: Vec<BlockId>,
+    free: FreeBlocks,
     // Intrusive doubly linked LRU list of cached, unreferenced blocks.
     prev: Vec<u32>,
     next: Vec<u32>,
@@ -75,8 +82,7 @@ impl BlockPool {
             refcount: vec![0; num_blocks],
             hash: vec![None; num_blocks],
             place: vec![Place::Free; num_blocks],
-            // Pop from the end: hand out low ids first.
-            free: (0..num_blocks as u32).rev().collect(),
+            free: FreeBlocks::new(num_blocks, zerolayer_kernels::attention::run_group(block_size)),
             prev: vec![NIL; num_blocks],
             next: vec![NIL; num_blocks],
             lru_head: NIL,
@@ -193,7 +199,22 @@ impl BlockPool {
     /// Allocates an empty block (refcount 1), evicting the least recently used cached block
     /// when no plain free block is left. `None` when every block is referenced.
     pub fn allocate(&mut self) -> Option<BlockId> {
-        let b = if let Some(b) = self.free.pop() {
+        let b = self.free.pop();
+        self.take(b)
+    }
+
+    /// As [`Self::allocate`], for a sequence whose last block is `prev` (`None`: its first):
+    /// the block after `prev` in its layout group when that is free, else the first of a
+    /// wholly free group, so the sequence's K/V stay in long runs (see `free`).
+    pub fn allocate_after(&mut self, prev: Option<BlockId>) -> Option<BlockId> {
+        let b = self.free.take_after(prev);
+        self.take(b)
+    }
+
+    /// Hands out `free` (a block just taken from the free set), else evicts the least recently
+    /// used cached block.
+    fn take(&mut self, free: Option<BlockId>) -> Option<BlockId> {
+        let b = if let Some(b) = free {
             b
         } else if self.lru_head != NIL {
             let b = self.lru_head;
@@ -330,7 +351,8 @@ impl BlockPool {
     pub fn check_invariants(&self) {
         let n = self.num_blocks();
         let mut seen = vec![0u8; n];
-        for &b in &self.free {
+        self.free.check(|i| self.place[i] == Place::Free);
+        for b in self.free.iter() {
             let i = b as usize;
             assert_eq!(self.place[i], Place::Free, "block {b} on free stack but {:?}", self.place[i]);
             assert_eq!(self.refcount[i], 0, "free block {b} is referenced");
@@ -463,6 +485,8 @@ mod tests {
     #[derive(Debug, Clone)]
     enum Op {
         Alloc,
+        /// `allocate_after` the held block at this index (none when nothing is held).
+        AllocAfter(usize),
         Share(usize),
         Release(usize),
         Register(usize, u8),
@@ -472,6 +496,7 @@ mod tests {
     fn op() -> impl Strategy<Value = Op> {
         prop_oneof![
             3 => Just(Op::Alloc),
+            3 => any::<usize>().prop_map(Op::AllocAfter),
             2 => any::<usize>().prop_map(Op::Share),
             3 => any::<usize>().prop_map(Op::Release),
             2 => (any::<usize>(), any::<u8>()).prop_map(|(i, h)| Op::Register(i, h)),
@@ -484,14 +509,21 @@ mod tests {
         /// Random alloc/share/release/register/reuse/evict sequences never leak a block,
         /// double-free one, or break a refcount; releasing everything returns every block.
         #[test]
-        fn pool_invariants_hold(ops in proptest::collection::vec(op(), 1..300), n in 1usize..12) {
-            let mut p = BlockPool::new(n, 4);
+        fn pool_invariants_hold(ops in proptest::collection::vec(op(), 1..300), n in 1usize..12, bs in prop_oneof![Just(4usize), Just(16)]) {
+            let mut p = BlockPool::new(n, bs);
             // Our model of who holds references: one entry per reference.
             let mut held: Vec<BlockId> = vec![];
             for o in ops {
                 match o {
                     Op::Alloc => {
                         match p.allocate() {
+                            Some(b) => { prop_assert_eq!(p.refcount(b), 1); held.push(b) }
+                            None => prop_assert_eq!(p.num_free(), 0),
+                        }
+                    }
+                    Op::AllocAfter(i) => {
+                        let prev = (!held.is_empty()).then(|| held[i % held.len()]);
+                        match p.allocate_after(prev) {
                             Some(b) => { prop_assert_eq!(p.refcount(b), 1); held.push(b) }
                             None => prop_assert_eq!(p.num_free(), 0),
                         }

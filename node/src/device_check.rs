@@ -115,7 +115,7 @@ pub fn kernels(gpu: &Gpu, model: &Model) -> Res<Vec<Value>> {
     gpu.silu_mul(&dg, f, 2, &mut dy)?;
     out.push(kernel_entry("silu_mul", &want, &gpu.download(&dy, 2 * f)?));
     // Paged attention through scattered block tables.
-    let layout = KvLayout { block_size: 16, n_kv_heads: 2, head_dim: 64 };
+    let layout = KvLayout { block_size: 16, n_kv_heads: 2, head_dim: 64, group: 1 }; // the GPU's block-major layout
     let n_blocks = 96;
     let kc = rand_vec(n_blocks * layout.block_elems(), 31);
     let vc = rand_vec(n_blocks * layout.block_elems(), 32);

@@ -403,7 +403,8 @@ impl Scheduler {
             let want_blocks = self.blocks_for(computed + n);
             let s = self.seqs.get_mut(&id).unwrap();
             while s.blocks.len() < want_blocks {
-                s.blocks.push(self.pool.allocate().expect("capacity checked"));
+                let b = self.pool.allocate_after(s.blocks.last().copied()).expect("capacity checked");
+                s.blocks.push(b);
             }
             plan.items.push(ScheduledItem { seq: id, start: computed, len: n, completes: computed + n == s.tokens.len() });
             budget -= n;
@@ -482,7 +483,8 @@ impl Scheduler {
             s.num_computed = matched_tokens;
             let want_blocks = (matched_tokens + n).div_ceil(bs);
             while s.blocks.len() < want_blocks {
-                s.blocks.push(self.pool.allocate().expect("capacity checked"));
+                let b = self.pool.allocate_after(s.blocks.last().copied()).expect("capacity checked");
+                s.blocks.push(b);
             }
             if !s.started {
                 s.started = true;

@@ -100,12 +100,15 @@ async fn auth_rate_limits_and_keys_never_logged() {
     assert!(reset.len() == 20 && reset > now && reset <= in_a_minute, "reset {reset} between {now} and {in_a_minute}");
 
     // The token limit (2,000 prompt tokens a minute) on the second key from the file: a
-    // ~1,200-token prompt fits once, not twice.
-    let big = json!({"model": MODEL, "max_tokens": 1, "temperature": 0, "messages": [{"role": "user", "content": LOREM.repeat(7)}]});
+    // ~1,550-token prompt fits once, not twice. The bucket refills at 33 tokens a second, so
+    // the second would fit only after about 33 s: far more than the first one's prefill takes,
+    // even on a loaded 2-core machine (a ~1,200-token prompt, which needed 12 s, once passed).
+    let big = json!({"model": MODEL, "max_tokens": 1, "temperature": 0, "messages": [{"role": "user", "content": LOREM.repeat(9)}]});
     let r = c.post(s.url("/v1/messages")).header("x-api-key", heavy_user).json(&big).send().await.unwrap();
     assert_eq!(status(&r), 200);
     let v: Value = r.json().await.unwrap();
-    assert!(v["usage"]["input_tokens"].as_u64().unwrap() + v["usage"]["cache_read_input_tokens"].as_u64().unwrap() > 1000);
+    let prompt = v["usage"]["input_tokens"].as_u64().unwrap() + v["usage"]["cache_read_input_tokens"].as_u64().unwrap();
+    assert!((1400..2000).contains(&prompt), "prompt tokens {prompt}");
     let r = c.post(s.url("/v1/messages")).header("x-api-key", heavy_user).json(&big).send().await.unwrap();
     assert_eq!(status(&r), 429);
     assert!(r.headers()["retry-after"].to_str().unwrap().parse::<u64>().unwrap() >= 1);

@@ -62,24 +62,56 @@ pub fn kv_from_bytes<E: KvElement>(dst: &mut [E], bytes: &[u8]) {
     unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), dst.as_mut_ptr() as *mut u8, bytes.len()) }
 }
 
+/// Positions of one KV head that a sequence's consecutive blocks keep in one contiguous run
+/// (see [`KvLayout::group`]): 4 KiB at head size 64 in f32.
+pub const RUN_POSITIONS: usize = 16;
+
 /// Geometry of one layer's cache.
+///
+/// Blocks are laid out in groups of `group` consecutive block ids, each group as
+/// `[kv_head][block in group][slot][head_dim]`: within a group, one KV head's slots of all its
+/// blocks are contiguous. A sequence that holds a whole group (the block pool hands out
+/// consecutive ids within a group, [`run_group`]) has runs of `group * block_size` positions
+/// per head for attention to stream, while blocks stay small for prefix sharing. With
+/// `group == 1` this is `[block][kv_head][slot][head_dim]`, the layout the GPU backend keeps.
+/// Where a block lives changes no value: attention reads K/V through the offsets.
 #[derive(Clone, Copy, Debug)]
 pub struct KvLayout {
     pub block_size: usize,
     pub n_kv_heads: usize,
     pub head_dim: usize,
+    /// Blocks per group (at least 1).
+    pub group: usize,
+}
+
+/// Blocks per group for `block_size`: enough for runs of [`RUN_POSITIONS`] positions (4 at the
+/// default block size of 4; 1 from 16 up). The block pool groups its free blocks by the same
+/// count, so the two agree.
+pub fn run_group(block_size: usize) -> usize {
+    (RUN_POSITIONS / block_size.max(1)).max(1)
 }
 
 impl KvLayout {
+    /// The CPU cache's layout: groups of [`run_group`] blocks.
+    pub fn new(block_size: usize, n_kv_heads: usize, head_dim: usize) -> Self {
+        KvLayout { block_size, n_kv_heads, head_dim, group: run_group(block_size) }
+    }
+
     /// Elements of one block of one layer, for K (or V).
     pub fn block_elems(&self) -> usize {
         self.block_size * self.n_kv_heads * self.head_dim
     }
 
+    /// Elements of a layer's K (or V) array that holds `blocks` blocks (whole groups).
+    pub fn elems(&self, blocks: usize) -> usize {
+        blocks.next_multiple_of(self.group.max(1)) * self.block_elems()
+    }
+
     /// Offset of (block, head, slot) in a layer's K (or V) array.
     #[inline(always)]
     pub fn offset(&self, block: usize, head: usize, slot: usize) -> usize {
-        ((block * self.n_kv_heads + head) * self.block_size + slot) * self.head_dim
+        let g = self.group;
+        (((block / g * self.n_kv_heads + head) * g + block % g) * self.block_size + slot) * self.head_dim
     }
 }
 

@@ -1,9 +1,9 @@
 //! Paged attention on the CPU.
 //!
 //! K and V live in a block pool (f32 by default, so results match the reference implementation
-//! exactly, or f16: see [`KvElement`]), laid out per layer as
-//! `[block][kv_head][slot][head_dim]`: the 16 (block size) keys of one head in one block are
-//! contiguous. A sequence names its blocks in a block table; position `p` lives in block
+//! exactly, or f16: see [`KvElement`]), laid out per layer in groups of consecutive blocks as
+//! `[group][kv_head][block in group][slot][head_dim]` ([`KvLayout`]): one head's keys of a whole
+//! group are contiguous. A sequence names its blocks in a block table; position `p` lives in block
 //! `table[p / block_size]` at slot `p % block_size`. Attention reads K/V through the table in
 //! place: nothing is gathered into a contiguous copy.
 //!
@@ -19,7 +19,7 @@ mod avx2;
 #[cfg(test)]
 mod tests;
 
-pub use kv::{kv_bytes, kv_from_bytes, write_kv, KvElement, KvLayout, KvView, Query, Scratch, MAX_GROUP};
+pub use kv::{kv_bytes, kv_from_bytes, run_group, write_kv, KvElement, KvLayout, KvView, Query, Scratch, MAX_GROUP, RUN_POSITIONS};
 pub use portable::dot8_fma;
 
 /// Attention for one row's query heads that share a KV head: `out` receives `group *

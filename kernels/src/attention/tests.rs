@@ -24,11 +24,13 @@ fn simd_equals_portable<E: KvElement>() {
         (seed >> 40) as f32 / (1u64 << 24) as f32 * 4.0 - 2.0
     };
     let mut wide_ran = false;
-    for (bs, hd) in [(16usize, 64usize), (4, 8), (8, 32), (16, 128), (5, 16)] {
-        let layout = KvLayout { block_size: bs, n_kv_heads: 3, head_dim: hd };
+    // Each geometry in the GPU's layout (groups of 1 block) and in the CPU cache's groups.
+    let geometries = [(16usize, 64usize), (4, 8), (8, 32), (16, 128), (5, 16)];
+    for (bs, hd, group) in geometries.into_iter().flat_map(|(bs, hd)| [(bs, hd, 1), (bs, hd, run_group(bs))]) {
+        let layout = KvLayout { block_size: bs, n_kv_heads: 3, head_dim: hd, group };
         let n_blocks = 12;
-        let kc: Vec<E> = (0..n_blocks * layout.block_elems()).map(|_| E::from_f32(rnd())).collect();
-        let vc: Vec<E> = (0..n_blocks * layout.block_elems()).map(|_| E::from_f32(rnd())).collect();
+        let kc: Vec<E> = (0..layout.elems(n_blocks)).map(|_| E::from_f32(rnd())).collect();
+        let vc: Vec<E> = (0..layout.elems(n_blocks)).map(|_| E::from_f32(rnd())).collect();
         let table: Vec<u32> = (0..n_blocks as u32).rev().collect(); // scattered
         let q: Vec<f32> = (0..7 * hd).map(|_| rnd()).collect();
         for pos in [0usize, 6, 7, 8, 15, 16, 17, 23, 24, 33, n_blocks * bs - 1] {
@@ -49,7 +51,7 @@ fn simd_equals_portable<E: KvElement>() {
                     unsafe { avx2::attend_group(&kv, &query, &mut s2, &mut got) };
                     let b1: Vec<u32> = want.iter().map(|x| x.to_bits()).collect();
                     let b2: Vec<u32> = got.iter().map(|x| x.to_bits()).collect();
-                    assert_eq!(b1, b2, "{name}: bs {bs} hd {hd} pos {pos} head {head} group {group}");
+                    assert_eq!(b1, b2, "{name}: bs {bs} hd {hd} ({} blocks a group) pos {pos} head {head} group {group}", layout.group);
                     if crate::has_avx512vl() {
                         // Several heads per pass (groups of 2 and 7 leave partial passes).
                         got.fill(f32::NAN);
@@ -77,10 +79,15 @@ fn paged_attention_matches_contiguous_reference() {
 /// Paged attention over a scattered block table against an f64 computation over contiguous
 /// copies of the same (rounded) K and V.
 fn matches_contiguous_reference<E: KvElement>() {
-    let layout = KvLayout { block_size: 4, n_kv_heads: 2, head_dim: 8 };
+    for group in [1, 2, 4] {
+        contiguous_reference::<E>(KvLayout { block_size: 4, n_kv_heads: 2, head_dim: 8, group });
+    }
+}
+
+fn contiguous_reference<E: KvElement>(layout: KvLayout) {
     let n_blocks = 6;
-    let mut kc = vec![E::ZERO; n_blocks * layout.block_elems()];
-    let mut vc = vec![E::ZERO; n_blocks * layout.block_elems()];
+    let mut kc = vec![E::ZERO; layout.elems(n_blocks)];
+    let mut vc = vec![E::ZERO; layout.elems(n_blocks)];
     // A scattered block table.
     let table = [4u32, 1, 5, 0];
     let len = 13;
@@ -108,7 +115,41 @@ fn matches_contiguous_reference<E: KvElement>() {
         let z: f64 = e.iter().sum();
         for i in 0..8 {
             let want: f64 = (0..=pos).map(|p| e[p] / z * r(vs[p][head * 8 + i])).sum();
-            assert!((out[i] as f64 - want).abs() < 1e-5, "head {head} dim {i}");
+            assert!((out[i] as f64 - want).abs() < 1e-5, "{layout:?}: head {head} dim {i}");
         }
     }
+}
+
+#[test]
+fn grouped_layout_keeps_a_heads_run_contiguous_and_places_every_element_once() {
+    for (bs, n_kv, hd) in [(4usize, 3usize, 64usize), (4, 2, 8), (8, 1, 16), (16, 3, 64), (5, 2, 8), (1, 2, 8)] {
+        let layout = KvLayout::new(bs, n_kv, hd);
+        let g = layout.group;
+        assert_eq!(g, run_group(bs));
+        // The most blocks whose positions fit in a run of RUN_POSITIONS (one from there up).
+        assert!(g == 1 || (g * bs <= RUN_POSITIONS && (g + 1) * bs > RUN_POSITIONS), "{layout:?}");
+        // Blocks 0..g hold, per head, g * bs consecutive positions in one run.
+        for h in 0..n_kv {
+            let start = layout.offset(0, h, 0);
+            for p in 0..g * bs {
+                assert_eq!(layout.offset(p / bs, h, p % bs), start + p * hd, "{layout:?} head {h} position {p}");
+            }
+        }
+        // Every (block, head, slot) row has its own place inside the array (7 blocks: a
+        // partial last group).
+        let n_blocks = 7;
+        let mut seen = vec![false; layout.elems(n_blocks) / hd];
+        for b in 0..n_blocks {
+            for h in 0..n_kv {
+                for s in 0..bs {
+                    let o = layout.offset(b, h, s);
+                    assert_eq!(o % hd, 0);
+                    assert!(!std::mem::replace(&mut seen[o / hd], true), "{layout:?}: ({b}, {h}, {s}) reuses a row");
+                }
+            }
+        }
+    }
+    // One block a group is the GPU backend's block-major layout.
+    let flat = KvLayout { block_size: 4, n_kv_heads: 3, head_dim: 8, group: 1 };
+    assert_eq!(flat.offset(5, 2, 3), ((5 * 3 + 2) * 4 + 3) * 8);
 }

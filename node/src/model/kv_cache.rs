@@ -6,7 +6,7 @@
 //! `match` per call and the kernels run monomorphized for it.
 
 use zerolayer_common::config::KvDtype;
-use zerolayer_kernels::attention::{kv_bytes, kv_from_bytes, paged_attention, write_kv, AttnRow, KvElement, KvLayout, KvView};
+use zerolayer_kernels::attention::{kv_bytes, kv_from_bytes, paged_attention, run_group, write_kv, AttnRow, KvElement, KvLayout, KvView};
 use zerolayer_kernels::pool::ThreadPool;
 
 use super::config::ModelConfig;
@@ -64,18 +64,21 @@ impl KvCache {
     }
 
     /// How many `block_size`-token blocks of `cfg`'s K/V in `dtype` fit in `budget_bytes` (at
-    /// least one). A tensor-parallel group sizes every rank's cache by the whole model's count.
+    /// least one; whole layout groups, [`run_group`], when at least one fits). A
+    /// tensor-parallel group sizes every rank's cache by the whole model's count.
     pub fn blocks_for(cfg: &ModelConfig, block_size: usize, dtype: KvDtype, budget_bytes: usize) -> Result<usize> {
         let per_block = cfg.kv_bytes_per_token(dtype) * block_size;
+        let group = run_group(block_size);
         match budget_bytes / per_block {
             0 => Err(WorkerError::Invalid(format!("KV budget {budget_bytes} B is below one block ({per_block} B)"))),
+            n if n >= group => Ok(n / group * group),
             n => Ok(n),
         }
     }
 
     pub fn new(cfg: &ModelConfig, block_size: usize, dtype: KvDtype, num_blocks: usize) -> Self {
-        let layout = KvLayout { block_size, n_kv_heads: cfg.n_kv_heads, head_dim: cfg.head_dim };
-        let n = num_blocks * layout.block_elems();
+        let layout = KvLayout::new(block_size, cfg.n_kv_heads, cfg.head_dim);
+        let n = layout.elems(num_blocks);
         let store = match dtype {
             KvDtype::F32 => Store::F32(Planes::new(cfg.n_layers, n)),
             KvDtype::F16 => Store::F16(Planes::new(cfg.n_layers, n)),
@@ -96,15 +99,19 @@ impl KvCache {
         self.num_blocks * self.block_bytes()
     }
 
-    /// Appends block `b`'s K and V, layer by layer (`[K₀ V₀ K₁ V₁ …]`, in the cache's element
-    /// type, little-endian), to `out`.
+    /// Appends block `b`'s K and V, layer by layer (`[K₀ V₀ K₁ V₁ …]`, each
+    /// `[kv_head][slot][head_dim]`, in the cache's element type, little-endian), to `out`. The
+    /// bytes do not depend on where the layout keeps the block (the GPU backend's are the same).
     pub fn read_block(&self, b: u32, out: &mut Vec<u8>) {
-        let be = self.layout.block_elems();
-        let r = b as usize * be..(b as usize + 1) * be;
+        let runs = self.head_runs(b);
         planes!(&self.store, p => {
             for (k, v) in p.k.iter().zip(&p.v) {
-                out.extend_from_slice(kv_bytes(&k[r.clone()]));
-                out.extend_from_slice(kv_bytes(&v[r.clone()]));
+                for r in runs.clone() {
+                    out.extend_from_slice(kv_bytes(&k[r]));
+                }
+                for r in runs.clone() {
+                    out.extend_from_slice(kv_bytes(&v[r]));
+                }
             }
         })
     }
@@ -112,14 +119,28 @@ impl KvCache {
     /// Overwrites block `b` with bytes in [`Self::read_block`]'s layout (aligned or not).
     pub fn write_block(&mut self, b: u32, bytes: &[u8]) {
         assert_eq!(bytes.len(), self.block_bytes(), "KV block size");
-        let be = self.layout.block_elems();
-        let r = b as usize * be..(b as usize + 1) * be;
-        let mut parts = bytes.chunks_exact(be * self.dtype.bytes());
+        let runs = self.head_runs(b);
+        let run_bytes = self.layout.block_size * self.layout.head_dim * self.dtype.bytes();
+        let mut parts = bytes.chunks_exact(run_bytes);
         planes!(&mut self.store, p => {
             for (k, v) in p.k.iter_mut().zip(p.v.iter_mut()) {
-                kv_from_bytes(&mut k[r.clone()], parts.next().unwrap());
-                kv_from_bytes(&mut v[r.clone()], parts.next().unwrap());
+                for r in runs.clone() {
+                    kv_from_bytes(&mut k[r], parts.next().unwrap());
+                }
+                for r in runs.clone() {
+                    kv_from_bytes(&mut v[r], parts.next().unwrap());
+                }
             }
+        })
+    }
+
+    /// Block `b`'s element ranges in a layer's K (or V) array, one per KV head, in head order.
+    fn head_runs(&self, b: u32) -> impl Iterator<Item = std::ops::Range<usize>> + Clone + use<> {
+        let l = self.layout;
+        let run = l.block_size * l.head_dim;
+        (0..l.n_kv_heads).map(move |h| {
+            let at = l.offset(b as usize, h, 0);
+            at..at + run
         })
     }
 
@@ -199,6 +220,24 @@ mod tests {
             let mut other = Vec::new();
             a.read_block(4, &mut other);
             assert_ne!(other, bytes, "{dtype}: blocks differ");
+            if dtype == KvDtype::F32 {
+                // The bytes are block 5's values as `[layer][K, then V][kv_head][slot][dim]`,
+                // whatever group the layout keeps it in (4 blocks here, so block 5 is not
+                // contiguous in the arrays).
+                assert_eq!(a.layout.group, 4);
+                let mut want = Vec::new();
+                for l in 0..3 {
+                    for sign in [1.0f32, -1.0] {
+                        for h in 0..2 {
+                            for slot in 0..4 {
+                                let pos = 5 * 4 + slot;
+                                want.extend((0..4).map(|i| sign * (l * 1000 + pos * 8 + h * 4 + i) as f32 * 0.5));
+                            }
+                        }
+                    }
+                }
+                assert_eq!(bytes, kv_bytes(&want), "block 5 in the canonical order");
+            }
         }
     }
 
@@ -210,6 +249,8 @@ mod tests {
         let f16_blocks = KvCache::blocks_for(&cfg, 4, KvDtype::F16, budget).unwrap();
         assert_eq!(f16_blocks, 2 * f32_blocks);
         let c = KvCache::with_budget(&cfg, 4, KvDtype::F16, budget).unwrap();
-        assert!(c.bytes() <= budget && c.bytes() + c.block_bytes() > budget);
+        // Whole layout groups: less than one group's bytes left over.
+        assert!(c.bytes() <= budget && c.bytes() + run_group(4) * c.block_bytes() > budget);
+        assert_eq!(c.num_blocks % run_group(4), 0);
     }
 }
