@@ -204,9 +204,10 @@ impl Scheduler {
     }
 
     /// A block for imported KV (free, or the least recently used cached one), held until
-    /// [`Self::commit_import`].
-    pub fn alloc_import(&mut self) -> Option<BlockId> {
-        self.pool.allocate()
+    /// [`Self::commit_import`]; after `prev`, the chain's block before it, in its layout group
+    /// when that is free (as a growing sequence's, so the chain's K/V lie in long runs).
+    pub fn alloc_import(&mut self, prev: Option<BlockId>) -> Option<BlockId> {
+        self.pool.allocate_after(prev)
     }
 
     /// The imported block `b` now holds the prefix `hash`: it joins the prefix cache (evictable,

@@ -57,10 +57,13 @@ impl Engine {
         }
         let mut report = ImportReport::default();
         let mut pinned = Vec::new();
+        // The chain's block before the current one, whichever way it got here.
+        let mut prev = None;
         for (i, (hash, bytes)) in imp.blocks.iter().enumerate() {
             if let Some(b) = self.sched.pin_cached(*hash) {
                 pinned.push(b);
                 report.already_cached += 1;
+                prev = Some(b);
                 continue;
             }
             let Some(bytes) = bytes else {
@@ -70,7 +73,7 @@ impl Engine {
             if bytes.len() != imp.block_bytes {
                 return Err(WorkerError::Invalid(format!("KV block {i}: {} bytes, not {}", bytes.len(), imp.block_bytes)));
             }
-            let Some(b) = self.sched.alloc_import() else {
+            let Some(b) = self.sched.alloc_import(prev) else {
                 report.skipped = imp.blocks.len() - i;
                 break;
             };
@@ -83,6 +86,7 @@ impl Engine {
             }
             self.sched.commit_import(b, *hash);
             report.imported += 1;
+            prev = Some(b);
         }
         for b in pinned {
             self.sched.unpin(b);
