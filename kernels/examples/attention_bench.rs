@@ -15,7 +15,7 @@
 //! head, position) pair, and the KV bytes read per second (each KV head's K and V once).
 use std::time::Instant;
 
-use zerolayer_kernels::attention::{paged_attention, AttnRow, KvElement, KvLayout, KvView};
+use zerolayer_kernels::attention::{paged_attention, AttnRow, KvKernels, KvLayout, KvView};
 use zerolayer_kernels::pool::ThreadPool;
 
 fn main() {
@@ -35,7 +35,7 @@ fn main() {
     }
 }
 
-fn run<E: KvElement>(threads: usize, layers: usize, order: &str, reps: usize, ctx: usize, bs: usize, group: usize) {
+fn run<E: KvKernels>(threads: usize, layers: usize, order: &str, reps: usize, ctx: usize, bs: usize, group: usize) {
     let (rows_n, n_heads, hd) = (16, 9, 64);
     let layout = KvLayout { group, ..KvLayout::new(bs, 3, hd) };
     let bps = ctx.div_ceil(bs).next_multiple_of(group);

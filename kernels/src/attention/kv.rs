@@ -115,8 +115,8 @@ impl KvLayout {
     }
 }
 
-/// Writes one token's K and V rows (`n_kv_heads * head_dim` each) at `pos` through `table`.
-pub fn write_kv<E: KvElement>(layout: &KvLayout, k_cache: &mut [E], v_cache: &mut [E], table: &[u32], pos: usize, k: &[f32], v: &[f32]) {
+/// [`super::write_kv`]'s body (instantiated in this crate only, through [`super::KvKernels`]).
+pub(super) fn write_token<E: KvElement>(layout: &KvLayout, k_cache: &mut [E], v_cache: &mut [E], table: &[u32], pos: usize, k: &[f32], v: &[f32]) {
     let block = table[pos / layout.block_size] as usize;
     let slot = pos % layout.block_size;
     let hd = layout.head_dim;

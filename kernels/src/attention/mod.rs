@@ -19,7 +19,7 @@ mod avx2;
 #[cfg(test)]
 mod tests;
 
-pub use kv::{kv_bytes, kv_from_bytes, run_group, write_kv, KvElement, KvLayout, KvView, Query, Scratch, MAX_GROUP, RUN_POSITIONS};
+pub use kv::{kv_bytes, kv_from_bytes, run_group, KvElement, KvLayout, KvView, Query, Scratch, MAX_GROUP, RUN_POSITIONS};
 pub use portable::dot8_fma;
 
 /// Attention for one row's query heads that share a KV head: `out` receives `group *
@@ -57,13 +57,59 @@ thread_local! {
     static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::new(Scratch::default());
 }
 
+/// The KV element types whose kernels this crate compiles (f32 and f16), and the way other
+/// crates call them.
+///
+/// Each impl is a plain, non-generic function of this crate, so the generic kernel bodies are
+/// instantiated here, under this crate's build profile. Called generically from another crate,
+/// they would be instantiated in that crate instead, under *its* profile: in a dev build (what
+/// the tests and the benchmark scripts run) that put debug assertions and the standard
+/// library's UB checks (one on every `ptr::add`) into the attention loops, with the spills they
+/// cause, and cost 10-30% of a 16-stream decode step (BENCHMARKS.md, "Kernels compiled where
+/// they live").
+pub trait KvKernels: KvElement {
+    /// [`paged_attention`] over this element type.
+    #[allow(clippy::too_many_arguments)]
+    fn paged_attention(pool: &crate::pool::ThreadPool, kv: &KvView<'_, Self>, rows: &[AttnRow<'_>], q: &[f32], q_stride: usize, n_heads: usize, scale: f32, out: &mut [f32]);
+    /// [`write_kv`] for this element type.
+    #[allow(clippy::too_many_arguments)]
+    fn write_kv(layout: &KvLayout, k_cache: &mut [Self], v_cache: &mut [Self], table: &[u32], pos: usize, k: &[f32], v: &[f32]);
+}
+
+macro_rules! kv_kernels {
+    ($($t:ty),*) => {$(
+        impl KvKernels for $t {
+            #[inline(never)]
+            fn paged_attention(pool: &crate::pool::ThreadPool, kv: &KvView<'_, Self>, rows: &[AttnRow<'_>], q: &[f32], q_stride: usize, n_heads: usize, scale: f32, out: &mut [f32]) {
+                attend_rows::<$t>(pool, kv, rows, q, q_stride, n_heads, scale, out)
+            }
+            #[inline(never)]
+            fn write_kv(layout: &KvLayout, k_cache: &mut [Self], v_cache: &mut [Self], table: &[u32], pos: usize, k: &[f32], v: &[f32]) {
+                kv::write_token::<$t>(layout, k_cache, v_cache, table, pos, k, v)
+            }
+        }
+    )*};
+}
+kv_kernels!(f32, half::f16);
+
 /// Attention for a batch of query rows, parallel over (row, head).
 ///
 /// `q` holds row `t`'s query heads at `q[t * q_stride .. t * q_stride + n_heads * head_dim]`;
 /// `out` receives `n_heads * head_dim` values per row. Query head `h` reads KV head
 /// `h / (n_heads / n_kv_heads)` (grouped-query attention).
 #[allow(clippy::too_many_arguments)]
-pub fn paged_attention<E: KvElement>(pool: &crate::pool::ThreadPool, kv: &KvView<'_, E>, rows: &[AttnRow<'_>], q: &[f32], q_stride: usize, n_heads: usize, scale: f32, out: &mut [f32]) {
+pub fn paged_attention<E: KvKernels>(pool: &crate::pool::ThreadPool, kv: &KvView<'_, E>, rows: &[AttnRow<'_>], q: &[f32], q_stride: usize, n_heads: usize, scale: f32, out: &mut [f32]) {
+    E::paged_attention(pool, kv, rows, q, q_stride, n_heads, scale, out)
+}
+
+/// Writes one token's K and V rows (`n_kv_heads * head_dim` each) at `pos` through `table`.
+pub fn write_kv<E: KvKernels>(layout: &KvLayout, k_cache: &mut [E], v_cache: &mut [E], table: &[u32], pos: usize, k: &[f32], v: &[f32]) {
+    E::write_kv(layout, k_cache, v_cache, table, pos, k, v)
+}
+
+/// [`paged_attention`]'s body (instantiated in this crate only, through [`KvKernels`]).
+#[allow(clippy::too_many_arguments)]
+fn attend_rows<E: KvElement>(pool: &crate::pool::ThreadPool, kv: &KvView<'_, E>, rows: &[AttnRow<'_>], q: &[f32], q_stride: usize, n_heads: usize, scale: f32, out: &mut [f32]) {
     let layout = kv.layout;
     let hd = layout.head_dim;
     let group = n_heads / layout.n_kv_heads;

@@ -78,13 +78,13 @@ fn paged_attention_matches_contiguous_reference() {
 
 /// Paged attention over a scattered block table against an f64 computation over contiguous
 /// copies of the same (rounded) K and V.
-fn matches_contiguous_reference<E: KvElement>() {
+fn matches_contiguous_reference<E: KvKernels>() {
     for group in [1, 2, 4] {
         contiguous_reference::<E>(KvLayout { block_size: 4, n_kv_heads: 2, head_dim: 8, group });
     }
 }
 
-fn contiguous_reference<E: KvElement>(layout: KvLayout) {
+fn contiguous_reference<E: KvKernels>(layout: KvLayout) {
     let n_blocks = 6;
     let mut kc = vec![E::ZERO; layout.elems(n_blocks)];
     let mut vc = vec![E::ZERO; layout.elems(n_blocks)];
