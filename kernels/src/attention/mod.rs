@@ -23,8 +23,9 @@ pub use kv::{kv_bytes, kv_from_bytes, run_group, KvElement, KvLayout, KvView, Qu
 pub use portable::dot8_fma;
 
 /// Attention for one row's query heads that share a KV head: `out` receives `group *
-/// head_dim` values, each head's exactly as if it ran alone.
-pub fn attend_group<E: KvElement>(kv: &KvView<'_, E>, query: &Query<'_>, scratch: &mut Scratch, out: &mut [f32]) {
+/// head_dim` values, each head's exactly as if it ran alone. Crate-private: other crates call
+/// [`paged_attention`], so this generic body is compiled here only (see [`KvKernels`]).
+pub(crate) fn attend_group<E: KvElement>(kv: &KvView<'_, E>, query: &Query<'_>, scratch: &mut Scratch, out: &mut [f32]) {
     let hd = kv.layout.head_dim;
     let group = query.q.len() / hd;
     assert!(query.q.len() % hd == 0 && out.len() == query.q.len() && group <= MAX_GROUP);
@@ -65,7 +66,7 @@ thread_local! {
 /// they would be instantiated in that crate instead, under *its* profile: in a dev build (what
 /// the tests and the benchmark scripts run) that put debug assertions and the standard
 /// library's UB checks (one on every `ptr::add`) into the attention loops, with the spills they
-/// cause, and cost 10-30% of a 16-stream decode step (BENCHMARKS.md, "Kernels compiled where
+/// cause, and cost about 30% of a 16-stream decode step (BENCHMARKS.md, "Kernels compiled where
 /// they live").
 pub trait KvKernels: KvElement {
     /// [`paged_attention`] over this element type.
