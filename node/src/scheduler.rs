@@ -203,9 +203,8 @@ impl Scheduler {
         self.pool.release(b);
     }
 
-    /// A block for imported KV (free, or the least recently used cached one), held until
-    /// [`Self::commit_import`]; after `prev`, the chain's block before it, in its layout group
-    /// when that is free (as a growing sequence's, so the chain's K/V lie in long runs).
+    /// A block for imported KV (free, or the LRU cached one), held until [`Self::commit_import`];
+    /// placed after `prev`, the chain's previous block, as a growing sequence's (`allocate_after`).
     pub fn alloc_import(&mut self, prev: Option<BlockId>) -> Option<BlockId> {
         self.pool.allocate_after(prev)
     }
