@@ -478,3 +478,20 @@ pub fn greedy_on(b: &mut dyn zerolayer_worker::backend::Backend, prompt: &[u32],
     }
     (toks, all)
 }
+
+/// An HTTP client for tests against a live server: each request gives up after `secs` seconds.
+pub fn http_client(secs: u64) -> reqwest::Client {
+    reqwest::Client::builder().timeout(std::time::Duration::from_secs(secs)).build().unwrap()
+}
+
+/// An Anthropic Messages request for the default model: greedy, an ordinary system prompt, one
+/// user turn `text`.
+pub fn messages_body(text: &str, max_tokens: u32, stream: bool) -> serde_json::Value {
+    serde_json::json!({"model": "smollm2-135m-instruct", "max_tokens": max_tokens, "stream": stream, "temperature": 0,
+           "system": "You are a helpful assistant.", "messages": [{"role": "user", "content": text}]})
+}
+
+/// `f`'s output, or a panic naming `what` once `secs` seconds have passed.
+pub async fn within<T>(secs: u64, what: &str, f: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(std::time::Duration::from_secs(secs), f).await.unwrap_or_else(|_| panic!("timed out: {what}"))
+}

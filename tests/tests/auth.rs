@@ -10,10 +10,6 @@ use zerolayer_tests::*;
 
 const MODEL: &str = "smollm2-135m-instruct";
 
-fn client() -> reqwest::Client {
-    reqwest::Client::builder().timeout(Duration::from_secs(120)).build().unwrap()
-}
-
 fn ok_body() -> Value {
     json!({"model": MODEL, "max_tokens": 1, "temperature": 0, "messages": [{"role": "user", "content": "Hi"}]})
 }
@@ -51,7 +47,7 @@ async fn auth_rate_limits_and_keys_never_logged() {
         c.limits.tokens_per_minute = 2000;
     })
     .await;
-    let c = client();
+    let c = http_client(120);
     let status = |r: &reqwest::Response| r.status().as_u16();
 
     // 401 without or with a wrong key, in the Anthropic shape.

@@ -10,10 +10,6 @@ use zerolayer_tests::*;
 
 const MODEL: &str = "smollm2-135m-instruct";
 
-fn client() -> reqwest::Client {
-    reqwest::Client::builder().timeout(Duration::from_secs(120)).build().unwrap()
-}
-
 fn body(system: &str, ttl: Option<&str>, user: &str) -> Value {
     let mut cc = json!({"type": "ephemeral"});
     if let Some(t) = ttl {
@@ -44,7 +40,7 @@ fn total(u: &Value) -> u64 {
 async fn breakpoints_split_usage_into_written_read_and_input() {
     let _g = heavy();
     let s = TestServer::start(|_| {}).await;
-    let c = client();
+    let c = http_client(120);
     let post = |b: Value| messages(&c, &s, b);
     let system = LOREM.repeat(2);
 
@@ -117,7 +113,7 @@ async fn a_pinned_prefix_survives_a_flood_that_evicts_an_unpinned_one() {
     let _g = heavy();
     // About 1,000 tokens of KV (SmolLM2 keeps 45 KiB a token), half of it open to pins.
     let s = TestServer::start(|c| c.nodes[0].workers[0].kv_cache_mb = 44).await;
-    let c = client();
+    let c = http_client(120);
     let post = |b: Value| {
         let r = messages(&c, &s, b);
         async move {

@@ -95,17 +95,13 @@ fn the_grammar_holds_in_a_batch_and_across_a_move() {
     assert!(solo.add(50, prompts[0].clone(), bad).is_err());
 }
 
-fn client() -> reqwest::Client {
-    reqwest::Client::builder().timeout(Duration::from_secs(300)).build().unwrap()
-}
-
 /// A forced call streams as a `tool_use` block whose `input_json_delta`s add up to input that
 /// holds to the schema; free text with tools on `auto` stays text.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_forced_call_streams_as_tool_use_and_auto_text_stays_free() {
     let _g = heavy();
     let s = TestServer::qwen().await;
-    let c = client();
+    let c = http_client(300);
     let order = json!({"name": "place_order", "description": "Place an order",
         "input_schema": {"type": "object", "properties": {"item": {"type": "string", "maxLength": 30}, "quantity": {"type": "integer", "minimum": 1, "maximum": 9},
                                                           "size": {"enum": ["S", "M", "L"]}},

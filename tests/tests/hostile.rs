@@ -10,10 +10,6 @@ use zerolayer_tests::*;
 
 const MODEL: &str = "smollm2-135m-instruct";
 
-fn client() -> reqwest::Client {
-    reqwest::Client::builder().timeout(Duration::from_secs(120)).build().unwrap()
-}
-
 fn ok_body() -> Value {
     json!({"model": MODEL, "max_tokens": 1, "temperature": 0, "messages": [{"role": "user", "content": "Hi"}]})
 }
@@ -28,7 +24,7 @@ async fn forty_plus_bad_requests_get_precise_errors_and_the_node_keeps_serving()
     let _g = heavy();
     let limit = 256 * 1024;
     let s = TestServer::start(|c| c.server.max_body_bytes = limit).await;
-    let c = client();
+    let c = http_client(120);
     let msg = |content: Value| json!({"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": content}]});
     let mut nested = String::new();
     for _ in 0..5000 {
@@ -161,7 +157,7 @@ async fn overload_gets_fast_529_and_admitted_streams_complete() {
     std::fs::write("/proc/self/clear_refs", "5").expect("reset VmHWM");
     let s = TestServer::start(|c| c.server.max_inflight = 4).await;
     let gate = s.hold_steps().await;
-    let c = client();
+    let c = http_client(120);
     let stream_body = |i: usize| {
         json!({"model": MODEL, "max_tokens": 24, "stream": true, "temperature": 0,
                "messages": [{"role": "user", "content": format!("Count to {i}.")}]})
@@ -222,7 +218,7 @@ fn rss_bytes() -> u64 {
 async fn two_thousand_mixed_requests_leak_nothing() {
     let _g = heavy();
     let s = TestServer::start(|_| {}).await;
-    let c = client();
+    let c = http_client(120);
     let sys = "You are a helpful assistant. Answer in one word.";
     let one = |c: reqwest::Client, url: String, i: usize| async move {
         match i % 10 {
@@ -337,7 +333,7 @@ async fn streams_past_the_grace_period_end_with_an_error_event() {
     })
     .await;
     let gate = s.hold_steps().await;
-    let c = client();
+    let c = http_client(120);
     let body = json!({"model": MODEL, "max_tokens": 16, "stream": true, "temperature": 0,
                       "messages": [{"role": "user", "content": "Tell me a story."}]});
     let r = c.post(s.url("/v1/messages")).json(&body).send().await.unwrap();

@@ -6,14 +6,8 @@
 //! (llama.cpp gives the same tokens for these prompts; `tests/tests/qwen.rs` checks prompts and
 //! greedy tokens against it).
 
-use std::time::Duration;
-
 use serde_json::{json, Value};
 use zerolayer_tests::*;
-
-fn client() -> reqwest::Client {
-    reqwest::Client::builder().timeout(Duration::from_secs(180)).build().unwrap()
-}
 
 fn weather() -> Value {
     json!({"name": "get_weather", "description": "Get the current weather in a city",
@@ -36,7 +30,7 @@ async fn post(c: &reqwest::Client, url: String, body: &Value) -> (u16, String) {
 async fn anthropic_tool_use_streamed_and_not_and_a_round_trip() {
     let _g = heavy();
     let s = TestServer::qwen().await;
-    let c = client();
+    let c = http_client(180);
 
     let (st, body) = post(&c, s.url("/v1/messages"), &question(false)).await;
     assert_eq!(st, 200, "{body}");
@@ -104,7 +98,7 @@ async fn anthropic_tool_use_streamed_and_not_and_a_round_trip() {
 async fn openai_tool_calls_streamed_and_not() {
     let _g = heavy();
     let s = TestServer::qwen().await;
-    let c = client();
+    let c = http_client(180);
     let body = |stream: bool| {
         json!({"model": "qwen", "max_tokens": 100, "temperature": 0, "stream": stream,
                "tools": [{"type": "function", "function": {"name": "get_weather", "description": "Get the current weather in a city",
@@ -169,7 +163,7 @@ async fn a_model_without_tools_in_its_template_refuses_them() {
     let _g = heavy();
     let s = TestServer::start(|_| {}).await;
     let b = json!({"model": "smollm2-135m-instruct", "max_tokens": 5, "tools": [weather()], "messages": [{"role": "user", "content": "hi"}]});
-    let (st, body) = post(&client(), s.url("/v1/messages"), &b).await;
+    let (st, body) = post(&http_client(180), s.url("/v1/messages"), &b).await;
     assert_eq!(st, 400, "{body}");
     assert!(body.contains("not taught to call functions"), "{body}");
     s.stop().await.unwrap();
