@@ -495,3 +495,16 @@ pub fn messages_body(text: &str, max_tokens: u32, stream: bool) -> serde_json::V
 pub async fn within<T>(secs: u64, what: &str, f: impl std::future::Future<Output = T>) -> T {
     tokio::time::timeout(std::time::Duration::from_secs(secs), f).await.unwrap_or_else(|_| panic!("timed out: {what}"))
 }
+
+/// Reads a streamed response's chunks into `raw` until `done(raw)` holds: each chunk within
+/// `secs` seconds, and panics naming `what` if one is late or the stream ends first.
+pub async fn read_stream_until<S>(stream: &mut S, raw: &mut String, secs: u64, what: &str, done: impl Fn(&str) -> bool)
+where
+    S: futures::Stream<Item = reqwest::Result<bytes::Bytes>> + Unpin,
+{
+    use futures::StreamExt;
+    while !done(raw) {
+        let chunk = within(secs, what, stream.next()).await.unwrap_or_else(|| panic!("the stream ended before {what}: {raw}"));
+        raw.push_str(&String::from_utf8_lossy(&chunk.expect("a chunk of the stream")));
+    }
+}

@@ -250,14 +250,10 @@ async fn idle_streams_get_pings_after_message_start() {
     let resp = http_client(120).post(s.url("/v1/messages")).json(&body).send().await.unwrap();
     let mut stream = resp.bytes_stream();
     let mut raw = String::new();
-    while !raw.contains("event: message_start") {
-        raw.push_str(&String::from_utf8_lossy(&within(60, "message_start", stream.next()).await.unwrap().unwrap()));
-    }
+    read_stream_until(&mut stream, &mut raw, 60, "message_start", |r| r.contains("event: message_start")).await;
     gate.hold();
     gate.wait_blocked(Duration::from_secs(60)).await;
-    while raw.matches("event: ping").count() < 3 {
-        raw.push_str(&String::from_utf8_lossy(&within(10, "pings while the engine is held", stream.next()).await.unwrap().unwrap()));
-    }
+    read_stream_until(&mut stream, &mut raw, 10, "pings while the engine is held", |r| r.matches("event: ping").count() >= 3).await;
     gate.release();
     while let Some(chunk) = within(60, "the rest of the stream", stream.next()).await {
         raw.push_str(&String::from_utf8_lossy(&chunk.unwrap()));

@@ -98,9 +98,7 @@ async fn no_new_work_while_draining() {
     let resp = c.post(s.url("/v1/messages")).json(&messages_body("Count to five.", 8, true)).send().await.unwrap();
     let mut stream = resp.bytes_stream();
     let mut raw = String::new();
-    while !raw.contains("event: message_start") {
-        raw.push_str(&String::from_utf8_lossy(&within(60, "message_start", stream.next()).await.unwrap().unwrap()));
-    }
+    read_stream_until(&mut stream, &mut raw, 60, "message_start", |r| r.contains("event: message_start")).await;
     gate.hold();
     gate.wait_blocked(Duration::from_secs(60)).await;
     let base = s.base.clone();

@@ -340,9 +340,7 @@ async fn streams_past_the_grace_period_end_with_an_error_event() {
     assert_eq!(r.status(), 200);
     let mut st = r.bytes_stream();
     let mut raw = String::new();
-    while !raw.contains("message_start") {
-        raw.push_str(&String::from_utf8_lossy(&st.next().await.unwrap().unwrap()));
-    }
+    read_stream_until(&mut st, &mut raw, 60, "message_start", |r| r.contains("message_start")).await;
     gate.hold();
     gate.wait_blocked(Duration::from_secs(60)).await;
     let stopping = tokio::spawn(s.stop());
