@@ -134,7 +134,10 @@ async fn drain_under_load_moves_kv_and_every_stream_finishes_unchanged() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_killed_owner_is_replayed_exactly() {
     let _g = heavy();
-    let mut cluster = TestCluster::start(3, |_| {}).await;
+    // The prefix cache outweighs load here: with the default weights, once c's signals show the
+    // first of the four running (about 45 decode blocks each at block size 4), a later one costs
+    // less uncached on a than cached on c, and a slow start of the four tasks put one on a.
+    let mut cluster = TestCluster::start(3, |c| c.placement.overlap_weight = 100.0).await;
     cluster.wait_converged(&[0, 1, 2], Duration::from_secs(20)).await;
     let http = reqwest::Client::new();
     // Undisturbed runs on c: they also leave the prompts cached there, so that a forwards the
