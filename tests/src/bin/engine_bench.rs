@@ -3,7 +3,7 @@
 //! `cargo run -p zerolayer-tests --bin engine_bench -- [--threads N] [--tensor-parallel N] [--json PATH] [--repeat N] [--only FIGURE] [--kv-dtype f32|f16] [--block-size N]`
 //!
 //! Reports batch-1 decode tokens/s, prefill tokens/s, and aggregate decode tokens/s with 8 and
-//! 16 concurrent sequences (and 16 with the HTTP benchmark's longer contexts): each the median of `--repeat` runs (default 3). `--only b1|prefill|
+//! 16 concurrent sequences (and 16 with the HTTP benchmark's longer contexts): each the median of `--repeat` runs (default 3; every run's figure goes to stderr). `--only b1|prefill|
 //! agg8|agg16|agg16ctx` measures one figure (for profiling). `--block-size` overrides the KV block size (default the engine's). Run it on an idle machine.
 
 use std::time::Instant;
@@ -88,6 +88,7 @@ fn main() {
                 f(&mut engine, salt)
             })
             .collect();
+        eprintln!("{name}: {}", v.iter().map(|x| format!("{x:.1}")).collect::<Vec<_>>().join(" "));
         v.sort_by(f64::total_cmp);
         v[v.len() / 2]
     };
