@@ -79,8 +79,8 @@ impl<const N: usize> Rls<N> {
         let denom = FORGET + (0..N).map(|i| x[i] * px[i]).sum::<f64>();
         let k: [f64; N] = std::array::from_fn(|i| px[i] / denom);
         let err = y - (0..N).map(|i| x[i] * self.theta[i]).sum::<f64>();
-        for i in 0..N {
-            self.theta[i] += k[i] * err;
+        for (t, k) in self.theta.iter_mut().zip(&k) {
+            *t += k * err;
         }
         let trace: f64 = (0..N).map(|i| self.p[i][i]).sum();
         let forget = if trace > MAX_TRACE { 1.0 } else { FORGET };
