@@ -131,7 +131,7 @@ impl StepTimeModel {
     /// The coefficients in use (scaled features): the full fit's if its attention term is not
     /// negative, else the nested fit's with no attention term.
     fn theta(&self) -> [f64; 3] {
-        if self.full.theta[2] >= -1e-9 {
+        if self.uses_attention_term() {
             [self.full.theta[0], self.full.theta[1], self.full.theta[2].max(0.0)]
         } else {
             [self.nested.theta[0], self.nested.theta[1], 0.0]
