@@ -23,7 +23,7 @@ use zerolayer_kernels::attention::AttnRow;
 use zerolayer_kernels::collective::{Collective, Solo};
 use zerolayer_kernels::ops::{add_assign, rms_norm_row, silu_mul, RopeTable};
 use zerolayer_kernels::pool::ThreadPool;
-use zerolayer_kernels::quant::{matmul_rows, matmul_rows_warming, matmul_warming, MatmulScratch, Warm, Weight, PANEL, QK};
+use zerolayer_kernels::quant::{matmul_rows, matmul_rows_state, matmul_rows_warming, matmul_warming, MatmulScratch, Warm, Weight, PANEL, QK};
 
 mod config;
 mod kv_cache;
@@ -145,8 +145,11 @@ impl Layer {
     }
 }
 
+/// Sizes a step buffer to `n` values without clearing it: every buffer sized this way is
+/// written whole before it is read (the embedding, the projections, attention and the logits
+/// each write every value of theirs), and zeroing the logits alone (rows × vocabulary, 3 MB at
+/// 16 rows) cost a memset per step.
 fn resize(v: &mut Vec<f32>, n: usize) {
-    v.clear();
     v.resize(n, 0.0);
 }
 
@@ -299,26 +302,36 @@ impl Model {
             let warm = |bases, share| (!s.warm_runs.is_empty()).then_some(Warm { bases, runs: &s.warm_runs, run_bytes, share });
             let warm_qkv = warm(&here[..], (0.0, 1.0)).filter(|_| li == 0);
             let [warm_o, warm_gate_up, warm_down] = layer.warm_shares().map(|share| warm(&next[..], share).filter(|_| li + 1 < n_layers));
-            // RMSNorm runs per row inside the projection's parallel activation quantization.
-            let x = &s.x;
-            matmul_rows_warming(&self.pool, &layer.wqkv, t_total, &mut s.qkv, &mut s.mm, warm_qkv.as_ref(), |i, out| rms_norm_row(&x[i * d..(i + 1) * d], &layer.attn_norm, eps, out));
-            for (t, row) in rows.iter().enumerate() {
-                let rr = &mut s.qkv[t * qkv_w..(t + 1) * qkv_w];
-                if let Some(b) = &layer.bqkv {
+            // The residual add of the previous layer's down projection (none before layer 0)
+            // and RMSNorm run per row inside the projection's parallel activation
+            // quantization, as do the add of the O projection and SiLU·mul below.
+            let proj = &s.proj;
+            matmul_rows_state(&self.pool, &layer.wqkv, t_total, &mut s.qkv, &mut s.mm, warm_qkv.as_ref(), &mut s.x, |i, x, out| {
+                if li > 0 {
+                    add_assign(x, &proj[i * d..(i + 1) * d]);
+                }
+                rms_norm_row(x, &layer.attn_norm, eps, out)
+            });
+            // Bias, RoPE and the K/V write, per row in parallel.
+            let (rope, bias) = (&self.rope, layer.bqkv.as_deref());
+            let rows_ref = &rows;
+            cache.write_rows(li, &self.pool, &rows, &mut s.qkv, qkv_w, (qd, qd + kvd), &|t, rr| {
+                if let Some(b) = bias {
                     add_assign(rr, b);
                 }
                 let (q, rest) = rr.split_at_mut(qd);
-                let (k, v) = rest.split_at_mut(kvd);
-                self.rope.apply(q, row.pos);
-                self.rope.apply(k, row.pos);
-                cache.write(li, row.table, row.pos, k, v);
-            }
+                let pos = rows_ref[t].pos;
+                rope.apply(q, pos);
+                rope.apply(&mut rest[..kvd], pos);
+            });
             cache.attend(li, &self.pool, &rows, &s.qkv, qkv_w, cfg.n_heads, scale, &mut s.att);
             matmul_warming(&self.pool, &layer.wo, &s.att, &mut s.proj, &mut s.mm, warm_o.as_ref());
             self.group.all_reduce_sum(&mut s.proj).map_err(|e| WorkerError::Unavailable(e.to_string()))?;
-            add_assign(&mut s.x, &s.proj);
-            let x = &s.x;
-            matmul_rows_warming(&self.pool, &layer.wgate_up, t_total, &mut s.gu, &mut s.mm, warm_gate_up.as_ref(), |i, out| rms_norm_row(&x[i * d..(i + 1) * d], &layer.ffn_norm, eps, out));
+            let proj = &s.proj;
+            matmul_rows_state(&self.pool, &layer.wgate_up, t_total, &mut s.gu, &mut s.mm, warm_gate_up.as_ref(), &mut s.x, |i, x, out| {
+                add_assign(x, &proj[i * d..(i + 1) * d]);
+                rms_norm_row(x, &layer.ffn_norm, eps, out)
+            });
             // SiLU(gate)·up per row, inside the down projection's activation quantization.
             let gu = &s.gu;
             matmul_rows_warming(&self.pool, &layer.wdown, t_total, &mut s.proj, &mut s.mm, warm_down.as_ref(), |i, out| {
@@ -327,8 +340,9 @@ impl Model {
                 silu_mul(out, u);
             });
             self.group.all_reduce_sum(&mut s.proj).map_err(|e| WorkerError::Unavailable(e.to_string()))?;
-            add_assign(&mut s.x, &s.proj);
         }
+        // The last layer's residual add (the next layer's projection would have fused it).
+        add_assign(&mut s.x, &s.proj);
         // Final norm and logits, only for the rows that are sampled.
         let mut last_rows = std::mem::take(&mut s.last_rows);
         last_rows.clear();

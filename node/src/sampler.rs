@@ -241,16 +241,9 @@ pub fn argmax_allowed(logits: &[f32], mask: &[u32]) -> u32 {
 }
 
 /// Index of the largest logit (the first, on ties). NaNs are never chosen over numbers.
+/// (The kernels' vector form: the greedy draw is serial work in every step.)
 pub fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0usize;
-    let mut bv = f32::NEG_INFINITY;
-    for (i, &v) in logits.iter().enumerate() {
-        if v > bv {
-            bv = v;
-            best = i;
-        }
-    }
-    best as u32
+    zerolayer_kernels::ops::argmax(logits) as u32
 }
 
 /// The gap between the largest and second-largest logit: how near a greedy choice is to a tie.

@@ -129,6 +129,76 @@ pub(super) fn write_token<E: KvElement>(layout: &KvLayout, k_cache: &mut [E], v_
     }
 }
 
+/// [`super::write_kv_rows`]'s body (instantiated in this crate only, through [`super::KvKernels`]).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn write_rows<E: KvElement>(
+    pool: &crate::pool::ThreadPool,
+    layout: &KvLayout,
+    k_cache: &mut [E],
+    v_cache: &mut [E],
+    rows: &[super::AttnRow<'_>],
+    src: &mut [f32],
+    stride: usize,
+    (k_at, v_at): (usize, usize),
+    prep: &(dyn Fn(usize, &mut [f32]) + Sync),
+) {
+    let (hd, heads, bs) = (layout.head_dim, layout.n_kv_heads, layout.block_size);
+    let kvd = heads * hd;
+    assert!(k_at + kvd <= stride && v_at + kvd <= stride && src.len() >= rows.len() * stride, "K/V outside the rows");
+    assert_eq!(k_cache.len(), v_cache.len());
+    // Every row's (block, slot), checked here, on the calling thread (a panic inside a task
+    // would take a pool thread down): inside the cache, and no two rows on one slot, since
+    // the rows are written in parallel.
+    let mut at: Vec<(usize, usize)> = Vec::with_capacity(rows.len());
+    for r in rows {
+        let block = *r.table.get(r.pos / bs).expect("block table too short") as usize;
+        let slot = r.pos % bs;
+        assert!(layout.offset(block, heads - 1, slot) + hd <= k_cache.len(), "block {block} outside the cache");
+        at.push((block, slot));
+    }
+    let mut seen: Vec<(usize, usize)> = at.clone();
+    seen.sort_unstable();
+    assert!(seen.windows(2).all(|w| w[0] != w[1]), "two rows write one KV slot");
+    let (kp, vp, sp) = (ElemPtr(k_cache.as_mut_ptr()), ElemPtr(v_cache.as_mut_ptr()), crate::SyncPtr(src.as_mut_ptr()));
+    let n = rows.len();
+    let tasks = n.min(2 * pool.n_threads());
+    pool.run(tasks, |task| {
+        let (lo, hi) = (task * n / tasks, (task + 1) * n / tasks);
+        for (t, &(block, slot)) in at.iter().enumerate().take(hi).skip(lo) {
+            // SAFETY: each row index belongs to one task (the ranges are disjoint), so row `t`'s
+            // `stride` values of `src` (in bounds: checked above) have one writer; `src`
+            // outlives `pool.run`.
+            let row = unsafe { std::slice::from_raw_parts_mut(sp.get().add(t * stride), stride) };
+            prep(t, row);
+            for h in 0..heads {
+                let off = layout.offset(block, h, slot);
+                for i in 0..hd {
+                    // SAFETY: `off + hd` is within both caches (checked above for the last
+                    // head, the largest offset), and no other row writes this slot (checked
+                    // distinct), so each element has one writer; the caches outlive `pool.run`.
+                    unsafe {
+                        kp.get().add(off + i).write(E::from_f32(row[k_at + h * hd + i]));
+                        vp.get().add(off + i).write(E::from_f32(row[v_at + h * hd + i]));
+                    }
+                }
+            }
+        }
+    });
+}
+
+/// A cache's base pointer handed to pool tasks that write disjoint slots.
+#[derive(Clone, Copy)]
+struct ElemPtr<E>(*mut E);
+// SAFETY: only used by `write_rows`, whose tasks write disjoint, bounds-checked slots of caches
+// that outlive the parallel region.
+unsafe impl<E> Send for ElemPtr<E> {}
+unsafe impl<E> Sync for ElemPtr<E> {}
+impl<E> ElemPtr<E> {
+    fn get(self) -> *mut E {
+        self.0
+    }
+}
+
 /// One layer's K and V caches and their geometry.
 #[derive(Clone, Copy, Debug)]
 pub struct KvView<'a, E: KvElement> {

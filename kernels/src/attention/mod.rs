@@ -75,6 +75,9 @@ pub trait KvKernels: KvElement {
     /// [`write_kv`] for this element type.
     #[allow(clippy::too_many_arguments)]
     fn write_kv(layout: &KvLayout, k_cache: &mut [Self], v_cache: &mut [Self], table: &[u32], pos: usize, k: &[f32], v: &[f32]);
+    /// [`write_kv_rows`] for this element type.
+    #[allow(clippy::too_many_arguments)]
+    fn write_kv_rows(pool: &crate::pool::ThreadPool, layout: &KvLayout, k_cache: &mut [Self], v_cache: &mut [Self], rows: &[AttnRow<'_>], src: &mut [f32], stride: usize, at: (usize, usize), prep: &(dyn Fn(usize, &mut [f32]) + Sync));
 }
 
 macro_rules! kv_kernels {
@@ -87,6 +90,10 @@ macro_rules! kv_kernels {
             #[inline(never)]
             fn write_kv(layout: &KvLayout, k_cache: &mut [Self], v_cache: &mut [Self], table: &[u32], pos: usize, k: &[f32], v: &[f32]) {
                 kv::write_token::<$t>(layout, k_cache, v_cache, table, pos, k, v)
+            }
+            #[inline(never)]
+            fn write_kv_rows(pool: &crate::pool::ThreadPool, layout: &KvLayout, k_cache: &mut [Self], v_cache: &mut [Self], rows: &[AttnRow<'_>], src: &mut [f32], stride: usize, at: (usize, usize), prep: &(dyn Fn(usize, &mut [f32]) + Sync)) {
+                kv::write_rows::<$t>(pool, layout, k_cache, v_cache, rows, src, stride, at, prep)
             }
         }
     )*};
@@ -106,6 +113,17 @@ pub fn paged_attention<E: KvKernels>(pool: &crate::pool::ThreadPool, kv: &KvView
 /// Writes one token's K and V rows (`n_kv_heads * head_dim` each) at `pos` through `table`.
 pub fn write_kv<E: KvKernels>(layout: &KvLayout, k_cache: &mut [E], v_cache: &mut [E], table: &[u32], pos: usize, k: &[f32], v: &[f32]) {
     E::write_kv(layout, k_cache, v_cache, table, pos, k, v)
+}
+
+/// Writes the K and V of every row in `rows` (row `t` at its position, through its block
+/// table), in parallel over rows. Row `t`'s values are `src[t * stride..][..stride]`, its K at
+/// offset `at.0` and its V at `at.1` (`n_kv_heads * head_dim` each); `prep(t, row)` runs on
+/// them first, in the same task (the caller's bias and rotary embedding, so those run in
+/// parallel too). Panics, before anything is written, if a row's block lies outside the
+/// cache or two rows name one slot.
+#[allow(clippy::too_many_arguments)]
+pub fn write_kv_rows<E: KvKernels>(pool: &crate::pool::ThreadPool, layout: &KvLayout, k_cache: &mut [E], v_cache: &mut [E], rows: &[AttnRow<'_>], src: &mut [f32], stride: usize, at: (usize, usize), prep: &(dyn Fn(usize, &mut [f32]) + Sync)) {
+    E::write_kv_rows(pool, layout, k_cache, v_cache, rows, src, stride, at, prep)
 }
 
 /// [`paged_attention`]'s body (instantiated in this crate only, through [`KvKernels`]).

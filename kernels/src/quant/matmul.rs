@@ -175,20 +175,33 @@ pub fn matmul_rows<R: Fn(usize, &mut [f32]) + Sync>(pool: &ThreadPool, w: &Weigh
 
 /// [`matmul_rows`], bringing `warm` into the caches as it computes.
 pub fn matmul_rows_warming<R: Fn(usize, &mut [f32]) + Sync>(pool: &ThreadPool, w: &Weight, b: usize, y: &mut [f32], scratch: &mut MatmulScratch, warm: Option<&Warm<'_>>, row: R) {
+    matmul_rows_state(pool, w, b, y, scratch, warm, &mut [], |i, _, out| row(i, out))
+}
+
+/// [`matmul_rows_warming`] where `row(i, state_i, out)` also gets row `i`'s share of `state`
+/// (`state.len() / b` values, empty if `state` is), mutably: per-row state the same parallel
+/// pass updates before the row is produced (the residual stream: `x += proj`, then RMSNorm
+/// into `out`), instead of a serial pass over every row before the projection.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_rows_state<R: Fn(usize, &mut [f32], &mut [f32]) + Sync>(pool: &ThreadPool, w: &Weight, b: usize, y: &mut [f32], scratch: &mut MatmulScratch, warm: Option<&Warm<'_>>, state: &mut [f32], row: R) {
     let k = w.cols;
     let nb = k / QK;
     let quantized = w.format != WeightFormat::F32;
+    assert!(b > 0 || state.is_empty());
+    let sw = if b == 0 { 0 } else { state.len() / b };
+    assert_eq!(sw * b, state.len(), "state of {} values for {b} rows", state.len());
     scratch.x.resize(b * k, 0.0);
     if quantized {
         scratch.act.resize(b * nb, ActBlock::default());
     }
-    let (xp, ap) = (SyncPtr(scratch.x.as_mut_ptr()), ActPtr(scratch.act.as_mut_ptr()));
+    let (xp, ap, sp) = (SyncPtr(scratch.x.as_mut_ptr()), ActPtr(scratch.act.as_mut_ptr()), SyncPtr(state.as_mut_ptr()));
     pool.run(row_tasks(pool, b), |t| {
         for i in row_range(pool, b, t) {
-            // SAFETY: task t writes only row i's slices of `x` and `act` for its own rows,
-            // disjoint across tasks; both hold b rows and outlive `pool.run`.
+            // SAFETY: task t writes only row i's slices of `x`, `act` and `state` for its own
+            // rows, disjoint across tasks; each holds b rows and outlives `pool.run`.
             let xr = unsafe { std::slice::from_raw_parts_mut(xp.get().add(i * k), k) };
-            row(i, xr);
+            let st = unsafe { std::slice::from_raw_parts_mut(sp.get().add(i * sw), sw) };
+            row(i, st, xr);
             if quantized {
                 let a = unsafe { std::slice::from_raw_parts_mut(ap.get().add(i * nb), nb) };
                 quantize_row(xr, a);

@@ -42,4 +42,4 @@ mod tests;
 
 pub use activation::{quantize_row, ActBlock};
 pub use format::{FlatBlocks, Weight, WeightFormat, PANEL, QK, QK_K};
-pub use matmul::{dot_f32, matmul, matmul_rows, matmul_rows_warming, matmul_warming, MatmulScratch, Warm};
+pub use matmul::{dot_f32, matmul, matmul_rows, matmul_rows_state, matmul_rows_warming, matmul_warming, MatmulScratch, Warm};

@@ -6,7 +6,7 @@
 //! `match` per call and the kernels run monomorphized for it.
 
 use zerolayer_common::config::KvDtype;
-use zerolayer_kernels::attention::{kv_bytes, kv_from_bytes, paged_attention, run_group, write_kv, AttnRow, KvElement, KvLayout, KvView};
+use zerolayer_kernels::attention::{kv_bytes, kv_from_bytes, paged_attention, run_group, write_kv_rows, AttnRow, KvElement, KvLayout, KvView};
 use zerolayer_kernels::pool::ThreadPool;
 
 use super::config::ModelConfig;
@@ -150,10 +150,20 @@ impl KvCache {
     }
 
     /// Writes one token's K and V rows (`n_kv_heads * head_dim` each, f32) at `pos` through
-    /// `table`, rounded to the element type, in layer `l`.
+    /// `table`, rounded to the element type, in layer `l` (the tests' form; the forward pass
+    /// writes all its rows at once, [`Self::write_rows`]).
+    #[cfg(test)]
     pub(super) fn write(&mut self, l: usize, table: &[u32], pos: usize, k: &[f32], v: &[f32]) {
         let layout = &self.layout;
-        planes!(&mut self.store, p => write_kv(layout, &mut p.k[l], &mut p.v[l], table, pos, k, v))
+        planes!(&mut self.store, p => zerolayer_kernels::attention::write_kv(layout, &mut p.k[l], &mut p.v[l], table, pos, k, v))
+    }
+
+    /// Writes every row's K and V (at `at.0` and `at.1` of its `stride` values in `src`) in
+    /// layer `l`, in parallel over rows, after `prep(t, row)` on each (see [`write_kv_rows`]).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn write_rows(&mut self, l: usize, pool: &ThreadPool, rows: &[AttnRow<'_>], src: &mut [f32], stride: usize, at: (usize, usize), prep: &(dyn Fn(usize, &mut [f32]) + Sync)) {
+        let layout = &self.layout;
+        planes!(&mut self.store, p => write_kv_rows(pool, layout, &mut p.k[l], &mut p.v[l], rows, src, stride, at, prep))
     }
 
     /// Paged attention over layer `l` (see [`paged_attention`]).
