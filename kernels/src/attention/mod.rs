@@ -139,10 +139,14 @@ fn attend_rows<E: KvElement>(pool: &crate::pool::ThreadPool, kv: &KvView<'_, E>,
     let op = crate::SyncPtr(out.as_mut_ptr());
     let n_out = out.len();
     // One task per (row, KV head): the `group` query heads that read the same K/V run together
-    // (one pass over K and V for all of them).
+    // (one pass over K and V for all of them). Tasks are claimed longest context first, so
+    // the threads end on the short ones and finish nearly together (which row a task serves
+    // changes no value).
     let n_kv = layout.n_kv_heads;
+    let mut order: Vec<usize> = (0..rows.len()).collect();
+    order.sort_by_key(|&t| std::cmp::Reverse(rows[t].pos));
     pool.run(rows.len() * n_kv, |task| {
-        let (t, kvh) = (task / n_kv, task % n_kv);
+        let (t, kvh) = (order[task / n_kv], task % n_kv);
         let row = rows[t];
         // SAFETY: task (t, kvh) writes only out[t*od + h*hd .. + hd] for its own query heads h,
         // disjoint across tasks; `out` outlives `pool.run`.

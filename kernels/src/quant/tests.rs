@@ -374,22 +374,34 @@ fn matmul_matches_reference_and_is_batch_invariant() {
     }
 }
 
-/// The tiles of a matmul cover every panel once and come in multiples of the thread count;
-/// where they fall changes no value (1, 2 and 3 threads give the same bits).
+/// The tasks of a matmul cover every panel once, in order: front tiles in multiples of the
+/// thread count and within a panel of each other, then (on big enough matrices, with threads
+/// to balance) a tail that halves down to one panel; where they fall changes no value (1, 2
+/// and 3 threads give the same bits).
 #[test]
 fn tiles_split_evenly_and_change_no_value() {
     let mut rng = rand::rngs::StdRng::seed_from_u64(11);
     let pools = [ThreadPool::new(1), ThreadPool::new(2), ThreadPool::new(3)];
-    for &(rows, cols) in &[(576usize, 576usize), (960, 576), (130, 96), (8, 32)] {
+    for &(rows, cols) in &[(576usize, 576usize), (960, 576), (3072, 576), (576, 1536), (130, 96), (8, 32)] {
         let w = quantize_weight(WeightFormat::Q4_1, rows, cols, &rand_vec(&mut rng, rows * cols));
         let panels = rows.div_ceil(PANEL);
         for threads in 1..=4 {
-            let t = tile_tasks(&w, threads);
-            assert!(t >= 1 && t <= panels, "{rows}x{cols}: {t} tasks");
-            assert!(t % threads == 0 || t == panels, "{rows}x{cols}: {t} tasks on {threads} threads");
-            let sizes: Vec<usize> = (0..t).map(|i| (i + 1) * panels / t - i * panels / t).collect();
-            assert_eq!(sizes.iter().sum::<usize>(), panels);
-            assert!(sizes.iter().max().unwrap() - sizes.iter().min().unwrap() <= 1 && *sizes.iter().min().unwrap() >= 1);
+            let tasks = Tasks::new(&w, threads);
+            let ranges: Vec<std::ops::Range<usize>> = (0..tasks.count()).map(|t| tasks.panels(t)).collect();
+            assert!(ranges.iter().all(|r| r.end > r.start), "{rows}x{cols}, {threads} threads: an empty task in {ranges:?}");
+            assert!(ranges.windows(2).all(|p| p[0].end == p[1].start) && ranges[0].start == 0, "{rows}x{cols}: {ranges:?}");
+            assert_eq!(ranges.last().unwrap().end, panels, "{rows}x{cols}: {ranges:?}");
+            let sizes: Vec<usize> = ranges.iter().map(|r| r.len()).collect();
+            let per = (tile_rows(&w) / PANEL).max(1);
+            let (head, tail) = sizes.split_at(tasks.front_tasks());
+            assert!(*head.iter().max().unwrap() <= per, "{rows}x{cols}: a front tile over {per} panels: {sizes:?}");
+            assert!(head.iter().max().unwrap() - head.iter().min().unwrap() <= 1, "{rows}x{cols}: {sizes:?}");
+            assert!(head.len() % threads == 0 || head.len() == panels || !tail.is_empty(), "{rows}x{cols}, {threads} threads: {sizes:?}");
+            assert!(tail.windows(2).all(|p| p[0] >= p[1]), "{rows}x{cols}: the tail grows: {sizes:?}");
+            if threads > 1 && panels >= 4 * threads * per && per > 1 {
+                assert_eq!(tail.last(), Some(&1), "{rows}x{cols}, {threads} threads: no tail down to one panel: {sizes:?}");
+                assert_eq!(tail.len() % threads, 0, "{sizes:?}");
+            }
         }
         let b = 16;
         let x = rand_vec(&mut rng, b * cols);
@@ -416,8 +428,9 @@ fn warming_covers_every_line_once_and_changes_no_value() {
     let warm = |share| Warm { bases: &bases, runs: &runs, run_bytes: 128, share };
     let mut seen = vec![];
     for share in [(0.0, 0.3), (0.3, 0.75), (0.75, 1.0)] {
-        for t in 0..3 {
-            let mut c = warm(share).cursor(t, 3, 5);
+        // Tasks of unequal sizes (panels 0..1, 1..5 and 5..7 of 7) share in proportion.
+        for panels in [0..1, 1..5, 5..7] {
+            let mut c = warm(share).cursor(&panels, 7, 5);
             while let Some(p) = c.next_line() {
                 seen.push(p as usize - buf.as_ptr() as usize);
             }
