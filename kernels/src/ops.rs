@@ -144,19 +144,44 @@ const EXP_C: [f64; 12] = [
 /// `gate = silu(gate) * up`, elementwise: `g / (1 + e^-g) * u`.
 pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
     assert_eq!(gate.len(), up.len());
-    #[cfg(target_arch = "x86_64")]
-    if crate::has_avx2() {
-        // SAFETY: AVX2/FMA detected; lengths checked.
-        unsafe { avx2::silu_mul(gate, up) };
-        return;
-    }
-    silu_mul_portable(gate, up)
+    let (n, g) = (gate.len(), gate.as_mut_ptr());
+    // SAFETY: `gate` and `up` hold `n` values each (checked); each output overwrites the gate
+    // value it was computed from, after reading it.
+    unsafe { silu_mul_raw(g, up.as_ptr(), g, n) }
 }
 
-fn silu_mul_portable(gate: &mut [f32], up: &[f32]) {
-    for (g, &u) in gate.iter_mut().zip(up) {
-        let v = *g;
-        *g = v / (1.0 + exp_fast(-v)) * u;
+/// `out = silu(gate) * up`, elementwise, as [`silu_mul`] (the same bits) without first copying
+/// `gate` into `out`.
+pub fn silu_mul_to(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    assert!(gate.len() == up.len() && out.len() == gate.len());
+    // SAFETY: the three slices hold `out.len()` values each (checked), and `out` is a `&mut`,
+    // so it overlaps neither input.
+    unsafe { silu_mul_raw(gate.as_ptr(), up.as_ptr(), out.as_mut_ptr(), out.len()) }
+}
+
+/// # Safety
+/// `gate`, `up` and `out` point to `n` values each; `out` may be `gate` (in place), and
+/// overlaps nothing else.
+unsafe fn silu_mul_raw(gate: *const f32, up: *const f32, out: *mut f32, n: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::has_avx2() {
+        // SAFETY: AVX2/FMA detected; the pointers as this function's contract.
+        unsafe { avx2::silu_mul(gate, up, out, n) };
+        return;
+    }
+    // SAFETY: as this function's contract.
+    unsafe { silu_mul_portable(gate, up, out, n) }
+}
+
+/// # Safety
+/// As [`silu_mul_raw`].
+unsafe fn silu_mul_portable(gate: *const f32, up: *const f32, out: *mut f32, n: usize) {
+    for i in 0..n {
+        // SAFETY: `i < n`; each value is read before its output is written.
+        unsafe {
+            let (v, u) = (*gate.add(i), *up.add(i));
+            *out.add(i) = v / (1.0 + exp_fast(-v)) * u;
+        }
     }
 }
 
@@ -258,17 +283,17 @@ pub(crate) mod avx2 {
     }
 
     #[target_feature(enable = "avx2,fma")]
-    pub(crate) unsafe fn silu_mul(gate: &mut [f32], up: &[f32]) {
-        let n8 = gate.len() / 8 * 8;
+    pub(crate) unsafe fn silu_mul(gate: *const f32, up: *const f32, out: *mut f32, n: usize) {
+        let n8 = n / 8 * 8;
         let one = _mm256_set1_ps(1.0);
         let neg = _mm256_set1_ps(-0.0);
         for i in (0..n8).step_by(8) {
-            let g = _mm256_loadu_ps(gate.as_ptr().add(i));
-            let u = _mm256_loadu_ps(up.as_ptr().add(i));
+            let g = _mm256_loadu_ps(gate.add(i));
+            let u = _mm256_loadu_ps(up.add(i));
             let e = exp8(_mm256_xor_ps(g, neg));
-            _mm256_storeu_ps(gate.as_mut_ptr().add(i), _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), u));
+            _mm256_storeu_ps(out.add(i), _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), u));
         }
-        silu_mul_portable(&mut gate[n8..], &up[n8..]);
+        silu_mul_portable(gate.add(n8), up.add(n8), out.add(n8), n - n8);
     }
 }
 
@@ -301,11 +326,16 @@ mod tests {
         if crate::test_simd_paths("silu_mul / exp8") {
             let gate: Vec<f32> = xs.iter().map(|x| x * 0.25).collect();
             let up: Vec<f32> = (0..gate.len()).map(|i| (i as f32 * 0.37).sin()).collect();
-            let (mut a, mut b) = (gate.clone(), gate.clone());
-            silu_mul_portable(&mut a, &up);
-            // SAFETY: AVX2/FMA detected.
-            unsafe { avx2::silu_mul(&mut b, &up) };
-            assert_eq!(a.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), b.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+            let (mut a, mut b, mut c) = (gate.clone(), gate.clone(), vec![f32::NAN; gate.len()]);
+            let n = a.len();
+            // SAFETY: each holds `n` values; in place is allowed.
+            unsafe { silu_mul_portable(a.as_ptr(), up.as_ptr(), a.as_mut_ptr(), n) };
+            // AVX2/FMA detected: the vector path, in place and into a separate output.
+            silu_mul(&mut b, &up);
+            silu_mul_to(&gate, &up, &mut c);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&a), bits(&b));
+            assert_eq!(bits(&a), bits(&c));
             for (i, &g) in gate.iter().enumerate().filter(|(_, g)| g.is_finite()) {
                 let want = g as f64 / (1.0 + (-(g as f64)).exp()) * up[i] as f64;
                 assert!((a[i] as f64 - want).abs() <= 1e-6 * (1.0 + want.abs()), "silu({g})");

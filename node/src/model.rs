@@ -21,7 +21,7 @@ use std::sync::Arc;
 
 use zerolayer_kernels::attention::AttnRow;
 use zerolayer_kernels::collective::{Collective, Solo};
-use zerolayer_kernels::ops::{add_assign, rms_norm_row, silu_mul, RopeTable};
+use zerolayer_kernels::ops::{add_assign, rms_norm_row, silu_mul_to, RopeTable};
 use zerolayer_kernels::pool::ThreadPool;
 use zerolayer_kernels::quant::{matmul_rows, matmul_rows_state, matmul_rows_warming, matmul_warming, MatmulScratch, Warm, Weight, PANEL, QK};
 
@@ -336,8 +336,7 @@ impl Model {
             let gu = &s.gu;
             matmul_rows_warming(&self.pool, &layer.wdown, t_total, &mut s.proj, &mut s.mm, warm_down.as_ref(), |i, out| {
                 let (g, u) = gu[i * 2 * f..(i + 1) * 2 * f].split_at(f);
-                out.copy_from_slice(g);
-                silu_mul(out, u);
+                silu_mul_to(g, u, out);
             });
             self.group.all_reduce_sum(&mut s.proj).map_err(|e| WorkerError::Unavailable(e.to_string()))?;
         }
