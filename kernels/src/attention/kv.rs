@@ -136,7 +136,7 @@ pub(super) fn write_rows<E: KvElement>(
     layout: &KvLayout,
     k_cache: &mut [E],
     v_cache: &mut [E],
-    rows: &[super::AttnRow<'_>],
+    rows: &[AttnRow<'_>],
     src: &mut [f32],
     stride: usize,
     (k_at, v_at): (usize, usize),
@@ -147,8 +147,7 @@ pub(super) fn write_rows<E: KvElement>(
     assert!(k_at + kvd <= stride && v_at + kvd <= stride && src.len() >= rows.len() * stride, "K/V outside the rows");
     assert_eq!(k_cache.len(), v_cache.len());
     // Every row's (block, slot), checked here, on the calling thread (a panic inside a task
-    // would take a pool thread down): inside the cache, and no two rows on one slot, since
-    // the rows are written in parallel.
+    // would take a pool thread down): inside the cache.
     let mut at: Vec<(usize, usize)> = Vec::with_capacity(rows.len());
     for r in rows {
         let block = *r.table.get(r.pos / bs).expect("block table too short") as usize;
@@ -156,32 +155,44 @@ pub(super) fn write_rows<E: KvElement>(
         assert!(layout.offset(block, heads - 1, slot) + hd <= k_cache.len(), "block {block} outside the cache");
         at.push((block, slot));
     }
-    let mut seen: Vec<(usize, usize)> = at.clone();
-    seen.sort_unstable();
-    assert!(seen.windows(2).all(|w| w[0] != w[1]), "two rows write one KV slot");
     let (kp, vp, sp) = (ElemPtr(k_cache.as_mut_ptr()), ElemPtr(v_cache.as_mut_ptr()), crate::SyncPtr(src.as_mut_ptr()));
-    let n = rows.len();
-    let tasks = n.min(2 * pool.n_threads());
-    pool.run(tasks, |task| {
-        let (lo, hi) = (task * n / tasks, (task + 1) * n / tasks);
-        for (t, &(block, slot)) in at.iter().enumerate().take(hi).skip(lo) {
-            // SAFETY: each row index belongs to one task (the ranges are disjoint), so row `t`'s
-            // `stride` values of `src` (in bounds: checked above) have one writer; `src`
-            // outlives `pool.run`.
-            let row = unsafe { std::slice::from_raw_parts_mut(sp.get().add(t * stride), stride) };
-            prep(t, row);
-            for h in 0..heads {
-                let off = layout.offset(block, h, slot);
-                for i in 0..hd {
-                    // SAFETY: `off + hd` is within both caches (checked above for the last
-                    // head, the largest offset), and no other row writes this slot (checked
-                    // distinct), so each element has one writer; the caches outlive `pool.run`.
-                    unsafe {
-                        kp.get().add(off + i).write(E::from_f32(row[k_at + h * hd + i]));
-                        vp.get().add(off + i).write(E::from_f32(row[v_at + h * hd + i]));
-                    }
+    // Row `t`: `prep`, then its K and V to its slot.
+    let write = |t: usize, (block, slot): (usize, usize)| {
+        // SAFETY: the caller gives each row index to one thread at a time (below), so row
+        // `t`'s `stride` values of `src` (in bounds: checked above) have one writer; `src`
+        // outlives every call.
+        let row = unsafe { std::slice::from_raw_parts_mut(sp.get().add(t * stride), stride) };
+        prep(t, row);
+        for h in 0..heads {
+            let off = layout.offset(block, h, slot);
+            for i in 0..hd {
+                // SAFETY: `off + hd` is within both caches (checked above for the last head,
+                // the largest offset); the caller writes each slot from one thread at a time
+                // (below); the caches outlive every call.
+                unsafe {
+                    kp.get().add(off + i).write(E::from_f32(row[k_at + h * hd + i]));
+                    vp.get().add(off + i).write(E::from_f32(row[v_at + h * hd + i]));
                 }
             }
+        }
+    };
+    let mut seen: Vec<(usize, usize)> = at.clone();
+    seen.sort_unstable();
+    if seen.windows(2).any(|w| w[0] == w[1]) {
+        // Two rows on one slot (sequences that both recompute the last token of one cached
+        // block write the same values there): in row order on this thread, as one writer.
+        for (t, &a) in at.iter().enumerate() {
+            write(t, a);
+        }
+        return;
+    }
+    let n = rows.len();
+    let tasks = n.min(2 * pool.n_threads());
+    // Distinct slots: each task writes its own rows, in parallel.
+    pool.run(tasks, |task| {
+        let (lo, hi) = (task * n / tasks, (task + 1) * n / tasks);
+        for (t, &a) in at.iter().enumerate().take(hi).skip(lo) {
+            write(t, a);
         }
     });
 }
@@ -197,6 +208,13 @@ impl<E> ElemPtr<E> {
     fn get(self) -> *mut E {
         self.0
     }
+}
+
+/// One query row of a batched attention call: its sequence's block table and its position.
+#[derive(Clone, Copy, Debug)]
+pub struct AttnRow<'a> {
+    pub table: &'a [u32],
+    pub pos: usize,
 }
 
 /// One layer's K and V caches and their geometry.

@@ -19,7 +19,7 @@ mod avx2;
 #[cfg(test)]
 mod tests;
 
-pub use kv::{kv_bytes, kv_from_bytes, run_group, KvElement, KvLayout, KvView, Query, Scratch, MAX_GROUP, RUN_POSITIONS};
+pub use kv::{kv_bytes, kv_from_bytes, run_group, AttnRow, KvElement, KvLayout, KvView, Query, Scratch, MAX_GROUP, RUN_POSITIONS};
 pub use portable::dot8_fma;
 
 /// Attention for one row's query heads that share a KV head: `out` receives `group *
@@ -47,12 +47,6 @@ pub(crate) fn attend_group<E: KvElement>(kv: &KvView<'_, E>, query: &Query<'_>, 
     }
 }
 
-/// One query row of a batched attention call: its sequence's block table and its position.
-#[derive(Clone, Copy, Debug)]
-pub struct AttnRow<'a> {
-    pub table: &'a [u32],
-    pub pos: usize,
-}
 
 thread_local! {
     static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::new(Scratch::default());
@@ -119,8 +113,9 @@ pub fn write_kv<E: KvKernels>(layout: &KvLayout, k_cache: &mut [E], v_cache: &mu
 /// table), in parallel over rows. Row `t`'s values are `src[t * stride..][..stride]`, its K at
 /// offset `at.0` and its V at `at.1` (`n_kv_heads * head_dim` each); `prep(t, row)` runs on
 /// them first, in the same task (the caller's bias and rotary embedding, so those run in
-/// parallel too). Panics, before anything is written, if a row's block lies outside the
-/// cache or two rows name one slot.
+/// parallel too). Rows that name one slot (sequences recomputing the last token of one
+/// cached block) are written in row order on the calling thread instead. Panics, before
+/// anything is written, if a row's block lies outside the cache.
 #[allow(clippy::too_many_arguments)]
 pub fn write_kv_rows<E: KvKernels>(pool: &crate::pool::ThreadPool, layout: &KvLayout, k_cache: &mut [E], v_cache: &mut [E], rows: &[AttnRow<'_>], src: &mut [f32], stride: usize, at: (usize, usize), prep: &(dyn Fn(usize, &mut [f32]) + Sync)) {
     E::write_kv_rows(pool, layout, k_cache, v_cache, rows, src, stride, at, prep)

@@ -153,3 +153,36 @@ fn grouped_layout_keeps_a_heads_run_contiguous_and_places_every_element_once() {
     let flat = KvLayout { block_size: 4, n_kv_heads: 3, head_dim: 8, group: 1 };
     assert_eq!(flat.offset(5, 2, 3), ((5 * 3 + 2) * 4 + 3) * 8);
 }
+
+/// `write_kv_rows` writes what `write_kv` writes row by row, after each row's `prep`, whether
+/// the rows' slots are distinct (written in parallel) or not (two sequences recomputing one
+/// cached slot: written in row order, the later row's values last).
+#[test]
+fn writing_rows_in_parallel_equals_writing_them_one_by_one() {
+    let pool = crate::pool::ThreadPool::new(3);
+    let layout = KvLayout::new(4, 3, 8);
+    let (kvd, stride) = (3 * 8, 9 * 8 + 2 * 3 * 8);
+    let n_blocks = 16;
+    let tables: Vec<Vec<u32>> = vec![(0..4).collect(), (4..8).rev().collect(), vec![8, 2, 9, 10], (11..16).collect()];
+    for rows_at in [vec![(0usize, 5usize), (1, 0), (1, 13), (2, 3), (3, 19), (0, 6), (2, 2)], vec![(0, 5), (2, 5), (0, 5), (3, 1)]] {
+        let rows: Vec<AttnRow<'_>> = rows_at.iter().map(|&(s, pos)| AttnRow { table: &tables[s], pos }).collect();
+        let src: Vec<f32> = (0..rows.len() * stride).map(|i| (i as f32 * 0.37).sin()).collect();
+        let prep = |t: usize, row: &mut [f32]| {
+            for (j, v) in row.iter_mut().enumerate() {
+                *v = *v * 2.0 + (t * 1000 + j) as f32;
+            }
+        };
+        let (mut k1, mut v1) = (vec![0f32; layout.elems(n_blocks)], vec![0f32; layout.elems(n_blocks)]);
+        let mut s1 = src.clone();
+        write_kv_rows(&pool, &layout, &mut k1, &mut v1, &rows, &mut s1, stride, (9 * 8, 9 * 8 + kvd), &prep);
+        let (mut k2, mut v2) = (vec![0f32; layout.elems(n_blocks)], vec![0f32; layout.elems(n_blocks)]);
+        let mut s2 = src.clone();
+        for (t, r) in rows.iter().enumerate() {
+            let row = &mut s2[t * stride..(t + 1) * stride];
+            prep(t, row);
+            write_kv(&layout, &mut k2, &mut v2, r.table, r.pos, &row[9 * 8..9 * 8 + kvd], &row[9 * 8 + kvd..9 * 8 + 2 * kvd]);
+        }
+        assert_eq!(s1, s2, "prep ran once per row");
+        assert_eq!((k1, v1), (k2, v2), "rows {rows_at:?}");
+    }
+}
