@@ -89,15 +89,22 @@ pub fn cast_f32(bytes: &[u8]) -> &[f32] {
     unsafe { std::slice::from_raw_parts(bytes.as_ptr() as *const f32, bytes.len() / 4) }
 }
 
-/// A raw output pointer handed to pool tasks that write disjoint ranges of one buffer.
-#[derive(Clone, Copy)]
-pub(crate) struct SyncPtr(pub(crate) *mut f32);
+/// A raw output pointer handed to pool tasks that write disjoint ranges of one buffer (f32
+/// outputs, or a KV cache's elements).
+pub(crate) struct SyncPtr<T = f32>(pub(crate) *mut T);
+impl<T> Clone for SyncPtr<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for SyncPtr<T> {}
 // SAFETY: only used to give pool tasks disjoint output ranges of a buffer that outlives the
-// parallel region (see `quant::matmul` and `attention::paged_attention`).
-unsafe impl Send for SyncPtr {}
-unsafe impl Sync for SyncPtr {}
-impl SyncPtr {
-    pub(crate) fn get(self) -> *mut f32 {
+// parallel region (see `quant::matmul`, `attention::paged_attention` and
+// `attention::write_kv_rows`).
+unsafe impl<T> Send for SyncPtr<T> {}
+unsafe impl<T> Sync for SyncPtr<T> {}
+impl<T> SyncPtr<T> {
+    pub(crate) fn get(self) -> *mut T {
         self.0
     }
 }

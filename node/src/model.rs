@@ -314,13 +314,12 @@ impl Model {
             });
             // Bias, RoPE and the K/V write, per row in parallel.
             let (rope, bias) = (&self.rope, layer.bqkv.as_deref());
-            let rows_ref = &rows;
             cache.write_rows(li, &self.pool, &rows, &mut s.qkv, qkv_w, (qd, qd + kvd), &|t, rr| {
                 if let Some(b) = bias {
                     add_assign(rr, b);
                 }
                 let (q, rest) = rr.split_at_mut(qd);
-                let pos = rows_ref[t].pos;
+                let pos = rows[t].pos;
                 rope.apply(q, pos);
                 rope.apply(&mut rest[..kvd], pos);
             });

@@ -155,7 +155,7 @@ pub(super) fn write_rows<E: KvElement>(
         assert!(layout.offset(block, heads - 1, slot) + hd <= k_cache.len(), "block {block} outside the cache");
         at.push((block, slot));
     }
-    let (kp, vp, sp) = (ElemPtr(k_cache.as_mut_ptr()), ElemPtr(v_cache.as_mut_ptr()), crate::SyncPtr(src.as_mut_ptr()));
+    let (kp, vp, sp) = (crate::SyncPtr(k_cache.as_mut_ptr()), crate::SyncPtr(v_cache.as_mut_ptr()), crate::SyncPtr(src.as_mut_ptr()));
     // Row `t`: `prep`, then its K and V to its slot.
     let write = |t: usize, (block, slot): (usize, usize)| {
         // SAFETY: the caller gives each row index to one thread at a time (below), so row
@@ -195,19 +195,6 @@ pub(super) fn write_rows<E: KvElement>(
             write(t, a);
         }
     });
-}
-
-/// A cache's base pointer handed to pool tasks that write disjoint slots.
-#[derive(Clone, Copy)]
-struct ElemPtr<E>(*mut E);
-// SAFETY: only used by `write_rows`, whose tasks write disjoint, bounds-checked slots of caches
-// that outlive the parallel region.
-unsafe impl<E> Send for ElemPtr<E> {}
-unsafe impl<E> Sync for ElemPtr<E> {}
-impl<E> ElemPtr<E> {
-    fn get(self) -> *mut E {
-        self.0
-    }
 }
 
 /// One query row of a batched attention call: its sequence's block table and its position.
