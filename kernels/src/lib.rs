@@ -6,12 +6,14 @@
 //! - [`ops`]: RMSNorm, RoPE, SiLU·mul, and a correctly rounded vectorizable `exp`.
 //! - [`pool`]: a spin-then-park thread pool with no per-call spawn cost.
 //! - [`collective`]: the all-reduce of tensor-parallel shards, in a fixed rank order.
+//! - [`memory`]: large buffers on transparent huge pages (weights, KV cache).
 //!
 //! Invariant: every kernel computes each output element with a fixed reduction order that does
 //! not depend on batch size, batch position, thread count or chunking (batch invariance).
 
 pub mod attention;
 pub mod collective;
+pub mod memory;
 pub mod ops;
 pub mod pool;
 pub mod quant;

@@ -48,6 +48,12 @@ struct Layer {
     wdown: Weight,
 }
 
+/// Moves the layers' weights (each below a huge page for small models) into one huge-page
+/// arena, in the order a step reads them.
+fn pack_layers(layers: &mut [Layer]) {
+    Weight::pack(layers.iter_mut().flat_map(|l| [&mut l.wqkv, &mut l.wo, &mut l.wgate_up, &mut l.wdown]));
+}
+
 /// One sequence's share of a forward call.
 pub struct ForwardItem<'a> {
     /// The tokens to compute, at positions `start_pos..start_pos + tokens.len()`.
@@ -154,7 +160,8 @@ fn resize(v: &mut Vec<f32>, n: usize) {
 }
 
 impl Model {
-    fn assemble(cfg: ModelConfig, embed: Weight, output: Option<Weight>, norm: Vec<f32>, layers: Vec<Layer>, threads: usize) -> Result<Self> {
+    fn assemble(cfg: ModelConfig, embed: Weight, output: Option<Weight>, norm: Vec<f32>, mut layers: Vec<Layer>, threads: usize) -> Result<Self> {
+        pack_layers(&mut layers);
         let embed = Arc::new(embed);
         let output = match output {
             Some(o) => Arc::new(o),

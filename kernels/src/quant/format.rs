@@ -1,6 +1,7 @@
 //! Weight formats: GGUF blocks repacked into 8-row panels (see the parent module), and back.
 
 use half::f16;
+use crate::memory::Slab;
 
 /// Elements per quantization block for the 32-element formats.
 pub const QK: usize = 32;
@@ -79,8 +80,9 @@ pub struct Weight {
     pub rows: usize,
     pub cols: usize,
     /// `F32`: row-major little-endian f32. Quantized: `rows.div_ceil(8)` panels (module docs);
-    /// the padding rows of the last panel have zero scales.
-    pub(super) data: Vec<u8>,
+    /// the padding rows of the last panel have zero scales. On huge pages (`memory`), alone or
+    /// packed with other weights ([`Weight::pack`]): a step streams every panel.
+    pub(super) data: Slab,
 }
 
 /// One block of one row, decoded: scale, second scale (Q4_1/Q4K: the min; Q6K: the scale of
@@ -99,7 +101,7 @@ impl Weight {
         let want = if format == WeightFormat::F32 { rows * cols * 4 } else { rows * cols / QK * format.block_bytes() };
         assert_eq!(gguf.len(), want, "weight data size for {format:?} {rows}x{cols}");
         if format == WeightFormat::F32 {
-            return Weight { format, rows, cols, data: gguf };
+            return Weight { format, rows, cols, data: Slab::from(gguf) };
         }
         let nb = cols / QK;
         let bb = format.block_bytes();
@@ -127,7 +129,7 @@ impl Weight {
     /// Zeroed panels for `rows` × `cols` (padding rows stay zero-scaled).
     pub(super) fn empty(format: WeightFormat, rows: usize, cols: usize) -> Self {
         let nb = cols / QK;
-        let mut w = Weight { format, rows, cols, data: vec![0u8; rows.div_ceil(PANEL) * PANEL * nb * format.block_bytes()] };
+        let mut w = Weight { format, rows, cols, data: Slab::zeroed(rows.div_ceil(PANEL) * PANEL * nb * format.block_bytes()) };
         if format == WeightFormat::Q8_0 {
             // Stored quants are offset by 128: the padding rows' zeros are code 0x80.
             for p in 0..rows.div_ceil(PANEL) {
@@ -236,6 +238,12 @@ impl Weight {
         Weight::new(WeightFormat::F32, rows, cols, data)
     }
 
+    /// Moves `weights`' bytes into one huge-page arena, in the order given (a model's layers in
+    /// the order a step streams them). Values and formats are unchanged.
+    pub fn pack<'a>(weights: impl IntoIterator<Item = &'a mut Weight>) {
+        crate::memory::pack(weights.into_iter().map(|w| &mut w.data));
+    }
+
     /// Bytes held (padding included).
     pub fn bytes(&self) -> usize {
         self.data.len()
@@ -318,7 +326,7 @@ impl Weight {
     pub fn to_gguf(&self) -> Vec<u8> {
         assert!(!matches!(self.format, WeightFormat::Q4K | WeightFormat::Q6K), "no GGUF form for {:?}", self.format);
         if self.format == WeightFormat::F32 {
-            return self.data.clone();
+            return self.data.to_vec();
         }
         let nb = self.cols / QK;
         let mut out = Vec::with_capacity(self.rows * self.row_bytes());
@@ -373,8 +381,8 @@ impl Weight {
         let rows = parts.iter().map(|p| p.rows).sum();
         if first.format == WeightFormat::F32 || parts.iter().all(|p| p.rows.is_multiple_of(PANEL)) {
             // Whole panels (or row-major f32): the bytes simply follow each other.
-            let data = parts.iter().flat_map(|p| p.data.iter().copied()).collect();
-            return Some(Weight { format: first.format, rows, cols: first.cols, data });
+            let data: Vec<u8> = parts.iter().flat_map(|p| p.data.iter().copied()).collect();
+            return Some(Weight { format: first.format, rows, cols: first.cols, data: Slab::from(data) });
         }
         let mut w = Weight::empty(first.format, rows, first.cols);
         let mut r0 = 0;
@@ -397,7 +405,7 @@ impl Weight {
             for r in rows.clone() {
                 data.extend_from_slice(&self.data[r * rb + cols.start * 4..r * rb + cols.end * 4]);
             }
-            return Weight { format: self.format, rows: rows.len(), cols: cols.len(), data };
+            return Weight { format: self.format, rows: rows.len(), cols: cols.len(), data: Slab::from(data) };
         }
         assert!(cols.start.is_multiple_of(QK) && cols.end.is_multiple_of(QK), "quantized columns {cols:?} must lie on {QK}-element blocks");
         let mut w = Weight::empty(self.format, rows.len(), cols.len());

@@ -7,30 +7,25 @@
 
 use zerolayer_common::config::KvDtype;
 use zerolayer_kernels::attention::{kv_bytes, kv_from_bytes, paged_attention, run_group, write_kv_rows, AttnRow, KvElement, KvLayout, KvView};
+use zerolayer_kernels::memory::{HugeBuf, Plain};
 use zerolayer_kernels::pool::ThreadPool;
 
 use super::config::ModelConfig;
 use crate::error::{Result, WorkerError};
 
-/// Every layer's K and V arrays in one element type.
-struct Planes<E> {
-    k: Vec<Vec<E>>,
-    v: Vec<Vec<E>>,
+/// Every layer's K and V arrays in one element type, on huge pages (`HugeBuf`): a step's
+/// attention reads K/V runs scattered over the whole cache.
+struct Planes<E: Plain> {
+    k: Vec<HugeBuf<E>>,
+    v: Vec<HugeBuf<E>>,
 }
 
-impl<E: KvElement> Planes<E> {
+impl<E: KvElement + Plain> Planes<E> {
     fn new(layers: usize, elems: usize) -> Self {
-        // Commit every page now (as vLLM reserves its KV cache at startup): the budget is real
-        // memory from the start, a machine without it fails at load rather than mid-request,
-        // and RSS stays flat while blocks are first used.
-        let committed = || {
-            let mut v = vec![E::ZERO; elems];
-            for x in v.iter_mut().step_by(1024) {
-                *x = std::hint::black_box(E::ZERO);
-            }
-            v
-        };
-        Planes { k: (0..layers).map(|_| committed()).collect(), v: (0..layers).map(|_| committed()).collect() }
+        // Commit every page now (as vLLM reserves its KV cache at startup): `HugeBuf` writes
+        // its zeros, so the budget is real memory from the start, a machine without it fails
+        // at load rather than mid-request, and RSS stays flat while blocks are first used.
+        Planes { k: (0..layers).map(|_| HugeBuf::zeroed(elems)).collect(), v: (0..layers).map(|_| HugeBuf::zeroed(elems)).collect() }
     }
 }
 

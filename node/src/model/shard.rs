@@ -95,7 +95,7 @@ impl Model {
             let pieces: Vec<Weight> = parts.iter().map(|r| w.slice(r.clone(), 0..w.cols)).collect();
             Weight::concat_rows(&pieces.iter().collect::<Vec<_>>()).expect("slices of one weight share format and width")
         };
-        let layers: Vec<Layer> = self
+        let mut layers: Vec<Layer> = self
             .layers
             .iter()
             .map(|l| Layer {
@@ -108,6 +108,7 @@ impl Model {
                 wdown: l.wdown.slice(0..d, plan.ffn.clone()),
             })
             .collect();
+        super::pack_layers(&mut layers);
         let layer_bytes: usize = layers.iter().map(|l| l.wqkv.bytes() + l.wo.bytes() + l.wgate_up.bytes() + l.wdown.bytes()).sum();
         let head_bytes = self.embed.bytes() + if Arc::ptr_eq(&self.embed, &self.output) { 0 } else { self.output.bytes() };
         Ok(Model {
