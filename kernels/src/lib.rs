@@ -54,6 +54,34 @@ cpu_feature! {
 }
 
 cpu_feature! {
+    /// Whether the 512-bit AVX-512 VNNI matmul kernel can run here: [`has_vnni`] with AVX-512F
+    /// and BW (the kernel tests run it wherever it can, whichever kernel [`has_vnni512`] picks).
+    can_vnni512 => has_vnni() && is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw")
+}
+
+cpu_feature! {
+    /// Whether the matmul runs its 512-bit VNNI kernel: where it can, except on AMD family 19h
+    /// (Zen 4), which splits every 512-bit operation over its two 256-bit pipes, so the 256-bit
+    /// kernel (measured at its issue bound there) is kept. CPUs with full 512-bit pipes (Intel
+    /// Xeon, AMD Zen 5) do twice the arithmetic per instruction. Setting `ZEROLAYER_NO_VNNI512`
+    /// turns it off (for A/B benchmarks; results are identical either way).
+    has_vnni512 => can_vnni512() && !amd_family_19h() && std::env::var_os("ZEROLAYER_NO_VNNI512").is_none()
+}
+
+/// Whether this is an AMD CPU of family 19h (Zen 3 and Zen 4), from CPUID.
+#[cfg(target_arch = "x86_64")]
+fn amd_family_19h() -> bool {
+    use std::arch::x86_64::__cpuid;
+    #[allow(unused_unsafe)]
+    // SAFETY: CPUID leaves 0 and 1 exist on every x86-64 CPU.
+    let (v, f) = unsafe { (__cpuid(0), __cpuid(1)) };
+    let vendor = [v.ebx.to_le_bytes(), v.edx.to_le_bytes(), v.ecx.to_le_bytes()].concat();
+    let base = (f.eax >> 8) & 0xF;
+    let family = if base == 0xF { base + ((f.eax >> 20) & 0xFF) } else { base };
+    vendor == b"AuthenticAMD" && family == 0x19
+}
+
+cpu_feature! {
     /// AVX-512F and VL with AVX2 (32 vector registers for 256-bit code), for the attention
     /// kernel that runs several query heads per pass. Setting `ZEROLAYER_NO_AVX512` turns it off
     /// (for A/B benchmarks; results are identical either way).
@@ -78,6 +106,8 @@ pub(crate) fn test_simd_paths(what: &str) -> bool {
     }
     if !has_vnni() {
         eprintln!("{what}: the AVX-512 VNNI path was NOT exercised (not on this CPU, or ZEROLAYER_NO_VNNI is set)");
+    } else if !can_vnni512() {
+        eprintln!("{what}: the 512-bit VNNI matmul was NOT exercised (no AVX-512F/BW on this CPU)");
     }
     avx2
 }

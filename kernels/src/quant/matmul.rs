@@ -5,6 +5,8 @@ use super::activation::{quantize_row, ActBlock};
 use super::format::{Weight, WeightFormat, PANEL, QK};
 #[cfg(target_arch = "x86_64")]
 use super::simd as avx2;
+#[cfg(target_arch = "x86_64")]
+use super::simd512;
 use crate::pool::ThreadPool;
 use crate::SyncPtr;
 
@@ -136,11 +138,16 @@ pub(super) fn tile_rows(w: &Weight) -> usize {
 /// tasks and finish nearly together: with equal tiles alone a thread waited about half a tile
 /// at the end of every region (3–5 µs, 150 regions a step at 16 sequences). Where tasks fall
 /// changes no value: each output is one dot product in a fixed order.
+///
+/// Sizes count `unit`s of panels: 2 for the 512-bit kernel, which takes panels in pairs (an
+/// odd panel at a task's end runs at half its rate), so that every task but the matrix's last
+/// holds whole pairs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) struct Tasks {
     panels: usize,
+    unit: usize,
     threads: usize,
-    /// Panels in the front tiles, and how many tiles they make.
+    /// Units in the front tiles, and how many tiles they make.
     front: usize,
     n_front: usize,
     /// The tail's first size (half a tile), and its number of sizes (0: no tail).
@@ -149,13 +156,21 @@ pub(super) struct Tasks {
 }
 
 impl Tasks {
+    #[cfg(test)]
     pub(super) fn new(w: &Weight, threads: usize) -> Tasks {
+        Tasks::new_in(w, threads, 1)
+    }
+
+    /// The tasks for `threads` threads, in units of `unit` panels.
+    pub(super) fn new_in(w: &Weight, threads: usize, unit: usize) -> Tasks {
         let panels = w.rows.div_ceil(PANEL);
+        let unit = unit.max(1);
+        let units = panels.div_ceil(unit);
         let threads = threads.max(1);
-        let per = (tile_rows(w) / PANEL).max(1);
+        let per = (tile_rows(w) / PANEL / unit).max(1);
         let (tail_first, mut levels, mut tail) = (per / 2, 0, 0);
         // A tail only where the front keeps at least two tiles per thread.
-        if threads > 1 && panels >= 4 * threads * per {
+        if threads > 1 && units >= 4 * threads * per {
             let mut s = tail_first;
             while s >= 1 {
                 levels += 1;
@@ -163,9 +178,9 @@ impl Tasks {
                 s /= 2;
             }
         }
-        let front = panels - tail;
+        let front = units - tail;
         let n_front = front.div_ceil(per).next_multiple_of(threads).min(front);
-        Tasks { panels, threads, front, n_front, tail_first, levels }
+        Tasks { panels, unit, threads, front, n_front, tail_first, levels }
     }
 
     /// How many tasks there are.
@@ -175,6 +190,12 @@ impl Tasks {
 
     /// The panels of task `t` (`t < count()`).
     pub(super) fn panels(&self, t: usize) -> std::ops::Range<usize> {
+        let units = self.units(t);
+        (units.start * self.unit).min(self.panels)..(units.end * self.unit).min(self.panels)
+    }
+
+    /// The units of task `t`.
+    fn units(&self, t: usize) -> std::ops::Range<usize> {
         if t < self.n_front {
             return t * self.front / self.n_front..(t + 1) * self.front / self.n_front;
         }
@@ -304,9 +325,9 @@ pub(super) fn multiply(pool: &ThreadPool, w: &Weight, x: &[f32], b: usize, y: &m
     if b == 0 {
         return;
     }
-    let tasks = Tasks::new(w, pool.n_threads());
-    let yp = SyncPtr(y.as_mut_ptr());
     let kernel = Kernel::detect();
+    let tasks = Tasks::new_in(w, pool.n_threads(), kernel.panel_unit());
+    let yp = SyncPtr(y.as_mut_ptr());
     pool.run(tasks.count(), |t| {
         let p = tasks.panels(t);
         let (r0, r1) = (p.start * PANEL, (p.end * PANEL).min(n));
@@ -315,8 +336,8 @@ pub(super) fn multiply(pool: &ThreadPool, w: &Weight, x: &[f32], b: usize, y: &m
         let y = unsafe { std::slice::from_raw_parts_mut(yp.get(), b * n) };
         #[cfg(target_arch = "x86_64")]
         let mut cursor = match (warm, kernel) {
-            (Some(warm), Kernel::Avx2 | Kernel::Vnni) => {
-                let max = if kernel == Kernel::Vnni { avx2::VNNI_ROWS } else { avx2::AVX2_ROWS };
+            (Some(warm), Kernel::Avx2 | Kernel::Vnni | Kernel::Vnni512) => {
+                let max = if kernel == Kernel::Avx2 { avx2::AVX2_ROWS } else { avx2::VNNI_ROWS };
                 let blocks = (r1 - r0).div_ceil(PANEL) * (w.cols / QK) * avx2::chunks(b, max);
                 warm.cursor(&p, tasks.total(), blocks)
             }
@@ -340,12 +361,27 @@ pub(super) enum Kernel {
     Avx2,
     #[cfg(target_arch = "x86_64")]
     Vnni,
+    /// The VNNI kernel on 512-bit vectors (two panels per vector).
+    #[cfg(target_arch = "x86_64")]
+    Vnni512,
 }
 
 impl Kernel {
+    /// Panels the kernel takes at a time (see [`Tasks`]).
+    pub(super) fn panel_unit(self) -> usize {
+        #[cfg(target_arch = "x86_64")]
+        if self == Kernel::Vnni512 {
+            return 2;
+        }
+        1
+    }
+
     pub(super) fn detect() -> Kernel {
         #[cfg(target_arch = "x86_64")]
         {
+            if crate::has_vnni512() {
+                return Kernel::Vnni512;
+            }
             if crate::has_vnni() {
                 return Kernel::Vnni;
             }
@@ -393,7 +429,7 @@ fn tile_run_body(kernel: Kernel, w: &Weight, x: &[f32], act: &[ActBlock], y: &mu
             }
         }
         #[cfg(target_arch = "x86_64")]
-        Kernel::Avx2 | Kernel::Vnni => {
+        Kernel::Avx2 | Kernel::Vnni | Kernel::Vnni512 => {
             let p0 = r0 / PANEL;
             let p1 = r1.div_ceil(PANEL);
             let pb = nb * PANEL * w.format.block_bytes();
@@ -403,6 +439,16 @@ fn tile_run_body(kernel: Kernel, w: &Weight, x: &[f32], act: &[ActBlock], y: &mu
             unsafe {
                 let panels = avx2::Panels { ptr: w.data.as_ptr().add(p0 * pb), pb, np: p1 - p0, lanes_last: r1 - (p1 - 1) * PANEL };
                 let rows = avx2::Rows { acts: act.as_ptr(), nb, b, out: y.as_mut_ptr().add(p0 * PANEL), stride: n };
+                if kernel == Kernel::Vnni512 {
+                    return match w.format {
+                        WeightFormat::Q4_1 => simd512::tile_vnni512::<avx2::Q41>(panels, rows, warm),
+                        WeightFormat::Q4_0 => simd512::tile_vnni512::<avx2::Q40>(panels, rows, warm),
+                        WeightFormat::Q8_0 => simd512::tile_vnni512::<avx2::Q80>(panels, rows, warm),
+                        WeightFormat::Q4K => simd512::tile_vnni512::<avx2::Q4K>(panels, rows, warm),
+                        WeightFormat::Q6K => simd512::tile_vnni512::<avx2::Q6K>(panels, rows, warm),
+                        WeightFormat::F32 => unreachable!(),
+                    };
+                }
                 match (w.format, kernel == Kernel::Vnni) {
                     (WeightFormat::Q4_1, true) => avx2::tile_vnni::<avx2::Q41>(panels, rows, warm),
                     (WeightFormat::Q4_0, true) => avx2::tile_vnni::<avx2::Q40>(panels, rows, warm),

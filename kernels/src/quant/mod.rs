@@ -30,13 +30,16 @@
 //!
 //! Files: [`format`] (weight formats, panels and repacking), [`activation`] (int8 activation
 //! blocks), [`matmul`] (the driver: tiles on the pool, the scalar reference, kernel choice) and
-//! `simd` (the AVX2 / AVX-512 VNNI panel kernels).
+//! `simd` (the AVX2 / AVX-512 VNNI panel kernels on 256-bit vectors) and `simd512` (the VNNI
+//! kernel on 512-bit vectors, two panels per vector).
 
 mod activation;
 mod format;
 mod matmul;
 #[cfg(target_arch = "x86_64")]
 mod simd;
+#[cfg(target_arch = "x86_64")]
+mod simd512;
 #[cfg(test)]
 mod tests;
 

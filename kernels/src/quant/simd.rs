@@ -205,7 +205,7 @@ pub struct Rows {
 }
 
 impl Rows {
-    unsafe fn skip(self, i: usize) -> Rows {
+    pub(super) unsafe fn skip(self, i: usize) -> Rows {
         Rows { acts: self.acts.add(i * self.nb), b: self.b - i, out: self.out.add(i * self.stride), ..self }
     }
 }
@@ -273,7 +273,7 @@ impl WarmCursor {
 
     /// Prefetches this panel block's share of lines into L2.
     #[inline(always)]
-    unsafe fn step(&mut self) {
+    pub(super) unsafe fn step(&mut self) {
         for _ in 0..self.per_block {
             match self.next_line() {
                 Some(p) => _mm_prefetch::<_MM_HINT_T1>(p as *const i8),
@@ -297,11 +297,12 @@ macro_rules! rows {
         )*
     };
 }
+pub(super) use rows;
 
 /// The first `N` of `rows` against every panel, writing `out[i * stride + 8p + r]` for lanes
 /// `r < 8` (`< lanes_last` in the last panel).
 #[inline(always)]
-unsafe fn chunk<F: Fmt, const V: bool, const N: usize>(w: Panels, rows: Rows, prefetch: bool, warm: &mut WarmCursor) {
+pub(super) unsafe fn chunk<F: Fmt, const V: bool, const N: usize>(w: Panels, rows: Rows, prefetch: bool, warm: &mut WarmCursor) {
     let Panels { ptr: panels, pb, np, lanes_last } = w;
     let Rows { acts, nb, out, stride, .. } = rows;
     debug_assert!(rows.b >= N);
@@ -474,7 +475,7 @@ pub unsafe fn tile_avx2<F: Fmt>(w: Panels, rows: Rows, warm: &mut WarmCursor) {
 pub const AVX2_ROWS: usize = 4;
 
 /// How far ahead (in panel blocks) the kernel prefetches weights.
-const PREFETCH_BLOCKS: usize = 4;
+pub(super) const PREFETCH_BLOCKS: usize = 4;
 
 /// Activation rows per chunk in the VNNI kernel.
 pub const VNNI_ROWS: usize = 8;

@@ -146,6 +146,9 @@ fn assert_every_kernel_gives(w: &Weight, x: &[f32], act: &[ActBlock], b: usize, 
         if crate::has_vnni() {
             kernels.push(Kernel::Vnni);
         }
+        if crate::can_vnni512() {
+            kernels.push(Kernel::Vnni512);
+        }
     }
     let rows = w.rows;
     let split = rows.min(PANEL);
@@ -402,6 +405,13 @@ fn tiles_split_evenly_and_change_no_value() {
                 assert_eq!(tail.last(), Some(&1), "{rows}x{cols}, {threads} threads: no tail down to one panel: {sizes:?}");
                 assert_eq!(tail.len() % threads, 0, "{sizes:?}");
             }
+            // In pairs of panels (the 512-bit kernel's unit): every task starts on a pair and
+            // all but the last hold whole pairs, covering every panel once.
+            let pairs = Tasks::new_in(&w, threads, 2);
+            let ranges: Vec<std::ops::Range<usize>> = (0..pairs.count()).map(|t| pairs.panels(t)).collect();
+            assert!(ranges.iter().all(|r| r.end > r.start && r.start % 2 == 0), "{rows}x{cols}, {threads} threads, pairs: {ranges:?}");
+            assert!(ranges.windows(2).all(|p| p[0].end == p[1].start && p[0].len() % 2 == 0), "{rows}x{cols}, pairs: {ranges:?}");
+            assert_eq!((ranges[0].start, ranges.last().unwrap().end), (0, panels), "{rows}x{cols}, pairs: {ranges:?}");
         }
         let b = 16;
         let x = rand_vec(&mut rng, b * cols);
