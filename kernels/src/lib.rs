@@ -68,17 +68,39 @@ cpu_feature! {
     has_vnni512 => can_vnni512() && !amd_family_19h() && std::env::var_os("ZEROLAYER_NO_VNNI512").is_none()
 }
 
-/// Whether this is an AMD CPU of family 19h (Zen 3 and Zen 4), from CPUID.
+/// The CPU's vendor string and family, from CPUID (leaves 0 and 1).
 #[cfg(target_arch = "x86_64")]
-fn amd_family_19h() -> bool {
+fn vendor_family() -> ([u8; 12], u32) {
     use std::arch::x86_64::__cpuid;
     #[allow(unused_unsafe)]
     // SAFETY: CPUID leaves 0 and 1 exist on every x86-64 CPU.
     let (v, f) = unsafe { (__cpuid(0), __cpuid(1)) };
-    let vendor = [v.ebx.to_le_bytes(), v.edx.to_le_bytes(), v.ecx.to_le_bytes()].concat();
+    let mut vendor = [0u8; 12];
+    for (i, r) in [v.ebx, v.edx, v.ecx].iter().enumerate() {
+        vendor[4 * i..4 * i + 4].copy_from_slice(&r.to_le_bytes());
+    }
     let base = (f.eax >> 8) & 0xF;
-    let family = if base == 0xF { base + ((f.eax >> 20) & 0xFF) } else { base };
-    vendor == b"AuthenticAMD" && family == 0x19
+    (vendor, if base == 0xF { base + ((f.eax >> 20) & 0xFF) } else { base })
+}
+
+/// Whether this is an AMD CPU of family 19h (Zen 3 and Zen 4).
+#[cfg(target_arch = "x86_64")]
+fn amd_family_19h() -> bool {
+    let (vendor, family) = vendor_family();
+    &vendor == b"AuthenticAMD" && family == 0x19
+}
+
+cpu_feature! {
+    /// Whether prefetching the next layer's KV during a layer's projections (the engine's KV
+    /// warming, a cache hint that changes no value) is expected to pay on this CPU: on AMD
+    /// (measured +14–20% at 16 sequences on Zen 3 and Zen 4), not elsewhere (on an Intel Xeon
+    /// the prefetches held the matmul back: −9%; BENCHMARKS "An Intel Xeon host").
+    /// `ZEROLAYER_KV_WARM=1` or `ZEROLAYER_NO_KV_WARM=1` decide it instead (for A/B runs).
+    kv_warming_pays => match (std::env::var_os("ZEROLAYER_KV_WARM"), std::env::var_os("ZEROLAYER_NO_KV_WARM")) {
+        (_, Some(_)) => false,
+        (Some(_), None) => true,
+        (None, None) => &vendor_family().0 == b"AuthenticAMD",
+    }
 }
 
 cpu_feature! {

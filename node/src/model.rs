@@ -133,11 +133,10 @@ pub(crate) fn recycle<T, U>(mut v: Vec<T>) -> Vec<U> {
     v.into_iter().map(|_| unreachable!("the vector is empty")).collect()
 }
 
-/// Whether batched steps warm the next layer's KV during a layer's projections (on unless
-/// `ZEROLAYER_NO_KV_WARM` is set, for A/B benchmarks; no value depends on it).
+/// Whether batched steps warm the next layer's KV during a layer's projections: where it pays
+/// on this CPU (`zerolayer_kernels::kv_warming_pays`; no value depends on it).
 fn kv_warming() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var_os("ZEROLAYER_NO_KV_WARM").is_none())
+    zerolayer_kernels::kv_warming_pays()
 }
 
 impl Layer {
