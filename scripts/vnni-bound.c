@@ -45,6 +45,13 @@ static void dp_cvt(long n) {
     for (long i = 0; i < n; i++)
         __asm__ volatile(DP(0) DP(1) CVT(8) DP(2) DP(3) CVT(9) DP(4) DP(5) CVT(10) DP(6) DP(7) CVT(11) ::: CLOB);
 }
+// The same on 512-bit vectors: where a 512-bit instruction runs at the 256-bit rate (two
+// full-width ports, as on Intel Xeon), the 512-bit kernel (kernels/src/quant/simd512.rs) does
+// twice the work per instruction; Zen 4 splits it over its 256-bit pipes.
+#define DPZ(r) "vpdpbusd %%zmm14, %%zmm15, %%zmm" #r "\n\t"
+#define MULZ(r) "vmulps %%zmm14, %%zmm" #r ", %%zmm" #r "\n\t"
+static void dpz(long n) { for (long i = 0; i < n; i++) __asm__ volatile(TWELVE(DPZ) ::: CLOB); }
+static void mulz(long n) { for (long i = 0; i < n; i++) __asm__ volatile(TWELVE(MULZ) ::: CLOB); }
 static double rate(void (*f)(long)) {
     double best = 1e9;
     for (int r = 0; r < 3; r++) {
@@ -108,6 +115,7 @@ int main(void) {
     printf("part 1: instructions per ns (12 independent chains)\n");
     double d = rate(dp), m = rate(mul), a = rate(add), c = rate(cvt);
     printf("  vpdpbusd %.2f, vmulps %.2f, vaddps %.2f, vcvtdq2ps %.2f\n", d, m, a, c);
+    printf("  512-bit: vpdpbusd %.2f, vmulps %.2f (each twice a 256-bit one's work)\n", rate(dpz), rate(mulz));
     struct { const char *name; void (*f)(long); double other; } mixes[] = {
         {"8 vpdpbusd + 4 vmulps", dp_mul, m}, {"8 vpdpbusd + 4 vaddps", dp_add, a}, {"8 vpdpbusd + 4 vcvtdq2ps", dp_cvt, c}};
     for (int i = 0; i < 3; i++) {
