@@ -337,7 +337,11 @@ pub(super) fn multiply(pool: &ThreadPool, w: &Weight, x: &[f32], b: usize, y: &m
         #[cfg(target_arch = "x86_64")]
         let mut cursor = match (warm, kernel) {
             (Some(warm), Kernel::Avx2 | Kernel::Vnni | Kernel::Vnni512) => {
-                let max = if kernel == Kernel::Avx2 { avx2::AVX2_ROWS } else { avx2::VNNI_ROWS };
+                let max = match kernel {
+                    Kernel::Avx2 => avx2::AVX2_ROWS,
+                    Kernel::Vnni512 => simd512::VNNI512_ROWS,
+                    _ => avx2::VNNI_ROWS,
+                };
                 let blocks = (r1 - r0).div_ceil(PANEL) * (w.cols / QK) * avx2::chunks(b, max);
                 warm.cursor(&p, tasks.total(), blocks)
             }

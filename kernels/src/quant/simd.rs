@@ -286,7 +286,7 @@ impl WarmCursor {
 /// Runs `$body` with `$i` = 0, 1, … `$n - 1` (`$n` ≤ 8, a constant), unrolled.
 macro_rules! rows {
     ($n:expr, $i:ident, $body:block) => {
-        rows!(@ $n, $i, $body, 0, 1, 2, 3, 4, 5, 6, 7)
+        rows!(@ $n, $i, $body, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
     };
     (@ $n:expr, $i:ident, $body:block, $($k:literal),*) => {
         $(
@@ -454,12 +454,28 @@ unsafe fn tile_body<F: Fmt, const V: bool, const MAX: usize>(w: Panels, rows: Ro
     }
 }
 
-/// How many chunks [`tile_body`] splits `b` rows into, with chunks of at most `max`.
+/// The rows of the next chunk when `b` rows are left and chunks hold at most `max`: `max`,
+/// then 8 (below a larger `max`), 4, 2, 1.
+pub(super) fn chunk_rows(b: usize, max: usize) -> usize {
+    if b >= max {
+        max
+    } else if b >= 8 && max > 8 {
+        8
+    } else if b >= 4 {
+        4
+    } else if b >= 2 {
+        2
+    } else {
+        1
+    }
+}
+
+/// How many chunks [`tile_body`] (or the 512-bit kernel's) splits `b` rows into, with chunks
+/// of at most `max`.
 pub fn chunks(b: usize, max: usize) -> usize {
     let (mut i, mut n) = (0, 0);
     while i < b {
-        let r = b - i;
-        i += if r >= max { max } else if r >= 4 { 4 } else if r >= 2 { 2 } else { 1 };
+        i += chunk_rows(b - i, max);
         n += 1;
     }
     n

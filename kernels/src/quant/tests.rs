@@ -205,7 +205,7 @@ fn kernels_equal_scalar_bit_for_bit() {
             let gguf = quantize_gguf(format, &rand_vec(&mut rng, rows * cols));
             let w = Weight::new(format, rows, cols, gguf.clone());
             let rb = nb * format.block_bytes();
-            for b in [1usize, 2, 3, 4, 5, 8, 9, 13, 17] {
+            for b in [1usize, 2, 3, 4, 5, 8, 9, 13, 17, 24, 33] {
                 let x = rand_vec(&mut rng, b * cols);
                 let act = quantize_rows(&x, cols);
                 let want: Vec<u32> = (0..b * rows)
@@ -245,7 +245,7 @@ fn k_quant_kernels_agree() {
         for &(rows, cols) in &[(8usize, 256usize), (13, 512), (27, 256)] {
             let w = random_k(&mut rng, format, rows, cols);
             let nb = cols / QK;
-            for b in [1usize, 2, 3, 5, 8, 9, 17] {
+            for b in [1usize, 2, 3, 5, 8, 9, 17, 33] {
                 let x = rand_vec(&mut rng, b * cols);
                 let act = quantize_rows(&x, cols);
                 let want: Vec<u32> = (0..b * rows).map(|o| dot_block_row(&w, o % rows, &act[(o / rows) * nb..(o / rows + 1) * nb]).to_bits()).collect();
