@@ -60,12 +60,28 @@ cpu_feature! {
 }
 
 cpu_feature! {
-    /// Whether the matmul runs its 512-bit VNNI kernel: where it can, except on AMD family 19h
-    /// (Zen 4), which splits every 512-bit operation over its two 256-bit pipes, so the 256-bit
-    /// kernel (measured at its issue bound there) is kept. CPUs with full 512-bit pipes (Intel
-    /// Xeon, AMD Zen 5) do twice the arithmetic per instruction. Setting `ZEROLAYER_NO_VNNI512`
-    /// turns it off (for A/B benchmarks; results are identical either way).
-    has_vnni512 => can_vnni512() && !amd_family_19h() && std::env::var_os("ZEROLAYER_NO_VNNI512").is_none()
+    /// Whether the matmul may run its 512-bit VNNI kernel: where it can, unless
+    /// `ZEROLAYER_NO_VNNI512` is set (for A/B benchmarks; results are identical either way).
+    /// [`vnni512_min_rows`] says from how many activation rows it runs.
+    has_vnni512 => can_vnni512() && std::env::var_os("ZEROLAYER_NO_VNNI512").is_none()
+}
+
+/// The fewest activation rows (sequences in a decode step, tokens in a prefill chunk) for
+/// which the matmul takes its 512-bit VNNI kernel over the 256-bit one, where
+/// [`has_vnni512`]. CPUs with full 512-bit pipes (Intel Xeon, AMD Zen 5) do twice the
+/// arithmetic per instruction: from 1 row. AMD family 19h (Zen 4) splits every 512-bit
+/// operation over its two 256-bit pipes: there the 512-bit kernel pays only where a decoded
+/// block of two panels feeds several rows (in chunks of 16), and runs batch-1 at about 0.6×
+/// the 256-bit kernel, so from 8 rows (BENCHMARKS "The 512-bit matmul on Zen 4").
+/// `ZEROLAYER_VNNI512_ROWS=N` sets it instead (for A/B benchmarks; results are identical).
+pub fn vnni512_min_rows() -> usize {
+    static ROWS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *ROWS.get_or_init(|| match std::env::var("ZEROLAYER_VNNI512_ROWS").ok().and_then(|v| v.parse().ok()) {
+        Some(n) => n,
+        #[cfg(target_arch = "x86_64")]
+        None if amd_family_19h() => 8,
+        None => 1,
+    })
 }
 
 /// The CPU's vendor string and family, from CPUID (leaves 0 and 1).

@@ -325,7 +325,7 @@ pub(super) fn multiply(pool: &ThreadPool, w: &Weight, x: &[f32], b: usize, y: &m
     if b == 0 {
         return;
     }
-    let kernel = Kernel::detect();
+    let kernel = Kernel::detect(b);
     let tasks = Tasks::new_in(w, pool.n_threads(), kernel.panel_unit());
     let yp = SyncPtr(y.as_mut_ptr());
     pool.run(tasks.count(), |t| {
@@ -380,10 +380,11 @@ impl Kernel {
         1
     }
 
-    pub(super) fn detect() -> Kernel {
+    /// The kernel for a product with `b` activation rows on this CPU.
+    pub(super) fn detect(b: usize) -> Kernel {
         #[cfg(target_arch = "x86_64")]
         {
-            if crate::has_vnni512() {
+            if crate::has_vnni512() && b >= crate::vnni512_min_rows() {
                 return Kernel::Vnni512;
             }
             if crate::has_vnni() {

@@ -6,8 +6,9 @@
 //!
 //! Where it pays: CPUs with two full 512-bit pipes (Intel Xeon since Skylake-SP, AMD Zen 5) run
 //! a 512-bit `vpdpbusd` or `vmulps` at the rate of a 256-bit one, so the arithmetic bound of the
-//! batched matmul doubles. Zen 4 splits each 512-bit operation over its two 256-bit pipes and
-//! gains nothing; it keeps the 256-bit kernel (`crate::has_vnni512`).
+//! batched matmul doubles. Zen 4 splits each 512-bit operation over its two 256-bit pipes: there
+//! it pays only with several rows per decoded block (16-row chunks decode each block once per
+//! 16-sequence step), and batch-1 keeps the 256-bit kernel (`crate::vnni512_min_rows`).
 use super::activation::ActBlock;
 use super::format::{PANEL, QK};
 use super::simd::{self, rows, Fmt, Panels, Rows, WarmCursor};
