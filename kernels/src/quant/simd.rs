@@ -283,7 +283,7 @@ impl WarmCursor {
     }
 }
 
-/// Runs `$body` with `$i` = 0, 1, … `$n - 1` (`$n` ≤ 8, a constant), unrolled.
+/// Runs `$body` with `$i` = 0, 1, … `$n - 1` (`$n` ≤ 16, a constant), unrolled.
 macro_rules! rows {
     ($n:expr, $i:ident, $body:block) => {
         rows!(@ $n, $i, $body, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
@@ -431,26 +431,25 @@ unsafe fn block_term<F: Fmt>(si: __m256i, dw: __m256, mw: __m256, a: &ActBlock, 
     }
 }
 
-/// All rows in chunks of `MAX` (then 4, 2, 1), each chunk against every panel of the tile
-/// while the tile's weights stay in L1.
+/// All rows in chunks of `MAX` (then 4, 2, 1, as [`chunk_rows`] says), each chunk against
+/// every panel of the tile while the tile's weights stay in L1.
 #[inline(always)]
 unsafe fn tile_body<F: Fmt, const V: bool, const MAX: usize>(w: Panels, rows: Rows, warm: &mut WarmCursor) {
+    const { assert!(MAX == 4 || MAX == 8) };
     let mut i = 0;
     while i < rows.b {
         let (r, first) = (rows.skip(i), i == 0);
-        i += if r.b >= MAX {
-            chunk::<F, V, MAX>(w, r, first, warm);
-            MAX
-        } else if r.b >= 4 {
-            chunk::<F, V, 4>(w, r, first, warm);
-            4
-        } else if r.b >= 2 {
-            chunk::<F, V, 2>(w, r, first, warm);
-            2
+        let n = chunk_rows(r.b, MAX);
+        if n == MAX {
+            chunk::<F, V, MAX>(w, r, first, warm)
+        } else if n == 4 {
+            chunk::<F, V, 4>(w, r, first, warm)
+        } else if n == 2 {
+            chunk::<F, V, 2>(w, r, first, warm)
         } else {
-            chunk::<F, V, 1>(w, r, first, warm);
-            1
-        };
+            chunk::<F, V, 1>(w, r, first, warm)
+        }
+        i += n;
     }
 }
 
@@ -503,5 +502,5 @@ pub unsafe fn tile_vnni<F: Fmt>(w: Panels, rows: Rows, warm: &mut WarmCursor) {
 }
 
 const _: () = assert!(QK == 32 && PANEL == 8);
-// `rows!` unrolls at most 8.
-const _: () = assert!(VNNI_ROWS <= 8);
+// `rows!` unrolls at most 16.
+const _: () = assert!(VNNI_ROWS <= 16);

@@ -178,7 +178,8 @@ pub const VNNI512_ROWS: usize = 16;
 /// How many panel blocks ahead the first chunk prefetches each panel of a pair: twice the
 /// 256-bit kernel's distance, as a block here takes half its time. Engine side by side on an
 /// Intel Xeon (Emerald Rapids), 1 thread each: 8 blocks ahead against 4, 16 sequences 0.98-1.07
-/// (4 pairs) and batch-1 1.13-1.20 (4 pairs); 16 blocks no better.
+/// (4 pairs) and batch-1 1.13-1.20 (4 pairs); 16 blocks no better. On Zen 4, where a block takes
+/// as long as the 256-bit kernel's, 4 blocks ahead measured no better than 8 (BENCHMARKS).
 const PREFETCH_BLOCKS: usize = 8;
 
 /// The AVX-512 VNNI panel kernel on 512-bit vectors.
