@@ -6,7 +6,9 @@
 //! - Contiguity: the free set knows the KV cache's layout groups
 //!   ([`zerolayer_kernels::attention::run_group`]), and [`BlockPool::allocate_after`] gives a
 //!   growing sequence the next block of its group, so its K/V per head stay in long runs
-//!   (`free`).
+//!   (`free`). Once the pool is full of cached blocks, it frees a whole group (the oldest
+//!   cached block's) rather than one block at a time, so the runs survive a long-running
+//!   server's first fill.
 //! - Reference counts: a block shared by several sequences (a common prefix) is freed only
 //!   when the last one releases it.
 //! - Prefix caching: a *full* block is registered under the chained hash of its tokens
@@ -206,9 +208,68 @@ impl BlockPool {
     /// As [`Self::allocate`], for a sequence whose last block is `prev` (`None`: its first):
     /// the block after `prev` in its layout group when that is free, else the first of a
     /// wholly free group, so the sequence's K/V stay in long runs (see `free`).
+    ///
+    /// Once the pool has filled with cached blocks (every full block is cached, so a serving
+    /// pool gets there after its first few thousand blocks of traffic), no group is wholly
+    /// free and evicting one cached block at a time would hand sequences growing in turns
+    /// alternate blocks (runs of one block). Then a whole group is made free instead: the
+    /// least recently used cached block's group, with every other cached block in it, when no
+    /// block of that group is referenced or pinned ([`Self::evict_group`]). Those blocks are
+    /// the LRU's oldest, or were released with it (a sequence holds whole groups), and a chain
+    /// of cached blocks is only reusable up to its first evicted block anyway.
     pub fn allocate_after(&mut self, prev: Option<BlockId>) -> Option<BlockId> {
-        let b = self.free.take_after(prev);
+        if let Some(b) = self.free.take_grouped(prev) {
+            return self.take(Some(b));
+        }
+        if self.evict_group() {
+            let b = self.free.take_grouped(prev);
+            debug_assert!(b.is_some(), "an evicted group is wholly free");
+            return self.take(b);
+        }
+        let b = self.free.pop();
         self.take(b)
+    }
+
+    /// How far down the LRU list [`Self::evict_group`] looks for a group it may free whole, in
+    /// groups' worth of blocks: a bound on the work per allocation.
+    const EVICT_SCAN_GROUPS: usize = 4;
+
+    /// Frees a whole layout group by evicting its cached blocks: the group of the first LRU
+    /// block (oldest first, within [`Self::EVICT_SCAN_GROUPS`] groups' worth of the list) whose
+    /// group holds only free and LRU blocks. False, and nothing evicted, when there is none
+    /// (or groups are single blocks).
+    fn evict_group(&mut self) -> bool {
+        let group = self.free.group();
+        if group == 1 {
+            return false;
+        }
+        let n = self.num_blocks();
+        let mut cur = self.lru_head;
+        for _ in 0..Self::EVICT_SCAN_GROUPS * group {
+            if cur == NIL {
+                return false;
+            }
+            let g = cur as usize / group;
+            let blocks = g * group..((g + 1) * group).min(n);
+            if blocks.clone().all(|i| matches!(self.place[i], Place::Free | Place::Lru)) {
+                let mut hashes = vec![];
+                for i in blocks {
+                    if self.place[i] != Place::Lru {
+                        continue;
+                    }
+                    self.lru_unlink(i as BlockId);
+                    let h = self.hash[i].take().expect("LRU block has a hash");
+                    self.cached.remove(&h);
+                    hashes.push(h);
+                    self.place[i] = Place::Free;
+                    self.free.push(i as BlockId);
+                }
+                self.push_event(KvEvent::Evicted { hashes });
+                return true;
+            }
+            cur = self.next[cur as usize];
+        }
+        false
     }
 
     /// Hands out `free` (a block just taken from the free set), else evicts the least recently
@@ -407,160 +468,4 @@ impl BlockPool {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use proptest::prelude::*;
-
-    #[test]
-    fn cached_blocks_survive_release_until_evicted_lru_first() {
-        let mut p = BlockPool::new(3, 16);
-        let a = p.allocate().unwrap();
-        let b = p.allocate().unwrap();
-        assert!(p.register(a, 11));
-        assert!(p.register(b, 22));
-        p.release(a);
-        p.release(b);
-        assert_eq!(p.num_free(), 3);
-        assert_eq!(p.lookup(11), Some(a));
-        // Reuse b: it leaves the LRU list.
-        p.acquire(b);
-        let c = p.allocate().unwrap(); // the plain free block
-        let d = p.allocate().unwrap(); // evicts a (the only LRU entry)
-        assert_eq!(d, a);
-        assert_eq!(p.lookup(11), None);
-        assert!(p.allocate().is_none());
-        let (ev, overflow) = p.drain_events();
-        assert!(!overflow);
-        assert_eq!(ev, vec![KvEvent::Stored { hashes: vec![11, 22] }, KvEvent::Evicted { hashes: vec![11] }]);
-        p.release(c);
-        p.release(d);
-        p.release(b);
-        p.check_invariants();
-    }
-
-    #[test]
-    fn a_pinned_block_outlives_lru_pressure_until_its_pin_expires() {
-        let mut p = BlockPool::new(4, 16);
-        p.set_max_pinned(1);
-        let a = p.allocate().unwrap();
-        assert!(!p.pin(a, 100), "an uncached block cannot be pinned");
-        assert!(p.register(a, 7));
-        assert!(p.pin(a, 100));
-        p.release(a);
-        assert_eq!(p.num_free(), 3, "a pinned block is not free");
-        // A flood: every other block is allocated, cached, released and reused again and again.
-        for round in 0..10u64 {
-            let bs: Vec<_> = (0..3).map(|_| p.allocate().unwrap()).collect();
-            assert!(p.allocate().is_none(), "the pinned block is never handed out");
-            for (k, &b) in bs.iter().enumerate() {
-                p.register(b, 1000 + round * 10 + k as u64);
-                assert!(!p.pin(b, 100), "the pinned share (1 block) is full");
-                p.release(b);
-            }
-            p.check_invariants();
-        }
-        assert_eq!(p.lookup(7), Some(a));
-        // A hit refreshes the pin: reused and pinned again until 200.
-        p.acquire(a);
-        assert!(p.pin(a, 200));
-        p.release(a);
-        p.expire_pins(150);
-        assert_eq!(p.num_pinned(), 1);
-        p.expire_pins(200);
-        assert_eq!(p.num_pinned(), 0);
-        assert_eq!(p.num_free(), 4);
-        p.check_invariants();
-        // Running work that needs the room takes it from idle pins.
-        p.acquire(a);
-        assert!(p.pin(a, 300));
-        p.release(a);
-        assert_eq!((p.num_free(), p.unpin_idle(), p.num_free(), p.num_pinned()), (3, 1, 4, 0));
-        p.check_invariants();
-        // Unpinned, it is evictable like any other (the LRU's newest, so evicted last).
-        let all: Vec<_> = (0..4).map(|_| p.allocate().unwrap()).collect();
-        assert!(all.contains(&a) && p.lookup(7).is_none());
-        p.check_invariants();
-    }
-
-    #[derive(Debug, Clone)]
-    enum Op {
-        Alloc,
-        /// `allocate_after` the held block at this index (none when nothing is held).
-        AllocAfter(usize),
-        Share(usize),
-        Release(usize),
-        Register(usize, u8),
-        Reuse(u8),
-    }
-
-    fn op() -> impl Strategy<Value = Op> {
-        prop_oneof![
-            3 => Just(Op::Alloc),
-            3 => any::<usize>().prop_map(Op::AllocAfter),
-            2 => any::<usize>().prop_map(Op::Share),
-            3 => any::<usize>().prop_map(Op::Release),
-            2 => (any::<usize>(), any::<u8>()).prop_map(|(i, h)| Op::Register(i, h)),
-            2 => any::<u8>().prop_map(Op::Reuse),
-        ]
-    }
-
-    proptest! {
-        #![proptest_config(ProptestConfig::with_cases(256))]
-        /// Random alloc/share/release/register/reuse/evict sequences never leak a block,
-        /// double-free one, or break a refcount; releasing everything returns every block.
-        #[test]
-        fn pool_invariants_hold(ops in proptest::collection::vec(op(), 1..300), n in 1usize..12, bs in prop_oneof![Just(4usize), Just(16)]) {
-            let mut p = BlockPool::new(n, bs);
-            // Our model of who holds references: one entry per reference.
-            let mut held: Vec<BlockId> = vec![];
-            for o in ops {
-                match o {
-                    Op::Alloc => {
-                        match p.allocate() {
-                            Some(b) => { prop_assert_eq!(p.refcount(b), 1); held.push(b) }
-                            None => prop_assert_eq!(p.num_free(), 0),
-                        }
-                    }
-                    Op::AllocAfter(i) => {
-                        let prev = (!held.is_empty()).then(|| held[i % held.len()]);
-                        match p.allocate_after(prev) {
-                            Some(b) => { prop_assert_eq!(p.refcount(b), 1); held.push(b) }
-                            None => prop_assert_eq!(p.num_free(), 0),
-                        }
-                    }
-                    Op::Share(i) if !held.is_empty() => {
-                        let b = held[i % held.len()];
-                        p.acquire(b);
-                        held.push(b);
-                    }
-                    Op::Release(i) if !held.is_empty() => {
-                        let b = held.swap_remove(i % held.len());
-                        p.release(b);
-                    }
-                    Op::Register(i, h) if !held.is_empty() => {
-                        let b = held[i % held.len()];
-                        p.register(b, h as u64 + 1);
-                    }
-                    Op::Reuse(h) => {
-                        if let Some(b) = p.lookup(h as u64 + 1) {
-                            p.acquire(b);
-                            held.push(b);
-                        }
-                    }
-                    _ => {}
-                }
-                p.check_invariants();
-                for b in 0..n as u32 {
-                    let refs = held.iter().filter(|&&x| x == b).count() as u32;
-                    prop_assert_eq!(p.refcount(b), refs, "refcount of {}", b);
-                }
-                prop_assert_eq!(p.num_free() + held.iter().collect::<std::collections::HashSet<_>>().len(), n);
-            }
-            for b in held.drain(..) {
-                p.release(b);
-            }
-            p.check_invariants();
-            prop_assert_eq!(p.num_free(), n);
-        }
-    }
-}
+mod tests;

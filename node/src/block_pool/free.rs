@@ -96,7 +96,19 @@ impl FreeBlocks {
     /// A free block for a sequence whose last block is `prev` (`None`: it has none yet): the
     /// block after `prev` in the same group, else the first block of a wholly free group, else
     /// any free block.
+    #[cfg(test)]
     pub(super) fn take_after(&mut self, prev: Option<u32>) -> Option<u32> {
+        self.take_grouped(prev).or_else(|| self.pop())
+    }
+
+    /// Blocks per group.
+    pub(super) fn group(&self) -> usize {
+        self.group
+    }
+
+    /// The block after `prev` in the same group, else the first block of a wholly free group
+    /// (with groups of one: any free block); `None` when neither is free.
+    pub(super) fn take_grouped(&mut self, prev: Option<u32>) -> Option<u32> {
         if self.group == 1 {
             return self.pop();
         }
@@ -116,7 +128,7 @@ impl FreeBlocks {
                 return Some(b as u32);
             }
         }
-        self.pop()
+        None
     }
 
     /// Checks the set's own bookkeeping against `is_free` (the pool's view); panics on the
