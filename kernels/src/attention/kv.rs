@@ -63,8 +63,12 @@ pub fn kv_from_bytes<E: KvElement>(dst: &mut [E], bytes: &[u8]) {
 }
 
 /// Positions of one KV head that a sequence's consecutive blocks keep in one contiguous run
-/// (see [`KvLayout::group`]): 4 KiB at head size 64 in f32.
-pub const RUN_POSITIONS: usize = 16;
+/// (see [`KvLayout::group`]): 16 KiB at head size 64 in f32. Runs of 64 positions against 16
+/// (engine side by side, 16 sequences at 110-token prompts, 256 generated): 1.03–1.28, ahead
+/// in 6 of 6; 128 and 256 gained a further 3–5%, but each group a sequence starts is a whole
+/// free group, and larger groups run out sooner in a full cache (BENCHMARKS "KV runs of 64
+/// positions").
+pub const RUN_POSITIONS: usize = 64;
 
 /// Geometry of one layer's cache.
 ///
@@ -84,8 +88,8 @@ pub struct KvLayout {
     pub group: usize,
 }
 
-/// Blocks per group for `block_size`: enough for runs of [`RUN_POSITIONS`] positions (4 at the
-/// default block size of 4; 1 from 16 up). The block pool groups its free blocks by the same
+/// Blocks per group for `block_size`: enough for runs of [`RUN_POSITIONS`] positions (16 at
+/// the default block size of 4; 1 from 64 up). The block pool groups its free blocks by the same
 /// count, so the two agree.
 pub fn run_group(block_size: usize) -> usize {
     (RUN_POSITIONS / block_size.max(1)).max(1)

@@ -227,9 +227,9 @@ mod tests {
             assert_ne!(other, bytes, "{dtype}: blocks differ");
             if dtype == KvDtype::F32 {
                 // The bytes are block 5's values as `[layer][K, then V][kv_head][slot][dim]`,
-                // whatever group the layout keeps it in (4 blocks here, so block 5 is not
-                // contiguous in the arrays).
-                assert_eq!(a.layout.group, 4);
+                // whatever group the layout keeps it in (several blocks here, so block 5 is
+                // not contiguous in the arrays).
+                assert!(a.layout.group > 1, "{:?}", a.layout);
                 let mut want = Vec::new();
                 for l in 0..3 {
                     for sign in [1.0f32, -1.0] {
