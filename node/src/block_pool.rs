@@ -6,9 +6,9 @@
 //! - Contiguity: the free set knows the KV cache's layout groups
 //!   ([`zerolayer_kernels::attention::run_group`]), and [`BlockPool::allocate_after`] gives a
 //!   growing sequence the next block of its group, so its K/V per head stay in long runs
-//!   (`free`). Once the pool is full of cached blocks, it frees a whole group (the oldest
-//!   cached block's) rather than one block at a time, so the runs survive a long-running
-//!   server's first fill.
+//!   (`free`). Once the pool is full of cached blocks, it evicts a whole group (the first near
+//!   the LRU's head that no sequence holds or pins) rather than one block at a time, so the
+//!   runs survive a long-running server's first fill.
 //! - Reference counts: a block shared by several sequences (a common prefix) is freed only
 //!   when the last one releases it.
 //! - Prefix caching: a *full* block is registered under the chained hash of its tokens
@@ -254,15 +254,11 @@ impl BlockPool {
             if blocks.clone().all(|i| matches!(self.place[i], Place::Free | Place::Lru)) {
                 let mut hashes = vec![];
                 for i in blocks {
-                    if self.place[i] != Place::Lru {
-                        continue;
+                    if self.place[i] == Place::Lru {
+                        hashes.push(self.uncache(i as BlockId));
+                        self.place[i] = Place::Free;
+                        self.free.push(i as BlockId);
                     }
-                    self.lru_unlink(i as BlockId);
-                    let h = self.hash[i].take().expect("LRU block has a hash");
-                    self.cached.remove(&h);
-                    hashes.push(h);
-                    self.place[i] = Place::Free;
-                    self.free.push(i as BlockId);
                 }
                 self.push_event(KvEvent::Evicted { hashes });
                 return true;
@@ -279,9 +275,7 @@ impl BlockPool {
             b
         } else if self.lru_head != NIL {
             let b = self.lru_head;
-            self.lru_unlink(b);
-            let h = self.hash[b as usize].take().expect("LRU block has a hash");
-            self.cached.remove(&h);
+            let h = self.uncache(b);
             self.push_event(KvEvent::Evicted { hashes: vec![h] });
             b
         } else {
@@ -291,6 +285,15 @@ impl BlockPool {
         self.refcount[b as usize] = 1;
         self.place[b as usize] = Place::Used;
         Some(b)
+    }
+
+    /// Takes LRU block `b` off the LRU list and out of the prefix index; returns its hash (for
+    /// the caller's `Evicted` event). The caller gives the block its next place.
+    fn uncache(&mut self, b: BlockId) -> u64 {
+        self.lru_unlink(b);
+        let h = self.hash[b as usize].take().expect("LRU block has a hash");
+        self.cached.remove(&h);
+        h
     }
 
     /// The cached block holding the prefix named by `hash`, if any.
