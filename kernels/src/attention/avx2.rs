@@ -19,6 +19,7 @@ use std::arch::x86_64::*;
 
 use super::kv::{KvElement, KvView, Query, Scratch, MAX_GROUP};
 use super::portable::dot8_fma;
+use crate::ops::avx2::{exp8, exp8_wide};
 use crate::ops::exp_fast;
 
 /// Positions of V per run: 16 × 64 × 4 B = 4 KiB at head size 64, well inside L1.
@@ -79,10 +80,14 @@ unsafe fn attend<E: KvElement, const MAXG: usize>(kv: &KvView<'_, E>, query: &Qu
     }
     assert_eq!(offsets.len(), n, "block table too short");
     let offsets = &offsets[..];
-    // Scores, 8 keys at a time: 8 independent FMA chains (one per key), then an 8×8 transpose
-    // so each key's horizontal sum runs in a lane, in `dot8_fma`'s exact order
+    // Scores, 8 keys at a time: 8 independent FMA chains (one per key), then each key's
+    // horizontal sum in a lane of one vector (`reduce8`), in `dot8_fma`'s exact order
     // ((l0+l4) + (l2+l6)) + ((l1+l5) + (l3+l7)). The 8 keys may span blocks (any block size).
+    // Each head's maximum is kept per lane as its scores are stored (`maxps(s, m)` keeps `m`
+    // unless `s > m`, the scalar comparison: the maximum does not depend on the order it is
+    // taken in, NaNs never win, and a `-0.0`/`0.0` tie gives the same `e^(s - max)` either way).
     let (kbase, vbase) = (k_cache.as_ptr(), v_cache.as_ptr());
+    let mut maxv = [_mm256_set1_ps(f32::NEG_INFINITY); MAX_GROUP];
     let mut p = 0;
     while p + 8 <= n {
         let kp: [*const E; 8] = std::array::from_fn(|j| kbase.add(offsets[p + j]));
@@ -96,15 +101,21 @@ unsafe fn attend<E: KvElement, const MAXG: usize>(kv: &KvView<'_, E>, query: &Qu
         let mut h = 0;
         while h < group {
             let g = (group - h).min(MAXG);
-            let (qh, sp) = (q.as_ptr().add(h * hd), scores.as_mut_ptr().add(h * n + p));
+            let (qh, sp, mp) = (q.as_ptr().add(h * hd), scores.as_mut_ptr().add(h * n + p), maxv.as_mut_ptr().add(h));
             match g {
-                3 => scores8::<E, 3>(qh, hd, &kp, sp, n, scale),
-                2 => scores8::<E, 2>(qh, hd, &kp, sp, n, scale),
-                _ => scores8::<E, 1>(qh, hd, &kp, sp, n, scale),
+                3 => scores8::<E, 3>(qh, hd, &kp, sp, n, scale, mp),
+                2 => scores8::<E, 2>(qh, hd, &kp, sp, n, scale, mp),
+                _ => scores8::<E, 1>(qh, hd, &kp, sp, n, scale, mp),
             }
             h += g;
         }
         p += 8;
+    }
+    let mut maxes = [f32::NEG_INFINITY; MAX_GROUP];
+    for (m, v) in maxes.iter_mut().zip(&maxv).take(group) {
+        let mut lanes = [0f32; 8];
+        _mm256_storeu_ps(lanes.as_mut_ptr(), *v);
+        *m = lanes.into_iter().fold(f32::NEG_INFINITY, max_of);
     }
     while p < n {
         let off = offsets[p];
@@ -113,28 +124,28 @@ unsafe fn attend<E: KvElement, const MAXG: usize>(kv: &KvView<'_, E>, query: &Qu
             *d = s.to_f32();
         }
         for h in 0..group {
-            scores[h * n + p] = dot8_fma(&q[h * hd..(h + 1) * hd], &kb[..hd]) * scale;
+            let s = dot8_fma(&q[h * hd..(h + 1) * hd], &kb[..hd]) * scale;
+            scores[h * n + p] = s;
+            maxes[h] = max_of(maxes[h], s);
         }
         p += 1;
     }
-    // Per head: e^(s - max) (8 at a time, bit-identical to `exp_fast`), the sum in position
-    // order, then the weights `s / sum` (a vector division rounds exactly as the scalar one).
-    let maxes = per_head(scores, n, group, f32::NEG_INFINITY, |m, x| if x > m { x } else { m });
-    for h in 0..group {
-        let s = &mut scores[h * n..(h + 1) * n];
-        let max = maxes[h];
-        let mv = _mm256_set1_ps(max);
-        let mut p = 0;
-        while p + 8 <= n {
-            let sp = s.as_mut_ptr().add(p);
-            _mm256_storeu_ps(sp, crate::ops::avx2::exp8(_mm256_sub_ps(_mm256_loadu_ps(sp), mv)));
-            p += 8;
+    // Per head: e^(s - max) (8 at a time, bit-identical to `exp_fast`) and the sum in position
+    // order, up to 4 heads side by side (independent chains); then the weights `s / sum` (a
+    // vector division rounds exactly as the scalar one).
+    let mut sums = [0f32; MAX_GROUP];
+    let mut h = 0;
+    while h < group {
+        let g = (group - h).min(4);
+        let (sp, m, sum) = (scores.as_mut_ptr().add(h * n), &maxes[h..h + g], &mut sums[h..h + g]);
+        match g {
+            4 => exp_sum::<4, MAXG>(sp, n, m, sum),
+            3 => exp_sum::<3, MAXG>(sp, n, m, sum),
+            2 => exp_sum::<2, MAXG>(sp, n, m, sum),
+            _ => exp_sum::<1, MAXG>(sp, n, m, sum),
         }
-        for x in &mut s[p..] {
-            *x = exp_fast(*x - max);
-        }
+        h += g;
     }
-    let sums = per_head(scores, n, group, 0.0, |a, x| a + x);
     for h in 0..group {
         let s = &mut scores[h * n..(h + 1) * n];
         let sum = sums[h];
@@ -162,11 +173,11 @@ unsafe fn attend<E: KvElement, const MAXG: usize>(kv: &KvView<'_, E>, query: &Qu
 
 /// The scores of 8 keys (`kp`) for `G` consecutive query heads from `q` (`hd` values each),
 /// scaled, to `out + g * n` (8 values per head): per head and key, 8 independent FMA lanes over
-/// the head's chunks in order, then an 8×8 transpose so each key's horizontal sum runs in a
-/// lane, in [`dot8_fma`]'s exact order ((l0+l4) + (l2+l6)) + ((l1+l5) + (l3+l7)). Each loaded
-/// chunk of a key feeds all `G` heads.
+/// the head's chunks in order, then each key's horizontal sum in a lane ([`reduce8`]), in
+/// [`dot8_fma`]'s exact order ((l0+l4) + (l2+l6)) + ((l1+l5) + (l3+l7)). Each loaded chunk of a
+/// key feeds all `G` heads. Head `g`'s lane-wise maximum `max + g` takes in its 8 scores.
 #[inline(always)]
-unsafe fn scores8<E: KvElement, const G: usize>(q: *const f32, hd: usize, kp: &[*const E; 8], out: *mut f32, n: usize, scale: f32) {
+unsafe fn scores8<E: KvElement, const G: usize>(q: *const f32, hd: usize, kp: &[*const E; 8], out: *mut f32, n: usize, scale: f32, max: *mut __m256) {
     let mut acc = [[_mm256_setzero_ps(); 8]; G];
     for c in 0..hd / 8 {
         let qv: [__m256; G] = std::array::from_fn(|g| _mm256_loadu_ps(q.add(g * hd + c * 8)));
@@ -178,37 +189,53 @@ unsafe fn scores8<E: KvElement, const G: usize>(q: *const f32, hd: usize, kp: &[
         }
     }
     for (g, a) in acc.iter().enumerate() {
-        let t = transpose8(a);
-        let r = _mm256_add_ps(
-            _mm256_add_ps(_mm256_add_ps(t[0], t[4]), _mm256_add_ps(t[2], t[6])),
-            _mm256_add_ps(_mm256_add_ps(t[1], t[5]), _mm256_add_ps(t[3], t[7])),
-        );
-        _mm256_storeu_ps(out.add(g * n), _mm256_mul_ps(r, _mm256_set1_ps(scale)));
+        let sc = _mm256_mul_ps(reduce8(a), _mm256_set1_ps(scale));
+        _mm256_storeu_ps(out.add(g * n), sc);
+        *max.add(g) = _mm256_max_ps(sc, *max.add(g));
     }
 }
 
-/// Folds each head's `n` values in position order, `f(acc, x)` from `init`, the heads
-/// interleaved (independent chains side by side; each head's order is unchanged).
+/// The scalar form of `maxps(x, m)`: `x` if `x > m`, else `m`.
 #[inline(always)]
-fn per_head(values: &[f32], n: usize, group: usize, init: f32, f: impl Fn(f32, f32) -> f32) -> [f32; MAX_GROUP] {
-    let mut acc = [init; MAX_GROUP];
-    let mut h0 = 0;
-    while h0 < group {
-        // Up to 4 heads at a time: four chains hide an add's latency.
-        let g = (group - h0).min(4);
-        let rows: [&[f32]; 4] = std::array::from_fn(|i| if i < g { &values[(h0 + i) * n..(h0 + i + 1) * n] } else { &[][..] });
-        let mut a = [init; 4];
-        for p in 0..n {
-            for i in 0..4 {
-                if i < g {
-                    a[i] = f(a[i], rows[i][p]);
-                }
+fn max_of(m: f32, x: f32) -> f32 {
+    if x > m {
+        x
+    } else {
+        m
+    }
+}
+
+/// For `G` consecutive heads' scores (head `g`'s `n` at `s + g * n`, its maximum `max[g]`):
+/// each score becomes `e^(score - max)` in place, and `sum[g]` the sum of a head's in position
+/// order. The heads' exponentials and sums run side by side. `MAXG > 1` only in the AVX-512
+/// entry point, which uses the 512-bit exponential (the same bits).
+#[inline(always)]
+unsafe fn exp_sum<const G: usize, const MAXG: usize>(s: *mut f32, n: usize, max: &[f32], sum: &mut [f32]) {
+    let mv: [__m256; G] = std::array::from_fn(|g| _mm256_set1_ps(max[g]));
+    let mut acc = [0f32; G];
+    let mut p = 0;
+    while p + 8 <= n {
+        for (g, m) in mv.iter().enumerate() {
+            let sp = s.add(g * n + p);
+            let x = _mm256_sub_ps(_mm256_loadu_ps(sp), *m);
+            _mm256_storeu_ps(sp, if MAXG > 1 { exp8_wide(x) } else { exp8(x) });
+        }
+        for l in 0..8 {
+            for (g, a) in acc.iter_mut().enumerate() {
+                *a += *s.add(g * n + p + l);
             }
         }
-        acc[h0..h0 + g].copy_from_slice(&a[..g]);
-        h0 += g;
+        p += 8;
     }
-    acc
+    while p < n {
+        for (g, a) in acc.iter_mut().enumerate() {
+            let e = exp_fast(*s.add(g * n + p) - max[g]);
+            *s.add(g * n + p) = e;
+            *a += e;
+        }
+        p += 1;
+    }
+    sum.copy_from_slice(&acc);
 }
 
 /// `out[h] = Σ_p w[h][p] · V[p]` for each head `h` of the group, `w[h]` at `weights[h * n..]`
@@ -305,33 +332,21 @@ unsafe fn prefetch<E: KvElement>(p: *const E, hd: usize, far: bool) {
     }
 }
 
-/// Transposes 8 vectors of 8 lanes: `out[l][k] = v[k][l]`.
+/// Each of 8 vectors' lanes summed in [`dot8_fma`]'s order, ((l0+l4) + (l2+l6)) + ((l1+l5) +
+/// (l3+l7)), vector `k`'s sum to lane `k`: the tree's levels run on pairs and quads of keys
+/// (14 shuffles and 7 additions, where a transpose and then the sums take 24 and 7).
 #[inline(always)]
-unsafe fn transpose8(v: &[__m256; 8]) -> [__m256; 8] {
-    let t0 = _mm256_unpacklo_ps(v[0], v[1]);
-    let t1 = _mm256_unpackhi_ps(v[0], v[1]);
-    let t2 = _mm256_unpacklo_ps(v[2], v[3]);
-    let t3 = _mm256_unpackhi_ps(v[2], v[3]);
-    let t4 = _mm256_unpacklo_ps(v[4], v[5]);
-    let t5 = _mm256_unpackhi_ps(v[4], v[5]);
-    let t6 = _mm256_unpacklo_ps(v[6], v[7]);
-    let t7 = _mm256_unpackhi_ps(v[6], v[7]);
-    let u0 = _mm256_shuffle_ps::<0x44>(t0, t2);
-    let u1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
-    let u2 = _mm256_shuffle_ps::<0x44>(t1, t3);
-    let u3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
-    let u4 = _mm256_shuffle_ps::<0x44>(t4, t6);
-    let u5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
-    let u6 = _mm256_shuffle_ps::<0x44>(t5, t7);
-    let u7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
-    [
-        _mm256_permute2f128_ps::<0x20>(u0, u4),
-        _mm256_permute2f128_ps::<0x20>(u1, u5),
-        _mm256_permute2f128_ps::<0x20>(u2, u6),
-        _mm256_permute2f128_ps::<0x20>(u3, u7),
-        _mm256_permute2f128_ps::<0x31>(u0, u4),
-        _mm256_permute2f128_ps::<0x31>(u1, u5),
-        _mm256_permute2f128_ps::<0x31>(u2, u6),
-        _mm256_permute2f128_ps::<0x31>(u3, u7),
-    ]
+unsafe fn reduce8(a: &[__m256; 8]) -> __m256 {
+    // Keys k and k+4 side by side: lanes (l0+l4, l1+l5, l2+l6, l3+l7) of each.
+    let pair = |k: usize| {
+        let lo = _mm256_permute2f128_ps::<0x20>(a[k], a[k + 4]);
+        let hi = _mm256_permute2f128_ps::<0x31>(a[k], a[k + 4]);
+        _mm256_add_ps(lo, hi)
+    };
+    let b: [__m256; 4] = std::array::from_fn(pair);
+    // (l0+l4) + (l2+l6) and (l1+l5) + (l3+l7) of keys (k, k+1, k+4, k+5).
+    let quad = |x: __m256, y: __m256| _mm256_add_ps(_mm256_shuffle_ps::<0x44>(x, y), _mm256_shuffle_ps::<0xEE>(x, y));
+    let (e01, e23) = (quad(b[0], b[1]), quad(b[2], b[3]));
+    // The two halves of every key, keys in lane order.
+    _mm256_add_ps(_mm256_shuffle_ps::<0x88>(e01, e23), _mm256_shuffle_ps::<0xDD>(e01, e23))
 }
