@@ -162,6 +162,17 @@ unsafe fn attend<E: KvElement, const MAXG: usize>(kv: &KvView<'_, E>, query: &Qu
     }
     // V, in position order per head; the accumulators live in registers within a run (a const
     // count for the common head sizes).
+    // On the AVX-512 entry point, head sizes 64 and 32 accumulate V on 512-bit vectors (two
+    // 8-lane chunks per register): each output lane keeps its own FMA chain in position order,
+    // so the bits are the 256-bit path's; half the loads and FMAs per (head, position).
+    if MAXG > 1 && (chunks == 8 || chunks == 4) {
+        if chunks == 8 {
+            accumulate_v_wide::<E, 4, MAXG>(hd, v_cache, offsets, scores, out);
+        } else {
+            accumulate_v_wide::<E, 2, MAXG>(hd, v_cache, offsets, scores, out);
+        }
+        return;
+    }
     match chunks {
         8 => accumulate_v::<E, 8, MAXG>(hd, v_cache, offsets, scores, out),
         4 => accumulate_v::<E, 4, MAXG>(hd, v_cache, offsets, scores, out),
@@ -302,6 +313,72 @@ unsafe fn v_run<E: KvElement, const C: usize, const G: usize>(hd: usize, vp: &[*
                 _mm256_storeu_ps(out.add(g * hd + c * 8), *oc);
             }
         }
+    }
+}
+
+/// As [`accumulate_v`], on 512-bit vectors: `C` 16-lane accumulators per head (`C * 16 ==
+/// head_dim`). The caller runs with AVX-512F.
+#[inline(always)]
+unsafe fn accumulate_v_wide<E: KvElement, const C: usize, const MAXG: usize>(hd: usize, v_cache: &[E], offsets: &[usize], weights: &[f32], out: &mut [f32]) {
+    let n = offsets.len();
+    let group = out.len() / hd;
+    debug_assert_eq!(hd, C * 16);
+    let mut p0 = 0;
+    while p0 < n {
+        let run = V_RUN.min(n - p0);
+        let mut vp = [v_cache.as_ptr(); V_RUN];
+        for (j, v) in vp.iter_mut().enumerate().take(run) {
+            *v = v_cache.as_ptr().add(offsets[p0 + j]);
+        }
+        let mut h = 0;
+        while h < group {
+            let g = (group - h).min(MAXG);
+            let (w, oh) = (weights.as_ptr().add(h * n + p0), out.as_mut_ptr().add(h * hd));
+            match g {
+                3 => v_run_wide::<E, C, 3>(hd, &vp[..run], w, n, oh, p0 == 0),
+                2 => v_run_wide::<E, C, 2>(hd, &vp[..run], w, n, oh, p0 == 0),
+                _ => v_run_wide::<E, C, 1>(hd, &vp[..run], w, n, oh, p0 == 0),
+            }
+            h += g;
+        }
+        p0 += run;
+    }
+}
+
+/// As [`v_run`], on 512-bit vectors (`C` per head, `C * 16 == hd`).
+#[inline(always)]
+unsafe fn v_run_wide<E: KvElement, const C: usize, const G: usize>(hd: usize, vp: &[*const E], w: *const f32, n: usize, out: *mut f32, first: bool) {
+    let mut o = [[_mm512_setzero_ps(); C]; G];
+    if !first {
+        for (g, og) in o.iter_mut().enumerate() {
+            for (c, oc) in og.iter_mut().enumerate() {
+                *oc = _mm512_loadu_ps(out.add(g * hd + c * 16));
+            }
+        }
+    }
+    for (j, v) in vp.iter().enumerate() {
+        let wj: [__m512; G] = std::array::from_fn(|g| _mm512_set1_ps(*w.add(g * n + j)));
+        for c in 0..C {
+            let vv = load16(v.add(c * 16));
+            for (og, wg) in o.iter_mut().zip(&wj) {
+                og[c] = _mm512_fmadd_ps(*wg, vv, og[c]);
+            }
+        }
+    }
+    for (g, og) in o.iter().enumerate() {
+        for (c, oc) in og.iter().enumerate() {
+            _mm512_storeu_ps(out.add(g * hd + c * 16), *oc);
+        }
+    }
+}
+
+/// Sixteen cache elements widened to f32 lanes (exact for f16). The caller runs with AVX-512F.
+#[inline(always)]
+unsafe fn load16<E: KvElement>(p: *const E) -> __m512 {
+    if E::IS_F16 {
+        _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i))
+    } else {
+        _mm512_loadu_ps(p as *const f32)
     }
 }
 
