@@ -68,18 +68,20 @@ cpu_feature! {
 
 /// The fewest activation rows (sequences in a decode step, tokens in a prefill chunk) for
 /// which the matmul takes its 512-bit VNNI kernel over the 256-bit one, where
-/// [`has_vnni512`]. CPUs with full 512-bit pipes (Intel Xeon, AMD Zen 5) do twice the
-/// arithmetic per instruction: from 1 row. AMD family 19h (Zen 4) splits every 512-bit
-/// operation over its two 256-bit pipes: there the 512-bit kernel pays only where a decoded
-/// block of two panels feeds several rows (in chunks of 16), and runs batch-1 at about 0.6×
-/// the 256-bit kernel, so from 8 rows (BENCHMARKS "The 512-bit matmul on Zen 4").
-/// `ZEROLAYER_VNNI512_ROWS=N` sets it instead (for A/B benchmarks; results are identical).
+/// [`has_vnni512`]. On Intel Xeon (full 512-bit pipes) the 512-bit kernel does twice the
+/// arithmetic per instruction and wins from 1 row. On AMD Zen 4 (family 19h, which splits
+/// every 512-bit operation over its two 256-bit pipes) and Zen 5 (family 1Ah) it pays only
+/// where a decoded block of two panels feeds several rows (in chunks of 16): batch-1 runs at
+/// about 0.6× the 256-bit kernel on Zen 4 and 0.87–0.92× on Zen 5, 16 rows at 1.14–1.24× and
+/// 1.29–1.35×. So on AMD from 8 rows (BENCHMARKS "The 512-bit matmul on Zen 4", "A Zen 5
+/// host"). `ZEROLAYER_VNNI512_ROWS=N` sets it instead (for A/B benchmarks; results are
+/// identical).
 pub fn vnni512_min_rows() -> usize {
     static ROWS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *ROWS.get_or_init(|| match std::env::var("ZEROLAYER_VNNI512_ROWS").ok().and_then(|v| v.parse().ok()) {
         Some(n) => n,
         #[cfg(target_arch = "x86_64")]
-        None if amd_family_19h() => 8,
+        None if amd_zen4_or_zen5() => 8,
         None => 1,
     })
 }
@@ -99,11 +101,11 @@ fn vendor_family() -> ([u8; 12], u32) {
     (vendor, if base == 0xF { base + ((f.eax >> 20) & 0xFF) } else { base })
 }
 
-/// Whether this is an AMD CPU of family 19h (Zen 3 and Zen 4).
+/// Whether this is an AMD CPU of family 19h (Zen 3 and Zen 4) or 1Ah (Zen 5).
 #[cfg(target_arch = "x86_64")]
-fn amd_family_19h() -> bool {
+fn amd_zen4_or_zen5() -> bool {
     let (vendor, family) = vendor_family();
-    &vendor == b"AuthenticAMD" && family == 0x19
+    &vendor == b"AuthenticAMD" && (family == 0x19 || family == 0x1A)
 }
 
 cpu_feature! {
