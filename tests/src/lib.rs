@@ -394,6 +394,8 @@ pub struct StepGate {
 #[derive(Default)]
 struct GateState {
     held: bool,
+    /// Steps from this one on (counted as in `steps`) are held too, until `release`.
+    held_from: Option<u64>,
     /// Steps currently blocked in the gate.
     waiting: usize,
     /// Steps that have passed the gate (or are in it).
@@ -407,9 +409,10 @@ impl StepGate {
             let (m, cv) = &*inner;
             let mut s = m.lock().unwrap();
             s.steps += 1;
+            let this = s.steps;
             s.waiting += 1;
             cv.notify_all();
-            while s.held {
+            while s.held || s.held_from.is_some_and(|from| this >= from) {
                 s = cv.wait(s).unwrap();
             }
             s.waiting -= 1;
@@ -421,13 +424,25 @@ impl StepGate {
         self.inner.0.lock().unwrap().held = true;
     }
 
+    /// Lets the next `n` steps pass and holds every step after them, until `release`. A test
+    /// that must see a stream's first events (they leave with the step that made them) and
+    /// then find the engine held sets this before it sends the request: holding only once the
+    /// events arrive races a short request, which can finish all its steps in between.
+    pub fn hold_after(&self, n: u64) {
+        let mut s = self.inner.0.lock().unwrap();
+        s.held_from = Some(s.steps + n + 1);
+    }
+
     pub fn is_held(&self) -> bool {
-        self.inner.0.lock().unwrap().held
+        let s = self.inner.0.lock().unwrap();
+        s.held || s.held_from.is_some_and(|from| s.steps >= from)
     }
 
     pub fn release(&self) {
         let (m, cv) = &*self.inner;
-        m.lock().unwrap().held = false;
+        let mut s = m.lock().unwrap();
+        s.held = false;
+        s.held_from = None;
         cv.notify_all();
     }
 

@@ -247,11 +247,12 @@ async fn idle_streams_get_pings_after_message_start() {
     let gate = s.hold_steps().await;
     let body = json!({"model": "smollm2-135m-instruct", "max_tokens": 4, "stream": true, "temperature": 0,
                       "messages": [{"role": "user", "content": format!("{}\nSummarize.", LOREM)}]});
+    // The first step (its events carry message_start) passes; the next is held.
+    gate.hold_after(1);
     let resp = http_client(120).post(s.url("/v1/messages")).json(&body).send().await.unwrap();
     let mut stream = resp.bytes_stream();
     let mut raw = String::new();
     read_stream_until(&mut stream, &mut raw, 60, "message_start", |r| r.contains("event: message_start")).await;
-    gate.hold();
     gate.wait_blocked(Duration::from_secs(60)).await;
     read_stream_until(&mut stream, &mut raw, 10, "pings while the engine is held", |r| r.matches("event: ping").count() >= 3).await;
     gate.release();

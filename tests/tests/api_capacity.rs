@@ -95,11 +95,12 @@ async fn no_new_work_while_draining() {
     let gate = s.hold_steps().await;
     let coordinator = s.coordinator.clone();
     let c = http_client(120);
+    // The first step (its events carry message_start) passes; the next is held.
+    gate.hold_after(1);
     let resp = c.post(s.url("/v1/messages")).json(&messages_body("Count to five.", 8, true)).send().await.unwrap();
     let mut stream = resp.bytes_stream();
     let mut raw = String::new();
     read_stream_until(&mut stream, &mut raw, 60, "message_start", |r| r.contains("event: message_start")).await;
-    gate.hold();
     gate.wait_blocked(Duration::from_secs(60)).await;
     let base = s.base.clone();
     let stopping = tokio::spawn(s.stop());

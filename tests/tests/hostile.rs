@@ -336,12 +336,13 @@ async fn streams_past_the_grace_period_end_with_an_error_event() {
     let c = http_client(120);
     let body = json!({"model": MODEL, "max_tokens": 16, "stream": true, "temperature": 0,
                       "messages": [{"role": "user", "content": "Tell me a story."}]});
+    // The first step (its events carry message_start) passes; the next is held.
+    gate.hold_after(1);
     let r = c.post(s.url("/v1/messages")).json(&body).send().await.unwrap();
     assert_eq!(r.status(), 200);
     let mut st = r.bytes_stream();
     let mut raw = String::new();
     read_stream_until(&mut st, &mut raw, 60, "message_start", |r| r.contains("message_start")).await;
-    gate.hold();
     gate.wait_blocked(Duration::from_secs(60)).await;
     let stopping = tokio::spawn(s.stop());
     while let Some(chunk) = tokio::time::timeout(Duration::from_secs(30), st.next()).await.expect("stream ends") {
