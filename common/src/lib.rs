@@ -1,4 +1,4 @@
-//! Types shared by every zerolayer crate: ids, sampling parameters, worker signals and KV
+//! Types shared by every zerolayer crate: the one request type ([`Job`]), ids, sampling parameters, worker signals and KV
 //! events, block hashing, the cluster configuration, and the rkyv wire frames between nodes.
 //!
 //! Invariant: this crate depends on no async runtime, no tensor library and no GPU library, so
@@ -6,11 +6,13 @@
 
 pub mod config;
 pub mod hash;
+pub mod job;
 pub mod signals;
 pub mod types;
 pub mod wire;
 
 pub use config::{ClusterConfig, Tenant, TenantLimits, ClusterSection, ConfigError, NodeConfig, PlacementConfig, PlacementPolicy, WorkerConfig};
 pub use hash::{block_hashes, chain_hash, checksum};
+pub use job::Job;
 pub use signals::{KvEvent, WorkerSignals};
 pub use types::*;

@@ -105,9 +105,9 @@ impl ApiError {
     fn log(&self) {
         let status = self.status().as_u16();
         if status >= 500 {
-            tracing::warn!(target: "zerolayer_coordinator::api", status, error = %self, "request failed");
+            tracing::warn!(target: "zerolayer_coordinator::frontend::api", status, error = %self, "request failed");
         } else {
-            tracing::info!(target: "zerolayer_coordinator::api", status, error = %self, "request refused");
+            tracing::info!(target: "zerolayer_coordinator::frontend::api", status, error = %self, "request refused");
         }
     }
 

@@ -263,7 +263,7 @@ fn up(config: Option<PathBuf>, node: Option<String>, http: Option<String>, model
         bar.finish_and_clear();
         let listener = tokio::net::TcpListener::bind(addr).await?;
         let local = listener.local_addr()?;
-        let c = node.coordinator.clone();
+        let c = node.frontend.clone();
         let quic = c.cluster.quic_addr().map(|a| format!(", quic {a}")).unwrap_or_default();
         tracing::info!(
             "zerolayer ready: node {} serving {} on http://{}{} ({} worker{})",

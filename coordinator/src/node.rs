@@ -1,4 +1,4 @@
-//! Starting a node (this process): load the model onto each worker, build the coordinator, serve HTTP on an
+//! Starting a node (this process): load the model onto each worker, build the front end, serve HTTP on an
 //! already-bound listener until a shutdown future resolves, then drain within the grace period.
 
 use std::collections::HashMap;
@@ -9,21 +9,21 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use zerolayer_common::ClusterConfig;
-use zerolayer_worker::engine::{Engine, EngineConfig};
+use zerolayer_worker::engine::Engine;
 use zerolayer_worker::chat::ChatTemplate;
 use zerolayer_worker::loader;
 use zerolayer_worker::tokenizer::Tokenizer;
 use zerolayer_worker::WorkerHandle;
 
 use crate::cluster::{Cluster, LocalWorker};
-use crate::coordinator::{Admission, Coordinator, ModelInfo, Served};
-use crate::dispatch::Dispatcher;
-use crate::drain::{DrainActor, DrainContext};
+use crate::frontend::service::{Admission, Frontend, ModelInfo, Served};
+use crate::routing::dispatch::Dispatcher;
+use crate::routing::orchestrator::{Orchestrator, OrchestratorContext};
 use crate::view::NodeState;
 
-/// A started node: its coordinator and the switch that ends open streams.
+/// A started node: its front end and the switch that ends open streams.
 pub struct Node {
-    pub coordinator: Arc<Coordinator>,
+    pub frontend: Arc<Frontend>,
     hard_stop_tx: watch::Sender<bool>,
 }
 
@@ -60,19 +60,6 @@ impl Node {
                 let mut p = |d: usize, t: usize| progress(&wid, d, t);
                 loader::load(&path, tok.as_deref(), threads, &mut p)?
             };
-            let ecfg = EngineConfig {
-                block_size: wc.block_size,
-                kv_cache_bytes: wc.kv_cache_mb << 20,
-                kv_dtype: wc.kv_dtype,
-                max_batch_tokens: wc.max_batch_tokens,
-                max_running: wc.max_running,
-                max_waiting: wc.max_waiting,
-                step_stretch: wc.step_stretch,
-                min_step_ms: wc.min_step_ms,
-                min_prefill_chunk: wc.min_prefill_chunk,
-                reserve_output_tokens: wc.reserve_output_tokens,
-                pinned_kv_share: wc.pinned_kv_share,
-            };
             let (tokenizer, template) = (loaded.tokenizer.clone(), loaded.template.clone());
             let backend = if wc.rank_nodes.is_empty() {
                 zerolayer_worker::backend::open(wc, loaded.model)?
@@ -80,7 +67,7 @@ impl Node {
                 crate::cluster::rank::lead::open_group(&config, node_id, wc, loaded.model).await?
             };
             tracing::info!(worker = %wc.id, backend = %backend.describe(), "worker backend");
-            let engine = Engine::with_backend(backend, loaded.tokenizer, &ecfg)?;
+            let engine = Engine::with_backend(backend, loaded.tokenizer, wc)?;
             let room = engine.max_sequence_tokens();
             let f = fronts.entry(mc.id.clone()).or_insert((tokenizer, template, usize::MAX));
             f.2 = f.2.min(room);
@@ -120,10 +107,10 @@ impl Node {
         let admission = Admission::new(config.server.max_inflight, config.server.prepare_threads);
         let block_size = node.workers.first().map(|w| w.block_size).unwrap_or(16);
         let dispatch = Arc::new(Dispatcher::new(node_id, cluster.clone(), config.clone(), block_size));
-        let ctx = DrainContext { node_id: node_id.to_string(), cluster: cluster.clone(), dispatch: dispatch.clone(), workers: workers.clone() };
-        let (drainer, _) = ractor::Actor::spawn(None, DrainActor, ctx).await.map_err(|e| anyhow::anyhow!("starting the node's coordinator actor: {e}"))?;
+        let ctx = OrchestratorContext { node_id: node_id.to_string(), cluster: cluster.clone(), dispatch: dispatch.clone(), workers: workers.clone() };
+        let (orchestrator, _) = ractor::Actor::spawn(None, Orchestrator, ctx).await.map_err(|e| anyhow::anyhow!("starting the node's orchestrator actor: {e}"))?;
         let node_id = node_id.to_string();
-        let coordinator = Arc::new(Coordinator {
+        let frontend = Arc::new(Frontend {
             node_id,
             config,
             models,
@@ -133,10 +120,10 @@ impl Node {
             hard_stop,
             admission,
             dispatch,
-            drainer,
+            orchestrator,
             recent: Default::default(),
         });
-        Ok(Node { coordinator, hard_stop_tx })
+        Ok(Node { frontend, hard_stop_tx })
     }
 
     /// Serves HTTP on `listener` until `shutdown` resolves. Then: `/ready` turns 503 and new
@@ -144,18 +131,18 @@ impl Node {
     /// still open after it end with an SSE `error` event; then the listener closes, the
     /// workers stop, and this returns.
     pub async fn serve(self, listener: TcpListener, shutdown: impl Future<Output = ()> + Send + 'static) -> anyhow::Result<()> {
-        let app = crate::api::router(self.coordinator.clone());
+        let app = crate::frontend::api::router(self.frontend.clone());
         if let Ok(a) = listener.local_addr() {
             // Listening on every interface (a container): peers reach it at the QUIC address's IP.
-            let reachable = match self.coordinator.cluster.quic_addr() {
+            let reachable = match self.frontend.cluster.quic_addr() {
                 Some(q) if a.ip().is_unspecified() => std::net::SocketAddr::new(q.ip(), a.port()),
                 _ => a,
             };
-            self.coordinator.cluster.set_http_addr(reachable.to_string());
+            self.frontend.cluster.set_http_addr(reachable.to_string());
         }
-        self.coordinator.cluster.set_state(NodeState::Ready);
-        let grace = Duration::from_secs(self.coordinator.config.server.shutdown_grace_secs);
-        let coord = self.coordinator.clone();
+        self.frontend.cluster.set_state(NodeState::Ready);
+        let grace = Duration::from_secs(self.frontend.config.server.shutdown_grace_secs);
+        let coord = self.frontend.clone();
         let hard = self.hard_stop_tx.clone();
         let signal = async move {
             shutdown.await;
@@ -175,9 +162,9 @@ impl Node {
             }
         };
         axum::serve(listener, app).with_graceful_shutdown(signal).await?;
-        self.coordinator.drainer.stop(None);
-        self.coordinator.cluster.stop().await;
-        for w in &self.coordinator.workers {
+        self.frontend.orchestrator.stop(None);
+        self.frontend.cluster.stop().await;
+        for w in &self.frontend.workers {
             w.handle.shutdown().await;
         }
         Ok(())

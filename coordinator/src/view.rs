@@ -1,6 +1,6 @@
 //! The cluster as placement reads it: every worker's state, signals and cached prefix set, and
 //! each node's membership state. Plain data: [`crate::cluster`] publishes a snapshot, placement
-//! ([`crate::placement`]) reads it, and neither knows the other.
+//! ([`crate::routing::placement`]) reads it, and neither knows the other.
 
 use std::collections::HashSet;
 use std::sync::Arc;

@@ -16,5 +16,5 @@ fuzz_target!(|data: &[u8]| {
         let path = std::env::var("ZEROLAYER_FUZZ_MODEL").unwrap_or_else(|_| concat!(env!("CARGO_MANIFEST_DIR"), "/../models/SmolLM2-135M-Instruct.Q4_1.gguf").into());
         zerolayer_worker::loader::load_frontend(std::path::Path::new(&path)).expect("model metadata for the fuzz target")
     });
-    let _ = zerolayer_coordinator::fuzzing::exercise(data, tok, tmpl);
+    let _ = zerolayer_coordinator::frontend::fuzzing::exercise(data, tok, tmpl);
 });

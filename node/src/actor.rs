@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::sync::{broadcast, mpsc, oneshot, watch};
-use zerolayer_common::{CachePin, KvEvent, SamplingParams, SeqEvent, Share, StopReason, Usage, WorkerSignals};
+use zerolayer_common::{Job, KvEvent, SeqEvent, StopReason, Usage, WorkerSignals};
 
 use crate::engine::{Engine, StepHook};
 use crate::migrate::{Export, ImportReport, KvImport};
@@ -45,23 +45,13 @@ pub const KV_EVENT_CAPACITY: usize = 4096;
 /// Signals are published at least this often.
 pub const SIGNAL_INTERVAL: Duration = Duration::from_millis(100);
 
-/// A request to a worker.
-pub struct SubmitRequest {
-    pub prompt: Vec<u32>,
-    pub params: SamplingParams,
-    /// Tokens already generated (and delivered) by a worker that is gone: the sequence
-    /// continues after them (`Engine::add_resumed`). Empty for a new sequence.
-    pub resume: Vec<u32>,
-    /// The API key it runs for (the scheduler shares slots and KV between keys).
-    pub share: Share,
-    /// Prompt prefixes to keep pinned in the prefix cache (`cache_control` TTLs).
-    pub pins: Vec<CachePin>,
-}
-
-impl SubmitRequest {
-    pub fn new(prompt: Vec<u32>, params: SamplingParams) -> Self {
-        SubmitRequest { prompt, params, resume: Vec::new(), share: Share::default(), pins: Vec::new() }
-    }
+/// A [`Job`] on its way into the engine thread: the same value in the actor's mailbox and in
+/// the engine's command channel (the actor moves it on, it never rebuilds it).
+pub struct Submission {
+    id: SeqId,
+    job: Job,
+    reply: mpsc::Sender<SeqEvent>,
+    ack: oneshot::Sender<Result<()>>,
 }
 
 /// A sequence taken off this worker by [`WorkerHandle::export`]: what it carries, and its
@@ -89,14 +79,14 @@ impl Handover {
 }
 
 enum EngineCmd {
-    Submit { id: SeqId, req: SubmitRequest, reply: mpsc::Sender<SeqEvent>, ack: oneshot::Sender<Result<()>> },
+    Submit(Submission),
     Cancel { id: SeqId },
     /// A snapshot of every cached block hash (for a KV-event reader that lagged).
     CachedHashes { reply: oneshot::Sender<Vec<u64>> },
     SetStepHook { hook: Option<StepHook> },
     Sequences { reply: oneshot::Sender<Vec<SeqId>> },
     Export { ids: Vec<SeqId>, reply: oneshot::Sender<Vec<Handover>> },
-    Snapshot { ids: Vec<SeqId>, reply: oneshot::Sender<Vec<(SeqId, Export)>> },
+    PreCopy { ids: Vec<SeqId>, reply: oneshot::Sender<Vec<(SeqId, Export)>> },
     Import { import: KvImport, reply: oneshot::Sender<Result<ImportReport>> },
     Shutdown,
 }
@@ -104,7 +94,7 @@ enum EngineCmd {
 /// Every command to the worker: the actor receives them all and is the only sender into the
 /// engine thread.
 pub enum WorkerMsg {
-    Submit { id: SeqId, req: SubmitRequest, reply: mpsc::Sender<SeqEvent>, ack: oneshot::Sender<Result<()>> },
+    Submit(Submission),
     Cancel { id: SeqId },
     /// A snapshot of every cached block hash (for a KV-event reader that lagged).
     CachedHashes { reply: oneshot::Sender<Result<Vec<u64>>> },
@@ -116,7 +106,7 @@ pub enum WorkerMsg {
     Export { ids: Vec<SeqId>, reply: oneshot::Sender<Result<Vec<Handover>>> },
     /// What an export of these sequences would carry now, leaving them running (a drain's
     /// pre-copy).
-    Snapshot { ids: Vec<SeqId>, reply: oneshot::Sender<Result<Vec<(SeqId, Export)>>> },
+    PreCopy { ids: Vec<SeqId>, reply: oneshot::Sender<Result<Vec<(SeqId, Export)>>> },
     /// Writes KV blocks into the worker's prefix cache.
     Import { import: KvImport, reply: oneshot::Sender<Result<ImportReport>> },
     /// Stop the engine after its current step, wait for its thread, then stop the actor.
@@ -152,10 +142,10 @@ impl Actor for WorkerActor {
 
     async fn handle(&self, myself: ActorRef<Self::Msg>, msg: Self::Msg, state: &mut Self::State) -> std::result::Result<(), ActorProcessingErr> {
         match msg {
-            WorkerMsg::Submit { id, req, reply, ack } => {
-                if let Err(refused) = state.forward(EngineCmd::Submit { id, req, reply, ack }) {
-                    if let (EngineCmd::Submit { ack, .. }, e) = *refused {
-                        let _ = ack.send(Err(e));
+            WorkerMsg::Submit(sub) => {
+                if let Err(refused) = state.forward(EngineCmd::Submit(sub)) {
+                    if let (EngineCmd::Submit(sub), e) = *refused {
+                        let _ = sub.ack.send(Err(e));
                     }
                 }
             }
@@ -175,9 +165,9 @@ impl Actor for WorkerActor {
                 let (tx, rx) = oneshot::channel();
                 answer_from_engine(state.forward(EngineCmd::Export { ids, reply: tx }), rx, reply);
             }
-            WorkerMsg::Snapshot { ids, reply } => {
+            WorkerMsg::PreCopy { ids, reply } => {
                 let (tx, rx) = oneshot::channel();
-                answer_from_engine(state.forward(EngineCmd::Snapshot { ids, reply: tx }), rx, reply);
+                answer_from_engine(state.forward(EngineCmd::PreCopy { ids, reply: tx }), rx, reply);
             }
             WorkerMsg::Import { import, reply } => {
                 let (tx, rx) = oneshot::channel();
@@ -330,11 +320,11 @@ impl WorkerHandle {
     }
 
     /// Submits a sequence. Resolves once the engine has accepted (or refused) it.
-    pub async fn submit(&self, req: SubmitRequest) -> Result<SeqStream> {
+    pub async fn submit(&self, job: Job) -> Result<SeqStream> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (reply, rx) = mpsc::channel(REPLY_CAPACITY);
         let (ack, ack_rx) = oneshot::channel();
-        self.actor.send_message(WorkerMsg::Submit { id, req, reply, ack }).map_err(|_| WorkerError::ShuttingDown)?;
+        self.actor.send_message(WorkerMsg::Submit(Submission { id, job, reply, ack })).map_err(|_| WorkerError::ShuttingDown)?;
         ack_rx.await.map_err(|_| WorkerError::ShuttingDown)??;
         Ok(SeqStream { id, rx, actor: self.actor.clone(), finished: false })
     }
@@ -379,9 +369,9 @@ impl WorkerHandle {
     }
 
     /// What [`WorkerHandle::export`] would hand over for `ids` now, leaving them running.
-    pub async fn snapshot(&self, ids: Vec<SeqId>) -> Result<Vec<(SeqId, Export)>> {
+    pub async fn pre_copy(&self, ids: Vec<SeqId>) -> Result<Vec<(SeqId, Export)>> {
         let (reply, rx) = oneshot::channel();
-        self.actor.send_message(WorkerMsg::Snapshot { ids, reply }).map_err(|_| WorkerError::ShuttingDown)?;
+        self.actor.send_message(WorkerMsg::PreCopy { ids, reply }).map_err(|_| WorkerError::ShuttingDown)?;
         rx.await.map_err(|_| WorkerError::ShuttingDown)?
     }
 
@@ -468,7 +458,7 @@ fn engine_loop(mut engine: Engine, rx: Receiver<EngineCmd>, sig_tx: watch::Sende
         }
         for cmd in cmds {
             match cmd {
-                EngineCmd::Submit { id, req, reply, ack } => match engine.add_pinned(id, req.prompt, req.resume, req.params, req.share, req.pins) {
+                EngineCmd::Submit(Submission { id, job, reply, ack }) => match engine.add(id, job) {
                     Ok(()) => {
                         routes.insert(id, Route { tx: reply, pending: VecDeque::new() });
                         let _ = ack.send(Ok(()));
@@ -497,8 +487,8 @@ fn engine_loop(mut engine: Engine, rx: Receiver<EngineCmd>, sig_tx: watch::Sende
                     let handovers = ids.into_iter().filter_map(|id| engine.export(id).map(|export| Handover { id, export, route: routes.remove(&id) })).collect();
                     let _ = reply.send(handovers);
                 }
-                EngineCmd::Snapshot { ids, reply } => {
-                    let _ = reply.send(ids.into_iter().filter_map(|id| engine.snapshot(id).map(|e| (id, e))).collect());
+                EngineCmd::PreCopy { ids, reply } => {
+                    let _ = reply.send(ids.into_iter().filter_map(|id| engine.pre_copy(id).map(|e| (id, e))).collect());
                 }
                 EngineCmd::Import { import, reply } => {
                     let _ = reply.send(engine.import(&import));

@@ -181,7 +181,7 @@ pub fn kernels(gpu: &Gpu, model: &Model) -> Res<Vec<Value>> {
 }
 
 /// Greedy decoding of `n` tokens on a backend; returns the tokens and each step's logits.
-fn greedy(b: &mut dyn Backend, prompt: &[u32], n: usize, table: &[u32]) -> Res<(Vec<u32>, Vec<Vec<f32>>)> {
+pub fn greedy(b: &mut dyn Backend, prompt: &[u32], n: usize, table: &[u32]) -> Res<(Vec<u32>, Vec<Vec<f32>>)> {
     let (mut ctx, mut pos, mut toks, mut all, mut logits) = (prompt.to_vec(), 0, Vec::new(), Vec::new(), Vec::new());
     let v = b.config().vocab_size;
     for _ in 0..n {

@@ -2,65 +2,23 @@
 //! Sans-IO apart from the compute: the worker actor's thread calls `step()` in a loop and routes
 //! the returned events; tests drive it directly.
 
-use zerolayer_common::config::KvDtype;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
-use zerolayer_common::{CachePin, KvEvent, SamplingParams, SeqEvent, Share, StopReason, Usage, WorkerSignals};
+use zerolayer_common::{CachePin, Job, WorkerConfig, KvEvent, SamplingParams, SeqEvent, StopReason, Usage, WorkerSignals};
 
 use crate::error::{Result, WorkerError};
 use crate::backend::{self, Backend};
 use crate::model::{recycle, ForwardItem, Model, ModelConfig};
 use crate::grammar::Constraint;
 use crate::sampler::{Pick, Picked, Sampler};
-use crate::scheduler::{Plan, Scheduler, SchedulerConfig, SeqId};
+use crate::scheduler::{Entry, Plan, Scheduler, SchedulerConfig, SeqId};
 use crate::step_time::{StallFree, StepShape, StepTimeModel};
 use crate::stop::StopChecker;
 use crate::tokenizer::{IncrementalDecoder, Tokenizer};
 
 mod transfer;
-
-/// Engine limits (from the worker's config).
-#[derive(Clone, Debug)]
-pub struct EngineConfig {
-    pub block_size: usize,
-    pub kv_cache_bytes: usize,
-    /// The KV cache's element type (f32: exact; f16: half the bytes, rounded K and V).
-    pub kv_dtype: KvDtype,
-    pub max_batch_tokens: usize,
-    pub max_running: usize,
-    pub max_waiting: usize,
-    /// Stall-free batching (`step_time`): a step carrying decodes may take this many times
-    /// what its decodes alone take (0: off, prefill always gets the whole budget).
-    pub step_stretch: f64,
-    /// ...and may always take this long.
-    pub min_step_ms: f64,
-    /// Prefill tokens every step may take, whatever the decode load.
-    pub min_prefill_chunk: usize,
-    /// Output tokens of KV a sequence needs room for, beyond its prompt, to be admitted.
-    pub reserve_output_tokens: usize,
-    /// The share of KV blocks that `cache_control` pins may hold at once (the rest is LRU's).
-    pub pinned_kv_share: f64,
-}
-
-impl Default for EngineConfig {
-    fn default() -> Self {
-        EngineConfig {
-            block_size: 16,
-            kv_cache_bytes: 512 << 20,
-            kv_dtype: KvDtype::F32,
-            max_batch_tokens: 512,
-            max_running: 32,
-            max_waiting: 256,
-            step_stretch: 0.0,
-            min_step_ms: 0.0,
-            min_prefill_chunk: 32,
-            reserve_output_tokens: 128,
-            pinned_kv_share: 0.5,
-        }
-    }
-}
 
 struct SeqState {
     params: SamplingParams,
@@ -160,14 +118,15 @@ struct StepBufs {
 }
 
 impl Engine {
-    /// An engine running `model` on the CPU, with a KV cache of `cfg.kv_cache_bytes` in
-    /// `cfg.kv_dtype`.
-    pub fn new(model: Model, tokenizer: Arc<Tokenizer>, cfg: &EngineConfig) -> Result<Self> {
-        Self::with_backend(Box::new(backend::Cpu::new(model, cfg.block_size, cfg.kv_dtype, cfg.kv_cache_bytes)?), tokenizer, cfg)
+    /// An engine running `model` on the CPU, with a KV cache of `cfg.kv_cache_mb` in
+    /// `cfg.kv_dtype`. The engine reads its limits from the worker's own config: the
+    /// scheduler's, the stall-free budget's and the pinned share.
+    pub fn new(model: Model, tokenizer: Arc<Tokenizer>, cfg: &WorkerConfig) -> Result<Self> {
+        Self::with_backend(Box::new(backend::Cpu::new(model, cfg.block_size, cfg.kv_dtype, cfg.kv_cache_mb << 20)?), tokenizer, cfg)
     }
 
     /// An engine over `backend`, whose KV cache has `cfg.block_size`-token blocks.
-    pub fn with_backend(backend: Box<dyn Backend>, tokenizer: Arc<Tokenizer>, cfg: &EngineConfig) -> Result<Self> {
+    pub fn with_backend(backend: Box<dyn Backend>, tokenizer: Arc<Tokenizer>, cfg: &WorkerConfig) -> Result<Self> {
         let kv = backend.kv();
         if kv.block_size != cfg.block_size {
             return Err(WorkerError::Invalid(format!("the backend's KV blocks hold {} tokens, the engine's {}", kv.block_size, cfg.block_size)));
@@ -240,30 +199,20 @@ impl Engine {
         self.config().context_length.min(kv.num_blocks * kv.block_size)
     }
 
-    /// Queues a request. Errors: too long for the model or the cache, or the queue is full.
-    pub fn add(&mut self, id: SeqId, prompt: Vec<u32>, params: SamplingParams) -> Result<()> {
-        self.add_resumed(id, prompt, Vec::new(), params)
-    }
-
-    /// Queues a sequence that continues one a worker that is gone had started: `generated` are
-    /// the tokens its client already has. They are replayed silently through the detokenizer
-    /// and the stop matcher, the sampler starts at step `generated.len()` (same seed), and the
-    /// sequence is computed from `prompt + generated` (its cached prefix reused, so after a KV
-    /// migration only the last partial block is recomputed): it continues with exactly the
-    /// tokens the original would have produced. If `generated` already ends the sequence, it
-    /// finishes at once.
-    pub fn add_resumed(&mut self, id: SeqId, prompt: Vec<u32>, generated: Vec<u32>, params: SamplingParams) -> Result<()> {
-        self.add_shared(id, prompt, generated, params, Share::default())
-    }
-
-    /// [`Engine::add_resumed`] for the API key `share` names (the scheduler's fair sharing).
-    pub fn add_shared(&mut self, id: SeqId, prompt: Vec<u32>, generated: Vec<u32>, params: SamplingParams, share: Share) -> Result<()> {
-        self.add_pinned(id, prompt, generated, params, share, Vec::new())
-    }
-
-    /// [`Engine::add_shared`], keeping the prompt prefixes `pins` names cached for their TTLs
-    /// (each pin, or a later request's, refreshes them) inside the pinned share of the KV.
-    pub fn add_pinned(&mut self, id: SeqId, prompt: Vec<u32>, generated: Vec<u32>, params: SamplingParams, share: Share, pins: Vec<CachePin>) -> Result<()> {
+    /// Queues a job. Errors: too long for the model or the cache, a token outside the
+    /// vocabulary, pins outside their limits, or the queue is full.
+    ///
+    /// A job with `resume` tokens continues a sequence that a worker that is gone had started:
+    /// those are the tokens its client already has. They are replayed silently through the
+    /// detokenizer, the stop matcher and the grammar, the sampler starts at step
+    /// `resume.len()` (same seed), and the sequence is computed from `prompt + resume` (its
+    /// cached prefix reused, so after a KV migration only the last partial block is
+    /// recomputed): it continues with exactly the tokens the original would have produced. If
+    /// `resume` already ends the sequence, it finishes at once. The job's `pins` keep its prompt
+    /// prefixes cached for their TTLs (each pin, or a later request's, refreshes them) inside
+    /// the pinned share of the KV; its `share` names the tenant for the scheduler's fair sharing.
+    pub fn add(&mut self, id: SeqId, job: Job) -> Result<()> {
+        let Job { prompt, params, share, pins, resume: generated, .. } = job;
         if let Some(why) = &self.unavailable {
             return Err(WorkerError::Unavailable(why.clone()));
         }
@@ -298,7 +247,7 @@ impl Engine {
             self.pending.push((id, SeqEvent::Finished { reason, usage }));
             return Ok(());
         }
-        self.sched.add_shared(id, tokens, prompt_len, st.params.max_tokens as usize, share)?;
+        self.sched.add(id, Entry { tokens, prompt_len, max_tokens: st.params.max_tokens as usize, share })?;
         self.states.insert(id, st);
         Ok(())
     }

@@ -18,7 +18,7 @@
 use std::sync::Arc;
 
 use llguidance::api::TopLevelGrammar;
-use llguidance::toktrie::{SimpleVob, TokEnv, TokRxInfo, TokTrie, TokenId, TokenizerEnv};
+use llguidance::toktrie::{ApproximateTokEnv, SimpleVob, TokEnv, TokRxInfo, TokTrie, TokenId, TokenizerEnv};
 use llguidance::{Matcher, ParserFactory};
 
 use crate::error::{Result, WorkerError};
@@ -159,6 +159,22 @@ impl Constraint {
     }
 }
 
+/// Whether `text` is a whole sentence of `lark`, read byte by byte (a vocabulary of one token
+/// per byte, so no model is needed): for checking what a grammar admits. Errors: the grammar
+/// does not compile.
+pub fn accepts_text(lark: &str, text: &str) -> Result<bool> {
+    let env = ApproximateTokEnv::single_byte_env();
+    let mut factory = ParserFactory::new_simple(&env).map_err(|e| WorkerError::Grammar(e.to_string()))?;
+    factory.quiet();
+    let parser = factory.create_parser(TopLevelGrammar::from_lark(lark.to_string())).map_err(|e| WorkerError::Grammar(without_listing(&e.to_string())))?;
+    let mut m = Matcher::new(Ok(parser));
+    let bytes: Vec<TokenId> = text.bytes().map(TokenId::from).collect();
+    if m.consume_tokens(&bytes).is_err() {
+        return Ok(false);
+    }
+    Ok(m.is_accepting().unwrap_or(false))
+}
+
 /// An error message without the grammar listing llguidance appends (numbered `  n | …` lines):
 /// the grammar is ours, the schema in it the client's, which it has.
 fn without_listing(msg: &str) -> String {
@@ -169,4 +185,38 @@ fn without_listing(msg: &str) -> String {
 /// Whether token `t` is set in the bitset `mask` (tokens past its end are not).
 pub fn allows(mask: &[u32], t: u32) -> bool {
     mask.get(t as usize / 32).is_some_and(|w| w >> (t % 32) & 1 == 1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_grammar_admits_its_sentences_and_nothing_else() {
+        let g = "start: \"a\" (\"b\" | \"c\")* \"!\"\n";
+        for (text, ok) in [("a!", true), ("abcb!", true), ("a", false), ("ab", false), ("b!", false), ("a!!", false)] {
+            assert_eq!(accepts_text(g, text).unwrap(), ok, "{text:?}");
+        }
+        assert!(accepts_text("start: nope\n", "x").is_err(), "an undefined rule does not compile");
+    }
+
+    #[test]
+    fn embedded_json_is_held_to_its_schema() {
+        let g = r#"start: %json {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": false}"#;
+        assert!(accepts_text(g, r#"{"n": 3}"#).unwrap());
+        assert!(!accepts_text(g, r#"{"n": "3"}"#).unwrap());
+        assert!(!accepts_text(g, r#"{"m": 3}"#).unwrap());
+    }
+
+    #[test]
+    fn listings_are_cut_from_errors() {
+        assert_eq!(without_listing("bad rule\n  1 | start: x\n    ^ here\nmore"), "bad rule\nmore");
+    }
+
+    #[test]
+    fn allows_reads_the_bitset() {
+        let mask = [0b1010u32, 1];
+        assert!(allows(&mask, 1) && allows(&mask, 3) && allows(&mask, 32));
+        assert!(!allows(&mask, 0) && !allows(&mask, 2) && !allows(&mask, 33) && !allows(&mask, 64));
+    }
 }

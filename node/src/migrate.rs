@@ -6,7 +6,7 @@
 //! and stops running it. The target imports the blocks it does not already cache
 //! ([`KvImport`]): each is written into a free (or least recently used) block and registered in
 //! the prefix index under its hash, exactly as if the target had computed it. The sequence
-//! then continues on the target by exact replay (`Engine::add_resumed`): its whole computed
+//! then continues on the target by exact replay (`Engine::add` of a `Job` with `resume` tokens): its whole computed
 //! prefix is a cache hit, so only the last partial block (fewer than `block_size` tokens) is
 //! recomputed, and batch invariance makes every later token the one the source would have
 //! produced.

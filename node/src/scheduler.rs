@@ -57,6 +57,36 @@ pub struct SchedulerConfig {
     pub reserve_output_tokens: usize,
 }
 
+/// A sequence to queue: its tokens (the prompt's `prompt_len`, then any output it already
+/// generated elsewhere), the most tokens it may generate in all (that output included), and
+/// the tenant it runs for (fair sharing: [`fair`]).
+#[derive(Clone, Debug)]
+pub struct Entry {
+    pub tokens: Vec<u32>,
+    pub prompt_len: usize,
+    pub max_tokens: usize,
+    pub share: Share,
+}
+
+impl Entry {
+    /// A new sequence of `prompt` for the default tenant.
+    pub fn new(prompt: Vec<u32>, max_tokens: usize) -> Entry {
+        Entry { prompt_len: prompt.len(), tokens: prompt, max_tokens, share: Share::default() }
+    }
+
+    /// This entry, whose last tokens after the first `prompt_len` were generated elsewhere.
+    pub fn resumed(mut self, prompt_len: usize) -> Entry {
+        self.prompt_len = prompt_len;
+        self
+    }
+
+    /// This entry for the tenant `share` names.
+    pub fn shared(mut self, share: Share) -> Entry {
+        self.share = share;
+        self
+    }
+}
+
 /// A sequence's scheduling state.
 #[derive(Debug)]
 pub struct Sequence {
@@ -226,20 +256,8 @@ impl Scheduler {
     }
 
     /// Queues a sequence. Refuses one that could never fit alone, or a full queue.
-    pub fn add(&mut self, id: SeqId, prompt: Vec<u32>, max_tokens: usize) -> Result<()> {
-        let prompt_len = prompt.len();
-        self.add_resumed(id, prompt, prompt_len, max_tokens)
-    }
-
-    /// Queues a sequence whose `tokens` are its prompt (`prompt_len`) followed by output it
-    /// already generated elsewhere; `max_tokens` counts that output too.
-    pub fn add_resumed(&mut self, id: SeqId, tokens: Vec<u32>, prompt_len: usize, max_tokens: usize) -> Result<()> {
-        self.add_shared(id, tokens, prompt_len, max_tokens, Share::default())
-    }
-
-    /// [`Scheduler::add_resumed`] for the API key `share` names (fair sharing: [`fair`]).
-    pub fn add_shared(&mut self, id: SeqId, tokens: Vec<u32>, prompt_len: usize, max_tokens: usize, share: Share) -> Result<()> {
-        let prompt = tokens;
+    pub fn add(&mut self, id: SeqId, entry: Entry) -> Result<()> {
+        let Entry { tokens: prompt, prompt_len, max_tokens, share } = entry;
         if prompt_len == 0 || prompt.len() < prompt_len {
             return Err(WorkerError::Invalid("empty prompt".into()));
         }

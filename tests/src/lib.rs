@@ -8,7 +8,8 @@ use std::path::PathBuf;
 use std::sync::{Mutex, MutexGuard};
 
 use zerolayer_common::SeqEvent;
-use zerolayer_worker::engine::{Engine, EngineConfig};
+use zerolayer_common::WorkerConfig;
+use zerolayer_worker::engine::Engine;
 use zerolayer_worker::loader::{load, Loaded};
 
 /// The default model, fetched by `scripts/fetch-model`. Tests never skip without it: they fail
@@ -32,10 +33,25 @@ pub fn load_default() -> Loaded {
     load(&model_path(), None, 2, |_, _| {}).expect("load the default model")
 }
 
+/// The worker config engine-level tests start from: 16-token blocks, a 512 MB KV cache, and
+/// stall-free batching off (every step gives prefill the whole budget), so a test's steps do not
+/// depend on the host's speed. Tests change what they exercise with `..engine_cfg()`.
+pub fn engine_cfg() -> WorkerConfig {
+    WorkerConfig { block_size: 16, kv_cache_mb: 512, step_stretch: 0.0, min_step_ms: 0.0, ..WorkerConfig::default() }
+}
+
 /// An engine on the default model.
-pub fn engine(cfg: EngineConfig) -> Engine {
+pub fn engine(cfg: WorkerConfig) -> Engine {
     let l = load_default();
     Engine::new(l.model, l.tokenizer, &cfg).expect("engine")
+}
+
+/// An engine on the default model whose KV cache holds exactly `kv_bytes` (tests that size the
+/// pool in blocks, finer than `kv_cache_mb`).
+pub fn engine_with_kv_bytes(cfg: WorkerConfig, kv_bytes: usize) -> Engine {
+    let l = load_default();
+    let cpu = zerolayer_worker::backend::Cpu::new(l.model, cfg.block_size, cfg.kv_dtype, kv_bytes).expect("KV cache");
+    Engine::with_backend(Box::new(cpu), l.tokenizer, &cfg).expect("engine")
 }
 
 /// Runs the engine until every listed sequence finishes; returns generated tokens and final events.
@@ -82,7 +98,7 @@ work is automated away. ";
 /// A node serving HTTP on 127.0.0.1:0 inside this test process.
 pub struct TestServer {
     pub base: String,
-    pub coordinator: std::sync::Arc<zerolayer_coordinator::coordinator::Coordinator>,
+    pub frontend: std::sync::Arc<zerolayer_coordinator::frontend::service::Frontend>,
     shutdown: Option<tokio::sync::oneshot::Sender<()>>,
     pub task: Option<tokio::task::JoinHandle<anyhow::Result<()>>>,
 }
@@ -111,12 +127,12 @@ impl TestServer {
         let node = zerolayer_coordinator::node::Node::start(cfg, "n1", |_, _, _| {}).await.expect("node starts");
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let base = format!("http://{}", listener.local_addr().unwrap());
-        let coordinator = node.coordinator.clone();
+        let frontend = node.frontend.clone();
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
         let task = tokio::spawn(node.serve(listener, async move {
             let _ = rx.await;
         }));
-        TestServer { base, coordinator, shutdown: Some(tx), task: Some(task) }
+        TestServer { base, frontend, shutdown: Some(tx), task: Some(task) }
     }
 
     /// Triggers graceful shutdown and waits for the server to finish.
@@ -134,7 +150,7 @@ impl TestServer {
     /// Holds the (only) worker's engine at its next step until the returned gate opens.
     pub async fn hold_steps(&self) -> StepGate {
         let gate = StepGate::default();
-        self.coordinator.workers[0].handle.set_step_hook(Some(gate.hook())).await.unwrap();
+        self.frontend.workers[0].handle.set_step_hook(Some(gate.hook())).await.unwrap();
         gate
     }
 }
@@ -182,7 +198,7 @@ pub fn metric(page: &str, name: &str) -> Option<f64> {
 pub struct ClusterNode {
     pub id: String,
     pub base: String,
-    pub coordinator: std::sync::Arc<zerolayer_coordinator::coordinator::Coordinator>,
+    pub frontend: std::sync::Arc<zerolayer_coordinator::frontend::service::Frontend>,
     shutdown: Option<tokio::sync::oneshot::Sender<()>>,
     task: Option<tokio::task::JoinHandle<anyhow::Result<()>>>,
 }
@@ -195,7 +211,7 @@ impl ClusterNode {
     /// Stops the node abruptly, as a crash looks to its peers: its QUIC endpoint closes, its
     /// gossip and HTTP tasks end. (Its worker threads keep their memory until the test ends.)
     pub fn kill(&mut self) {
-        self.coordinator.cluster.kill();
+        self.frontend.cluster.kill();
         if let Some(t) = self.task.take() {
             t.abort();
         }
@@ -205,7 +221,7 @@ impl ClusterNode {
 
 impl Drop for ClusterNode {
     fn drop(&mut self) {
-        self.coordinator.cluster.kill();
+        self.frontend.cluster.kill();
         if let Some(t) = self.task.take() {
             t.abort();
         }
@@ -266,12 +282,12 @@ impl TestCluster {
             let node = zerolayer_coordinator::node::Node::start_with(cfg.clone(), &id, Some(sock), |_, _, _| {}).await.expect("node starts");
             let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
             let base = format!("http://{}", listener.local_addr().unwrap());
-            let coordinator = node.coordinator.clone();
+            let frontend = node.frontend.clone();
             let (tx, rx) = tokio::sync::oneshot::channel::<()>();
             let task = tokio::spawn(node.serve(listener, async move {
                 let _ = rx.await;
             }));
-            started.push((i, ClusterNode { id: id.clone(), base, coordinator, shutdown: Some(tx), task: Some(task) }));
+            started.push((i, ClusterNode { id: id.clone(), base, frontend, shutdown: Some(tx), task: Some(task) }));
         }
         started.sort_by_key(|(i, _)| *i);
         TestCluster { nodes: started.into_iter().map(|(_, n)| n).collect(), tls_dir }
@@ -282,7 +298,7 @@ impl TestCluster {
         let deadline = std::time::Instant::now() + within;
         loop {
             let ok = live.iter().all(|&i| {
-                let c = &self.nodes[i].coordinator.cluster;
+                let c = &self.nodes[i].frontend.cluster;
                 let view = c.view();
                 live.iter().all(|&j| {
                     let id = &self.nodes[j].id;
@@ -308,7 +324,7 @@ impl TestCluster {
                 .iter()
                 .map(|&i| {
                     let mut v: Vec<(String, usize)> =
-                        self.nodes[i].coordinator.cluster.view().workers.iter().filter(|w| live.iter().any(|&j| self.nodes[j].id == w.node)).map(|w| (w.node.clone(), w.cached.len())).collect();
+                        self.nodes[i].frontend.cluster.view().workers.iter().filter(|w| live.iter().any(|&j| self.nodes[j].id == w.node)).map(|w| (w.node.clone(), w.cached.len())).collect();
                     v.sort();
                     v
                 })

@@ -6,9 +6,9 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use serde_json::{json, Value};
-use zerolayer_common::SamplingParams;
+use zerolayer_common::{Job, SamplingParams};
 use zerolayer_worker::chat::ChatMessage;
-use zerolayer_worker::engine::{Engine, EngineConfig};
+use zerolayer_worker::engine::Engine;
 use zerolayer_tests::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -80,8 +80,8 @@ async fn temperature_zero_over_http_equals_the_engine() {
         .unwrap();
     let ids = loaded.tokenizer.encode(&prompt).unwrap();
     let tok = loaded.tokenizer.clone();
-    let mut engine = Engine::new(loaded.model, loaded.tokenizer, &EngineConfig::default()).unwrap();
-    engine.add(1, ids.clone(), SamplingParams::greedy(40)).unwrap();
+    let mut engine = Engine::new(loaded.model, loaded.tokenizer, &engine_cfg()).unwrap();
+    engine.add(1, Job::new(ids.clone(), SamplingParams::greedy(40))).unwrap();
     let mut toks = vec![];
     while engine.has_work() {
         for (_, ev) in engine.step().unwrap().events {
@@ -277,7 +277,7 @@ async fn stop_sequences_spanning_several_tokens() {
     let full: Value = c.post(s.url("/v1/messages")).json(&messages_body(q, 48, false)).send().await.unwrap().json().await.unwrap();
     let full = full["content"][0]["text"].as_str().unwrap().to_string();
     // A stop string from the middle of the answer that the tokenizer splits into 3+ tokens.
-    let tok = &s.coordinator.default_model().tokenizer;
+    let tok = &s.frontend.default_model().tokenizer;
     let words: Vec<&str> = full.split(' ').collect();
     let stop = (3..words.len().saturating_sub(3))
         .map(|i| format!(" {} {}", words[i], words[i + 1]))

@@ -33,7 +33,7 @@ async fn sixteen_concurrent_streams_and_early_disconnects_free_every_block() {
     let _g = heavy();
     let s = TestServer::start(|_| {}).await;
     let c = http_client(120);
-    let worker = s.coordinator.workers[0].handle.clone();
+    let worker = s.frontend.workers[0].handle.clone();
     const LONG: u64 = 1500;
     let mut generated_by_dropped = 0;
     for round in 0..2 {
@@ -93,7 +93,7 @@ async fn no_new_work_while_draining() {
     let _g = heavy();
     let s = TestServer::start(|c| c.server.shutdown_grace_secs = 60).await;
     let gate = s.hold_steps().await;
-    let coordinator = s.coordinator.clone();
+    let coordinator = s.frontend.clone();
     let c = http_client(120);
     // The first step (its events carry message_start) passes; the next is held.
     gate.hold_after(1);
@@ -122,10 +122,10 @@ async fn no_new_work_while_draining() {
         }
         Err(e) => assert!(e.is_connect(), "{e}"),
     }
-    let req = zerolayer_coordinator::request::GenerationRequest {
+    let req = zerolayer_coordinator::frontend::request::GenerationRequest {
         model: "smollm2-135m-instruct".into(),
         system: None,
-        turns: vec![zerolayer_coordinator::request::Turn::new(zerolayer_coordinator::request::Role::User, "Hi")],
+        turns: vec![zerolayer_coordinator::frontend::request::Turn::new(zerolayer_coordinator::frontend::request::Role::User, "Hi")],
         max_tokens: Some(1),
         params: SamplingParams::greedy(1),
         stream: false,
@@ -167,7 +167,7 @@ async fn kv_short_requests_queue_across_workers() {
     .await;
     let c = http_client(120);
     let gates = [StepGate::default(), StepGate::default()];
-    for (w, g) in s.coordinator.workers.iter().zip(&gates) {
+    for (w, g) in s.frontend.workers.iter().zip(&gates) {
         w.handle.set_step_hook(Some(g.hook())).await.unwrap();
     }
     let note = |i: usize| format!("Note {i}: {LOREM}\nSummarize the note."); // ~58 blocks
@@ -188,7 +188,7 @@ async fn kv_short_requests_queue_across_workers() {
         tasks.push(send(holder, s.url("/v1/chat/completions")));
         let w = within(60, "the holder runs", async {
             loop {
-                if let Some(w) = (0..2).find(|&w| s.coordinator.workers[w].handle.signals().running == 1 && !gates[w].is_held()) {
+                if let Some(w) = (0..2).find(|&w| s.frontend.workers[w].handle.signals().running == 1 && !gates[w].is_held()) {
                     break w;
                 }
                 tokio::time::sleep(Duration::from_millis(10)).await;
@@ -198,8 +198,8 @@ async fn kv_short_requests_queue_across_workers() {
         gates[w].hold();
         gates[w].wait_blocked(Duration::from_secs(60)).await;
     }
-    let free: Vec<u32> = s.coordinator.workers.iter().map(|w| w.handle.signals().kv_blocks_free).collect();
-    assert!(s.coordinator.workers.iter().all(|w| w.handle.signals().running == 1), "one holder per worker");
+    let free: Vec<u32> = s.frontend.workers.iter().map(|w| w.handle.signals().kv_blocks_free).collect();
+    assert!(s.frontend.workers.iter().all(|w| w.handle.signals().running == 1), "one holder per worker");
     for i in 2..6 {
         tasks.push(send(messages_body(&note(i), 8, false), s.url("/v1/messages")));
     }

@@ -6,9 +6,10 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use zerolayer_common::SamplingParams;
+use zerolayer_common::{Job, SamplingParams};
 use zerolayer_worker::backend::{Backend, Cpu, KvGeometry};
-use zerolayer_worker::engine::{Engine, EngineConfig};
+use zerolayer_common::WorkerConfig;
+use zerolayer_worker::engine::Engine;
 use zerolayer_worker::model::{ForwardItem, ModelConfig};
 use zerolayer_worker::sampler::{argmax, select_top_k, Pick, Picked};
 use zerolayer_worker::Result;
@@ -89,18 +90,18 @@ fn requests(engine: &mut Engine, phase: u64) {
         } else {
             SamplingParams { max_tokens: 20 + i as u32, ignore_eos: true, ..SamplingParams::greedy(20) }
         };
-        engine.add(phase * 10 + i as u64, ids, params).unwrap();
+        engine.add(phase * 10 + i as u64, Job::new(ids, params)).unwrap();
     }
 }
 
 #[test]
 fn device_picked_tokens_and_top_k_candidates_equal_the_host_sampler() {
     let _g = heavy();
-    let cfg = EngineConfig { block_size: 16, kv_cache_bytes: 64 << 20, ..Default::default() };
+    let cfg = WorkerConfig { block_size: 16, kv_cache_mb: 64, ..engine_cfg() };
     let mut host = engine(cfg.clone());
     let l = load_default();
     let (picked, selected, skipped) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
-    let backend = Picking { inner: Cpu::new(l.model, cfg.block_size, cfg.kv_dtype, cfg.kv_cache_bytes).unwrap(), picked: picked.clone(), selected: selected.clone(), logits_skipped: skipped.clone() };
+    let backend = Picking { inner: Cpu::new(l.model, cfg.block_size, cfg.kv_dtype, cfg.kv_cache_mb << 20).unwrap(), picked: picked.clone(), selected: selected.clone(), logits_skipped: skipped.clone() };
     let mut device = Engine::with_backend(Box::new(backend), l.tokenizer, &cfg).unwrap();
     // Phase 0: greedy only (every step's logits stay on the "device"); phase 1: a sampled
     // sequence (logits come back for it) and a top-k one among greedy ones; phase 2: top-k

@@ -132,7 +132,7 @@ async fn a_pinned_prefix_survives_a_flood_that_evicts_an_unpinned_one() {
     // they are next published.
     let mut pinned_blocks = 0;
     for _ in 0..50 {
-        pinned_blocks = s.coordinator.worker_signals()[0].1.kv_blocks_pinned as u64;
+        pinned_blocks = s.frontend.worker_signals()[0].1.kv_blocks_pinned as u64;
         if pinned_blocks == written / 4 {
             break;
         }

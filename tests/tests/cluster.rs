@@ -73,7 +73,7 @@ async fn three_nodes_place_by_cache_load_and_liveness() {
     // No node may call a live one dead, however loaded the machine is (a watcher samples every
     // node's view until the kill in step 4).
     let watching = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
-    let views: Vec<_> = cluster.nodes.iter().map(|n| n.coordinator.cluster.clone()).collect();
+    let views: Vec<_> = cluster.nodes.iter().map(|n| n.frontend.cluster.clone()).collect();
     let w2 = watching.clone();
     let watcher = tokio::spawn(async move {
         let mut samples = 0u64;
@@ -130,7 +130,7 @@ async fn three_nodes_place_by_cache_load_and_liveness() {
 
     // 3. A client that disconnects from a forwarded stream cancels the sequence on its owner.
     let (b_doc, owner) = remote_docs[remote_docs.len() - 1];
-    let owner_worker = &cluster.nodes[owner].coordinator.workers[0].handle;
+    let owner_worker = &cluster.nodes[owner].frontend.workers[0].handle;
     let generated_before = owner_worker.signals().generated_tokens_total;
     // `ignore_eos` (the OpenAI route): the sequence cannot end early on its own, so stopping
     // short of max_tokens proves the cancellation.
@@ -208,7 +208,7 @@ async fn three_nodes_place_by_cache_load_and_liveness() {
     loop {
         let dead = survivors
             .iter()
-            .all(|&i| cluster.nodes[i].coordinator.cluster.nodes().iter().any(|n| n.id == victim_id && n.state == NodeState::Dead));
+            .all(|&i| cluster.nodes[i].frontend.cluster.nodes().iter().any(|n| n.id == victim_id && n.state == NodeState::Dead));
         if dead {
             break;
         }
@@ -322,14 +322,9 @@ mod mtls {
         let evil_mat = tls::TlsMaterial::load(&evil, "x").unwrap();
         let mixed = tls::TlsMaterial { ca: good_mat.ca.clone(), chain: evil_mat.chain.clone(), key: evil_mat.key.clone_key() };
         let frame = zerolayer_common::wire::encode_open(&zerolayer_common::wire::Open::Submit(zerolayer_common::wire::Submit {
-            request_id: "req_mtls".into(),
             origin_node: "b".into(),
             worker: "cpu0".into(),
-            prompt: vec![1, 2, 3],
-            params: zerolayer_common::SamplingParams::greedy(4),
-            share: Default::default(),
-            resume: vec![],
-            pins: vec![],
+            job: zerolayer_common::Job { request_id: "req_mtls".into(), ..zerolayer_common::Job::new(vec![1, 2, 3], zerolayer_common::SamplingParams::greedy(4)) },
         }))
         .unwrap();
         let submit = |mat: tls::TlsMaterial| {
@@ -452,14 +447,9 @@ mod identity {
         let conn = client.connect(aa, tls::SERVER_NAME).unwrap().await.unwrap();
         let (mut s, mut r) = conn.open_bi().await.unwrap();
         let sub = zerolayer_common::wire::Submit {
-            request_id: "req_forged".into(),
             origin_node: "b".into(),
             worker: "cpu0".into(),
-            prompt: vec![1, 2, 3],
-            params: zerolayer_common::SamplingParams::greedy(4),
-            share: Default::default(),
-            resume: vec![],
-            pins: vec![],
+            job: zerolayer_common::Job { request_id: "req_forged".into(), ..zerolayer_common::Job::new(vec![1, 2, 3], zerolayer_common::SamplingParams::greedy(4)) },
         };
         s.write_all(&zerolayer_common::wire::encode_open(&zerolayer_common::wire::Open::Submit(sub)).unwrap()).await.unwrap();
         let mut len = [0u8; 4];

@@ -6,9 +6,10 @@ use std::process::Command;
 use std::time::Duration;
 
 use serde_json::{json, Value};
-use zerolayer_common::{SamplingParams, SeqEvent, StopReason};
+use zerolayer_common::{Job, SamplingParams, SeqEvent, StopReason};
 use zerolayer_worker::chat::{ChatMessage, ChatTemplate};
-use zerolayer_worker::engine::{Engine, EngineConfig};
+use zerolayer_common::WorkerConfig;
+use zerolayer_worker::engine::Engine;
 use zerolayer_tests::*;
 
 /// A JSON object with an integer and a word from a list, as the coordinator would write it.
@@ -36,13 +37,13 @@ fn check(text: &str) {
 fn the_grammar_holds_in_a_batch_and_across_a_move() {
     let _g = heavy();
     let template = load_default().template;
-    let mut solo = engine(EngineConfig::default());
+    let mut solo = engine(engine_cfg());
     let asks = ["Pick a number and a Greek letter.", "Write a poem about the sea.", "Count to five.", "What is two plus two?"];
     let prompts: Vec<Vec<u32>> = asks.iter().map(|a| prompt(&solo, &template, a)).collect();
     // Alone: each of 4 seeds gives valid JSON that ends the turn.
     let mut alone = vec![];
     for seed in 0..4u64 {
-        solo.add(seed, prompts[seed as usize].clone(), constrained(seed)).unwrap();
+        solo.add(seed, Job::new(prompts[seed as usize].clone(), constrained(seed))).unwrap();
         let out = run_all(&mut solo);
         let (tokens, text, fin) = &out[&seed];
         check(text);
@@ -52,16 +53,16 @@ fn the_grammar_holds_in_a_batch_and_across_a_move() {
     let free = SamplingParams::greedy(24);
     let mut free_alone = vec![];
     for (i, p) in prompts.iter().enumerate() {
-        solo.add(100 + i as u64, p.clone(), free.clone()).unwrap();
+        solo.add(100 + i as u64, Job::new(p.clone(), free.clone())).unwrap();
         free_alone.push(run_all(&mut solo)[&(100 + i as u64)].0.clone());
     }
 
     // Together, in a small odd step budget: the constrained sequences sample what they did
     // alone, and the free ones next to them are untouched by the masks.
-    let mut batch = engine(EngineConfig { max_batch_tokens: 37, ..Default::default() });
+    let mut batch = engine(WorkerConfig { max_batch_tokens: 37, ..engine_cfg() });
     for (i, p) in prompts.iter().enumerate() {
-        batch.add(i as u64, p.clone(), constrained(i as u64)).unwrap();
-        batch.add(100 + i as u64, p.clone(), free.clone()).unwrap();
+        batch.add(i as u64, Job::new(p.clone(), constrained(i as u64))).unwrap();
+        batch.add(100 + i as u64, Job::new(p.clone(), free.clone())).unwrap();
     }
     let out = run_all(&mut batch);
     for i in 0..prompts.len() {
@@ -71,8 +72,8 @@ fn the_grammar_holds_in_a_batch_and_across_a_move() {
 
     // Moved after 5 tokens (exported, resumed on another engine): the parser is rebuilt from
     // the tokens so far and the sequence continues with exactly the same tokens.
-    let mut from = engine(EngineConfig::default());
-    from.add(7, prompts[0].clone(), constrained(0)).unwrap();
+    let mut from = engine(engine_cfg());
+    from.add(7, Job::new(prompts[0].clone(), constrained(0))).unwrap();
     let mut sent = 0;
     while sent < 5 {
         for (_, ev) in from.step().unwrap().events {
@@ -83,8 +84,8 @@ fn the_grammar_holds_in_a_batch_and_across_a_move() {
     }
     let moved = from.export(7).expect("exported");
     assert!(moved.generated.len() >= 5 && moved.generated.len() < alone[0].len(), "{} of {}", moved.generated.len(), alone[0].len());
-    let mut to = engine(EngineConfig::default());
-    to.add_resumed(7, moved.prompt.clone(), moved.generated.clone(), SamplingParams { seed: Some(moved.seed), ..constrained(0) }).unwrap();
+    let mut to = engine(engine_cfg());
+    to.add(7, Job::new(moved.prompt.clone(), SamplingParams { seed: Some(moved.seed), ..constrained(0) }).resuming(moved.generated.clone())).unwrap();
     let rest = run_all(&mut to);
     let mut whole = moved.generated.clone();
     whole.extend(&rest[&7].0);
@@ -92,7 +93,7 @@ fn the_grammar_holds_in_a_batch_and_across_a_move() {
 
     // A grammar that does not compile fails that request alone, at once.
     let bad = SamplingParams { grammar: Some("start: %json {".into()), ..SamplingParams::greedy(8) };
-    assert!(solo.add(50, prompts[0].clone(), bad).is_err());
+    assert!(solo.add(50, Job::new(prompts[0].clone(), bad)).is_err());
 }
 
 /// A forced call streams as a `tool_use` block whose `input_json_delta`s add up to input that

@@ -5,9 +5,10 @@ use std::collections::HashMap;
 use candle_core::{Device, Tensor};
 use candle_transformers::models::quantized_llama::ModelWeights;
 use zerolayer_common::config::KvDtype;
-use zerolayer_common::{SamplingParams, SeqEvent, StopReason};
+use zerolayer_common::{Job, SamplingParams, SeqEvent, StopReason};
 use zerolayer_worker::chat::ChatMessage;
-use zerolayer_worker::engine::{Engine, EngineConfig};
+use zerolayer_common::WorkerConfig;
+use zerolayer_worker::engine::Engine;
 use zerolayer_worker::model::{ForwardItem, KvCache};
 use zerolayer_worker::sampler::argmax;
 use zerolayer_tests::*;
@@ -112,8 +113,8 @@ fn capital_of_france_is_paris() {
         .render_for_generation(&[ChatMessage::new("system", "You are a helpful assistant."), ChatMessage::new("user", "What is the capital of France?")])
         .unwrap();
     let ids = loaded.tokenizer.encode(&prompt).unwrap();
-    let mut engine = Engine::new(loaded.model, loaded.tokenizer, &EngineConfig::default()).unwrap();
-    engine.add(1, ids, SamplingParams::greedy(32)).unwrap();
+    let mut engine = Engine::new(loaded.model, loaded.tokenizer, &engine_cfg()).unwrap();
+    engine.add(1, Job::new(ids, SamplingParams::greedy(32))).unwrap();
     let out = run_all(&mut engine);
     let (_, text, fin) = &out[&1];
     eprintln!("answer: {text:?}");
@@ -127,21 +128,21 @@ fn capital_of_france_is_paris() {
 fn batch_invariance() {
     let _g = heavy();
     let lens = [5usize, 17, 33, 48, 70, 96, 130, 161];
-    let mut solo_engine = engine(EngineConfig { max_batch_tokens: 512, ..Default::default() });
+    let mut solo_engine = engine(WorkerConfig { max_batch_tokens: 512, ..engine_cfg() });
     let prompts: Vec<Vec<u32>> = lens.iter().enumerate().map(|(i, &n)| prompt_tokens(&solo_engine, n, i)).collect();
     let mut solo = vec![];
     for (i, p) in prompts.iter().enumerate() {
-        solo_engine.add(i as u64, p.clone(), SamplingParams { max_tokens: 24, temperature: 0.0, ..Default::default() }).unwrap();
+        solo_engine.add(i as u64, Job::new(p.clone(), SamplingParams { max_tokens: 24, temperature: 0.0, ..Default::default() })).unwrap();
         let out = run_all(&mut solo_engine);
         solo.push(out[&(i as u64)].0.clone());
         // Fresh engine state per prompt: drop cached blocks by rebuilding nothing; cached
         // blocks are fine here, each prompt is distinct.
     }
     // Concurrently, with a small odd step budget so chunk boundaries differ from the solo runs.
-    let mut batch = engine(EngineConfig { max_batch_tokens: 37, ..Default::default() });
+    let mut batch = engine(WorkerConfig { max_batch_tokens: 37, ..engine_cfg() });
     for round in 0..2 {
         for (i, p) in prompts.iter().enumerate() {
-            batch.add(100 * round + i as u64, p.clone(), SamplingParams { max_tokens: 24, temperature: 0.0, ..Default::default() }).unwrap();
+            batch.add(100 * round + i as u64, Job::new(p.clone(), SamplingParams { max_tokens: 24, temperature: 0.0, ..Default::default() })).unwrap();
         }
         let out = run_all(&mut batch);
         for i in 0..prompts.len() {
@@ -254,22 +255,22 @@ fn alone_and_batched(dtype: KvDtype) -> Vec<Vec<f32>> {
 #[test]
 fn prefix_cache_hit_reports_cached_tokens_and_same_output() {
     let _g = heavy();
-    let mut warm = engine(EngineConfig::default());
+    let mut warm = engine(engine_cfg());
     let prefix = prompt_tokens(&warm, 300, 7);
     let mut a = prefix.clone();
     a.extend(warm.tokenizer.encode(" Summarize the text above in one sentence.").unwrap());
     let mut b = prefix.clone();
     b.extend(warm.tokenizer.encode(" What invention does the text describe?").unwrap());
-    warm.add(1, a, SamplingParams::greedy(16)).unwrap();
+    warm.add(1, Job::new(a, SamplingParams::greedy(16))).unwrap();
     run_all(&mut warm);
-    warm.add(2, b.clone(), SamplingParams::greedy(16)).unwrap();
+    warm.add(2, Job::new(b.clone(), SamplingParams::greedy(16))).unwrap();
     let out = run_all(&mut warm);
     let SeqEvent::Finished { usage, .. } = &out[&2].2 else { panic!("no final event") };
     eprintln!("usage: {usage:?}");
     assert!(usage.prompt_tokens_cached >= 288, "cached {} < 288", usage.prompt_tokens_cached);
     assert_eq!(usage.prompt_tokens() as usize, b.len());
-    let mut cold = engine(EngineConfig::default());
-    cold.add(2, b, SamplingParams::greedy(16)).unwrap();
+    let mut cold = engine(engine_cfg());
+    cold.add(2, Job::new(b, SamplingParams::greedy(16))).unwrap();
     let cold_out = run_all(&mut cold);
     assert_eq!(out[&2].0, cold_out[&2].0, "warm and cold outputs differ");
     let SeqEvent::Finished { usage, .. } = &cold_out[&2].2 else { panic!() };
@@ -282,24 +283,24 @@ fn prefix_cache_hit_reports_cached_tokens_and_same_output() {
 #[test]
 fn preemption_under_a_small_kv_budget() {
     let _g = heavy();
-    let mut solo_engine = engine(EngineConfig::default());
+    let mut solo_engine = engine(engine_cfg());
     let prompts: Vec<Vec<u32>> = (0..8).map(|i| prompt_tokens(&solo_engine, 120 + 10 * i, 50 + i)).collect();
     let params = SamplingParams::greedy(40);
     let mut solo = vec![];
     for (i, p) in prompts.iter().enumerate() {
-        solo_engine.add(i as u64, p.clone(), params.clone()).unwrap();
+        solo_engine.add(i as u64, Job::new(p.clone(), params.clone())).unwrap();
         solo.push(run_all(&mut solo_engine)[&(i as u64)].0.clone());
     }
     for block_size in [16usize, 4] {
         // Each sequence needs 160-230 tokens of KV; 8 together need ~1,600. Give 640.
         let blocks = 640 / block_size;
         let bytes_per_block = solo_engine.config().kv_bytes_per_token(KvDtype::F32) * block_size;
-        for reserve in [0, EngineConfig::default().reserve_output_tokens] {
-            let cfg = EngineConfig { block_size, kv_cache_bytes: blocks * bytes_per_block, reserve_output_tokens: reserve, ..Default::default() };
-            let mut small = engine(cfg);
+        for reserve in [0, engine_cfg().reserve_output_tokens] {
+            let cfg = WorkerConfig { block_size, reserve_output_tokens: reserve, ..engine_cfg() };
+            let mut small = engine_with_kv_bytes(cfg, blocks * bytes_per_block);
             assert_eq!(small.num_blocks(), blocks);
             for (i, p) in prompts.iter().enumerate() {
-                small.add(i as u64, p.clone(), params.clone()).unwrap();
+                small.add(i as u64, Job::new(p.clone(), params.clone())).unwrap();
             }
             let out = run_all(&mut small);
             for i in 0..8 {
@@ -323,32 +324,32 @@ fn stop_sequences_and_max_tokens() {
     let loaded = load_default();
     let prompt = loaded.template.render_for_generation(&[ChatMessage::new("user", "Count from 1 to 20, separated by commas.")]).unwrap();
     let ids = loaded.tokenizer.encode(&prompt).unwrap();
-    let mut e = Engine::new(loaded.model, loaded.tokenizer, &EngineConfig::default()).unwrap();
-    e.add(1, ids.clone(), SamplingParams::greedy(64)).unwrap();
+    let mut e = Engine::new(loaded.model, loaded.tokenizer, &engine_cfg()).unwrap();
+    e.add(1, Job::new(ids.clone(), SamplingParams::greedy(64))).unwrap();
     let full = run_all(&mut e)[&1].1.clone();
     eprintln!("full: {full:?}");
     assert!(full.contains("5"), "{full:?}");
-    e.add(2, ids.clone(), SamplingParams { stop_sequences: vec!["5".into()], ..SamplingParams::greedy(64) }).unwrap();
+    e.add(2, Job::new(ids.clone(), SamplingParams { stop_sequences: vec!["5".into()], ..SamplingParams::greedy(64) })).unwrap();
     let out = run_all(&mut e);
     let (_, text, fin) = &out[&2];
     assert_eq!(text, &full[..full.find('5').unwrap()], "stops right before the stop text");
     assert!(matches!(fin, SeqEvent::Finished { reason: StopReason::StopSequence(s), .. } if s == "5"));
-    e.add(3, ids.clone(), SamplingParams::greedy(3)).unwrap();
+    e.add(3, Job::new(ids.clone(), SamplingParams::greedy(3))).unwrap();
     let out = run_all(&mut e);
     assert_eq!(out[&3].0.len(), 3);
     assert!(matches!(&out[&3].2, SeqEvent::Finished { reason: StopReason::MaxTokens, usage } if usage.output_tokens == 3));
     // max_tokens = 0 pre-warms the cache and generates nothing: a prompt never seen before is
     // computed, and the next request with it reads all its full blocks from the cache.
     let fresh = e.tokenizer.encode(&format!("{} Pre-warm this paragraph.", &LOREM[300..700])).unwrap();
-    e.add(4, fresh.clone(), SamplingParams::greedy(0)).unwrap();
+    e.add(4, Job::new(fresh.clone(), SamplingParams::greedy(0))).unwrap();
     let out = run_all(&mut e);
     assert!(out[&4].0.is_empty());
     let SeqEvent::Finished { reason: StopReason::MaxTokens, usage } = &out[&4].2 else { panic!("{:?}", out[&4].2) };
     assert_eq!((usage.output_tokens, usage.prompt_tokens_cached), (0, 0), "a fresh prompt, computed");
-    e.add(5, fresh.clone(), SamplingParams::greedy(2)).unwrap();
+    e.add(5, Job::new(fresh.clone(), SamplingParams::greedy(2))).unwrap();
     let out = run_all(&mut e);
     let SeqEvent::Finished { usage, .. } = &out[&5].2 else { panic!() };
-    let bs = EngineConfig::default().block_size;
+    let bs = engine_cfg().block_size;
     assert_eq!(usage.prompt_tokens_cached as usize, (fresh.len() - 1) / bs * bs, "every full block of the pre-warmed prompt is read from cache");
 }
 
@@ -387,18 +388,18 @@ fn tokenizer_matches_llama_cpp_fixtures() {
 fn stall_free_steps_keep_decodes_moving_and_change_no_output() {
     let _g = heavy();
     let greedy = |n: u32| SamplingParams { max_tokens: n, temperature: 0.0, ignore_eos: true, ..Default::default() };
-    let stall_free = EngineConfig { block_size: 4, max_batch_tokens: 512, step_stretch: 2.5, min_step_ms: 0.0, min_prefill_chunk: 16, ..Default::default() };
+    let stall_free = WorkerConfig { block_size: 4, max_batch_tokens: 512, step_stretch: 2.5, min_step_ms: 0.0, min_prefill_chunk: 16, ..engine_cfg() };
     let mut on = engine(stall_free.clone());
-    let mut off = engine(EngineConfig { step_stretch: 0.0, ..stall_free });
+    let mut off = engine(WorkerConfig { step_stretch: 0.0, ..stall_free });
     let short = prompt_tokens(&on, 20, 1);
     let long = prompt_tokens(&on, 1400, 2);
     assert_eq!(long.len(), 1400);
 
     // Warm-up: decodes alone and with prompts of several sizes, so the step time is learnt.
     for (i, n) in [40usize, 120, 300, 500].into_iter().enumerate() {
-        on.add(10 + i as u64, prompt_tokens(&on, 10 + i, 100 + i), greedy(24)).unwrap();
+        on.add(10 + i as u64, Job::new(prompt_tokens(&on, 10 + i, 100 + i), greedy(24))).unwrap();
         on.step().unwrap();
-        on.add(20 + i as u64, prompt_tokens(&on, n, 200 + i), greedy(4)).unwrap();
+        on.add(20 + i as u64, Job::new(prompt_tokens(&on, n, 200 + i), greedy(4))).unwrap();
         run_all(&mut on);
     }
     assert!(on.step_time().is_warm(), "learnt from {} steps: {:?}", on.step_time().steps(), on.step_time().coefficients());
@@ -406,9 +407,9 @@ fn stall_free_steps_keep_decodes_moving_and_change_no_output() {
     // A decodes; B's 1,400-token prompt arrives.
     let mut outputs = vec![];
     for e in [&mut on, &mut off] {
-        e.add(1, short.clone(), greedy(400)).unwrap();
+        e.add(1, Job::new(short.clone(), greedy(400))).unwrap();
         e.step().unwrap();
-        e.add(2, long.clone(), greedy(8)).unwrap();
+        e.add(2, Job::new(long.clone(), greedy(8))).unwrap();
         let mut chunks = vec![];
         let mut got: HashMap<u64, Vec<u32>> = HashMap::new();
         let mut b_prefilled = false;

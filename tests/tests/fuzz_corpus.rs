@@ -17,7 +17,7 @@ fn fuzz_corpus_never_panics() {
         files.sort();
         for f in files {
             let data = std::fs::read(&f).unwrap();
-            if zerolayer_coordinator::fuzzing::exercise(&data, &tok, &tmpl).is_ok() {
+            if zerolayer_coordinator::frontend::fuzzing::exercise(&data, &tok, &tmpl).is_ok() {
                 ok += 1;
             }
             n += 1;

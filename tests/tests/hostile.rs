@@ -286,7 +286,7 @@ async fn two_thousand_mixed_requests_leak_nothing() {
     // Warm-up, then N requests, then N more: what a leak adds grows with the count, so the
     // second N must add (almost) nothing on top of the first.
     let idle = |label: &'static str| {
-        let (c, s2) = (c.clone(), s.coordinator.clone());
+        let (c, s2) = (c.clone(), s.frontend.clone());
         let url = s.url("/metrics");
         async move {
             tokio::time::timeout(Duration::from_secs(30), async {

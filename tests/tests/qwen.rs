@@ -3,9 +3,10 @@
 //! against llama.cpp itself (`tests/fixtures/qwen2.5-coder.json`, made by
 //! `scripts/gen-qwen-fixtures` with llama-cpp-python on the same file).
 
-use zerolayer_common::{SamplingParams, SeqEvent};
+use zerolayer_common::{Job, SamplingParams, SeqEvent};
 use zerolayer_worker::chat::ChatMessage;
-use zerolayer_worker::engine::{Engine, EngineConfig};
+use zerolayer_common::WorkerConfig;
+use zerolayer_worker::engine::Engine;
 use zerolayer_worker::loader::load;
 use zerolayer_tests::*;
 
@@ -60,14 +61,14 @@ fn qwen_greedy_output_equals_llama_cpp() {
     let runs = fx["greedy"].as_array().unwrap();
     assert_eq!(runs.len(), 3);
     let l = load(&qwen_model_path(), None, 2, |_, _| {}).expect("load Qwen2.5-Coder");
-    let cfg = EngineConfig { block_size: 16, kv_cache_bytes: 256 << 20, max_batch_tokens: 48, ..Default::default() };
+    let cfg = WorkerConfig { block_size: 16, kv_cache_mb: 256, max_batch_tokens: 48, ..engine_cfg() };
     let mut engine = Engine::new(l.model, l.tokenizer.clone(), &cfg).unwrap();
     let mut alone = Vec::new();
     for (i, r) in runs.iter().enumerate() {
         let prompt = ids_of(&r["prompt_ids"]);
         assert_eq!(l.tokenizer.encode(r["prompt"].as_str().unwrap()).unwrap(), prompt, "prompt {i} tokenizes as in llama.cpp");
         let want = ids_of(&r["output_ids"]);
-        engine.add(i as u64, prompt, greedy(want.len() as u32)).unwrap();
+        engine.add(i as u64, Job::new(prompt, greedy(want.len() as u32))).unwrap();
         let out = run_all(&mut engine);
         let got = &out[&(i as u64)].0;
         assert_eq!(
@@ -81,7 +82,7 @@ fn qwen_greedy_output_equals_llama_cpp() {
     }
     // All three at once, with a 48-token step budget so prompts prefill in chunks beside decodes.
     for (i, r) in runs.iter().enumerate() {
-        engine.add(10 + i as u64, ids_of(&r["prompt_ids"]), greedy(alone[i].len() as u32)).unwrap();
+        engine.add(10 + i as u64, Job::new(ids_of(&r["prompt_ids"]), greedy(alone[i].len() as u32))).unwrap();
     }
     let out = run_all(&mut engine);
     for (i, want) in alone.iter().enumerate() {
@@ -109,11 +110,11 @@ fn qwen_tool_prompts_equal_hugging_face_rendering() {
     let cases = fx["tool_prompts"].as_array().unwrap();
     assert_eq!(cases.len(), 2);
     for (i, c) in cases.iter().enumerate() {
-        let req = zerolayer_coordinator::api::anthropic::parse(&c["request"], zerolayer_coordinator::api::anthropic::Endpoint::Messages)
+        let req = zerolayer_coordinator::frontend::api::anthropic::parse(&c["request"], zerolayer_coordinator::frontend::api::anthropic::Endpoint::Messages)
             .unwrap_or_else(|e| panic!("case {i}: {e}"));
         let text = req.generation.render(&l.template).unwrap();
         assert_eq!(text, c["text"].as_str().unwrap(), "case {i}: rendered text");
-        let ids = zerolayer_coordinator::prompt::prompt_ids(&req.generation, &l.template, &l.tokenizer, false).unwrap();
+        let ids = zerolayer_coordinator::frontend::prompt::prompt_ids(&req.generation, &l.template, &l.tokenizer, false).unwrap();
         assert_eq!(ids, ids_of(&c["ids"]), "case {i}: prompt tokens");
     }
 }

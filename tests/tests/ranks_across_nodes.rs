@@ -22,7 +22,7 @@ use zerolayer_tests::*;
 use zerolayer_worker::backend;
 use zerolayer_worker::loader::load;
 use zerolayer_worker::model::ForwardItem;
-use zerolayer_worker::SubmitRequest;
+use zerolayer_worker::Job;
 
 fn config(tls_dir: &std::path::Path, a: std::net::SocketAddr, b: std::net::SocketAddr) -> ClusterConfig {
     let mut c = ClusterConfig::default();
@@ -85,12 +85,12 @@ async fn a_group_across_nodes_computes_what_it_computes_on_one_node() {
     // 2-core machine (node b's own worker faulting in its KV cache) that thread may wait its
     // turn, so give it a bounded while rather than one fixed sleep.
     let t = Instant::now();
-    while host.coordinator.cluster.hosted_ranks() != 0 && t.elapsed() < Duration::from_secs(10) {
+    while host.frontend.cluster.hosted_ranks() != 0 && t.elapsed() < Duration::from_secs(10) {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    assert_eq!(host.coordinator.cluster.hosted_ranks(), 0, "a refused join holds no slot (waited {:?})", t.elapsed());
+    assert_eq!(host.frontend.cluster.hosted_ranks(), 0, "a refused join holds no slot (waited {:?})", t.elapsed());
     let group = open_group(&cfg, "a", &wc, loaded.model).await.expect("the group forms");
-    assert_eq!(host.coordinator.cluster.hosted_ranks(), 2);
+    assert_eq!(host.frontend.cluster.hosted_ranks(), 2);
     assert!(group.describe().contains("rank 1 on node b; rank 2 on node b"), "{}", group.describe());
     let local = backend::cpu(load(&model_path(), None, 1, |_, _| {}).unwrap().model, 3, 2, wc.block_size, wc.kv_dtype, wc.kv_cache_mb << 20).unwrap();
     assert_eq!(group.kv(), local.kv(), "the same KV geometry as the group on one node");
@@ -132,10 +132,10 @@ async fn a_group_across_nodes_computes_what_it_computes_on_one_node() {
         group.forward_into(&[ForwardItem { tokens: &[1, 2, 3], start_pos: 0, block_table: &[0], want_logits: true }], &mut logits).is_err()
     });
     assert!(tokio::time::timeout(Duration::from_secs(20), stale).await.expect("the replaced group answers").unwrap(), "a replaced group fails");
-    let worker = &leader.coordinator.workers[0];
+    let worker = &leader.frontend.workers[0];
     let tok = load(&model_path(), None, 1, |_, _| {}).unwrap().tokenizer;
     let prompt = tok.encode("<|im_start|>user\nName a colour.<|im_end|>\n<|im_start|>assistant\n").unwrap();
-    let mut s = worker.handle.submit(SubmitRequest::new(prompt.clone(), SamplingParams::greedy(8))).await.unwrap();
+    let mut s = worker.handle.submit(Job::new(prompt.clone(), SamplingParams::greedy(8))).await.unwrap();
     let mut tokens = Vec::new();
     let mut end = None;
     while let Some(ev) = s.recv().await {
@@ -152,9 +152,9 @@ async fn a_group_across_nodes_computes_what_it_computes_on_one_node() {
 
     // The host is lost: the group's next step fails (its sequences end) within the idle
     // timeout, and the worker does not hang.
-    host.coordinator.cluster.kill();
+    host.frontend.cluster.kill();
     let t = Instant::now();
-    let mut s = worker.handle.submit(SubmitRequest::new(tok.encode("Hello").unwrap(), SamplingParams::greedy(4))).await.unwrap();
+    let mut s = worker.handle.submit(Job::new(tok.encode("Hello").unwrap(), SamplingParams::greedy(4))).await.unwrap();
     let mut end = None;
     while let Some(ev) = tokio::time::timeout(Duration::from_secs(20), s.recv()).await.expect("the stream ends, not hangs") {
         if let SeqEvent::Finished { reason, .. } = ev {

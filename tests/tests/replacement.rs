@@ -90,7 +90,7 @@ async fn drain_under_load_moves_kv_and_every_stream_finishes_unchanged() {
 
     let (tasks, mut progress) = launch(&cluster, &bodies);
     all_past(&mut progress, 4).await;
-    let running: Vec<u32> = cluster.nodes.iter().map(|n| n.coordinator.workers[0].handle.signals().running).collect();
+    let running: Vec<u32> = cluster.nodes.iter().map(|n| n.frontend.workers[0].handle.signals().running).collect();
     let busiest = (0..3).max_by_key(|&i| running[i]).unwrap();
     let victim = cluster.nodes[busiest].id.clone();
     // Through any node's admin API: node a passes it on if the busiest is another.
@@ -115,7 +115,7 @@ async fn drain_under_load_moves_kv_and_every_stream_finishes_unchanged() {
     // The drained node is out of placement everywhere, and says so.
     assert_eq!(http.get(cluster.nodes[busiest].url("/ready")).send().await.unwrap().status(), 503);
     let deadline = Instant::now() + Duration::from_secs(10);
-    while !cluster.nodes.iter().filter(|n| n.id != victim).all(|n| n.coordinator.cluster.nodes().iter().any(|m| m.id == victim && m.state == NodeState::Draining)) {
+    while !cluster.nodes.iter().filter(|n| n.id != victim).all(|n| n.frontend.cluster.nodes().iter().any(|m| m.id == victim && m.state == NodeState::Draining)) {
         assert!(Instant::now() < deadline, "every node sees {victim} draining");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
@@ -223,7 +223,7 @@ async fn a_lost_rank_host_hands_the_groups_streams_to_another_worker() {
     })
     .await;
     cluster.wait_converged(&[0, 1, 2], Duration::from_secs(20)).await;
-    assert_eq!(cluster.nodes[1].coordinator.cluster.hosted_ranks(), 1, "b hosts a's rank 1");
+    assert_eq!(cluster.nodes[1].frontend.cluster.hosted_ranks(), 1, "b hosts a's rank 1");
     let http = reqwest::Client::new();
     let (mut tasks, mut progress) = (vec![], vec![]);
     // One stream: placement would balance a second one onto an idle peer.

@@ -31,7 +31,7 @@ fn short(max_tokens: u32) -> Value {
 
 /// What `node` knows of `tenant` across the cluster.
 fn usage(c: &TestCluster, node: usize, tenant: &str) -> Option<TenantUsage> {
-    c.nodes[node].coordinator.guard.quota.usage().into_iter().find(|u| u.tenant == tenant)
+    c.nodes[node].frontend.guard.quota.usage().into_iter().find(|u| u.tenant == tenant)
 }
 
 fn remaining(u: &TenantUsage, limit: &str) -> u32 {
@@ -175,7 +175,7 @@ async fn huge_bodies_are_refused_off_the_runtime_and_the_peer_stays_live() {
     let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     // Watch node b's view of node a, and this process's memory, while the burst runs.
     let watcher = {
-        let b = cluster.nodes[1].coordinator.clone();
+        let b = cluster.nodes[1].frontend.clone();
         let done = done.clone();
         tokio::spawn(async move {
             let (mut peak, mut a_seen_dead) = (0u64, false);
@@ -211,7 +211,7 @@ async fn huge_bodies_are_refused_off_the_runtime_and_the_peer_stays_live() {
     // Node a still serves, and b still sees it ready.
     let r = http.post(cluster.nodes[0].url("/v1/messages")).json(&short(2)).send().await.unwrap();
     assert_eq!(r.status(), 200);
-    assert!(cluster.nodes[1].coordinator.cluster.nodes().iter().any(|n| n.id == "a" && n.state == zerolayer_coordinator::view::NodeState::Ready));
+    assert!(cluster.nodes[1].frontend.cluster.nodes().iter().any(|n| n.id == "a" && n.state == zerolayer_coordinator::view::NodeState::Ready));
 }
 
 /// Key A (allowed `ignore_eos` by the operator) runs six requests that each fill the whole
@@ -231,7 +231,7 @@ async fn a_key_with_long_requests_cannot_starve_another() {
     })
     .await;
     let http = reqwest::Client::builder().timeout(Duration::from_secs(300)).build().unwrap();
-    let worker = s.coordinator.workers[0].handle.clone();
+    let worker = s.frontend.workers[0].handle.clone();
     let mut long = Vec::new();
     for i in 0..6 {
         let body = json!({"model": MODEL, "ignore_eos": true, "stream": true, "temperature": 0, "messages": [{"role": "user", "content": format!("Story {i}: once upon a time")}]});

@@ -13,9 +13,10 @@
 //! - Uneven splits work: SmolLM2's 3 KV heads over 2 ranks (2 + 1).
 
 use zerolayer_common::config::KvDtype;
-use zerolayer_common::{SamplingParams, SeqEvent};
+use zerolayer_common::{Job, SamplingParams, SeqEvent};
 use zerolayer_worker::backend::{self, Backend};
-use zerolayer_worker::engine::{Engine, EngineConfig};
+use zerolayer_common::WorkerConfig;
+use zerolayer_worker::engine::Engine;
 use zerolayer_worker::loader::{load, Loaded};
 use zerolayer_worker::migrate::KvImport;
 use zerolayer_worker::model::ForwardItem;
@@ -192,21 +193,21 @@ fn sequences_move_between_sharded_and_unsharded_engines() {
 }
 
 fn move_between_engines(kv_dtype: KvDtype, other: KvDtype) {
-    let ecfg = EngineConfig { block_size: BLOCK, kv_cache_bytes: 32 << 20, kv_dtype, ..Default::default() };
+    let ecfg = WorkerConfig { block_size: BLOCK, kv_cache_mb: 32, kv_dtype, ..engine_cfg() };
     let make = |tp: usize| {
         let l = load_model(false);
-        let b = backend::cpu(l.model, tp, 2, BLOCK, ecfg.kv_dtype, ecfg.kv_cache_bytes).unwrap();
+        let b = backend::cpu(l.model, tp, 2, BLOCK, ecfg.kv_dtype, ecfg.kv_cache_mb << 20).unwrap();
         Engine::with_backend(b, l.tokenizer, &ecfg).unwrap()
     };
     let prompt = prompts(false)[1].clone();
     let params = SamplingParams { max_tokens: 40, temperature: 0.0, ignore_eos: true, ..Default::default() };
     let mut straight = make(2);
-    straight.add(1, prompt.clone(), params.clone()).unwrap();
+    straight.add(1, Job::new(prompt.clone(), params.clone())).unwrap();
     let reference = run_all(&mut straight).remove(&1).unwrap().0;
     assert_eq!(reference.len(), 40);
 
     let mut origin = make(2);
-    origin.add(7, prompt.clone(), params.clone()).unwrap();
+    origin.add(7, Job::new(prompt.clone(), params.clone())).unwrap();
     let mut got = Vec::new();
     while got.len() < 20 {
         for (_, ev) in origin.step().unwrap().events {
@@ -226,8 +227,8 @@ fn move_between_engines(kv_dtype: KvDtype, other: KvDtype) {
     };
     // A cache of the other element type has blocks of another size: refused, nothing written.
     let l = load_model(false);
-    let wrong_cfg = EngineConfig { kv_dtype: other, ..ecfg.clone() };
-    let b = backend::cpu(l.model, 1, 2, BLOCK, other, ecfg.kv_cache_bytes).unwrap();
+    let wrong_cfg = WorkerConfig { kv_dtype: other, ..ecfg.clone() };
+    let b = backend::cpu(l.model, 1, 2, BLOCK, other, ecfg.kv_cache_mb << 20).unwrap();
     let mut wrong = Engine::with_backend(b, l.tokenizer, &wrong_cfg).unwrap();
     let e = wrong.import(&import()).unwrap_err().to_string();
     assert!(e.contains("bytes"), "{kv_dtype} blocks into a {other} cache: {e}");
@@ -235,7 +236,7 @@ fn move_between_engines(kv_dtype: KvDtype, other: KvDtype) {
         let mut target = make(tp);
         let report = target.import(&import()).unwrap();
         assert_eq!(report.imported, blocks, "TP={tp}: {report:?}");
-        target.add_resumed(8, export.prompt.clone(), export.generated.clone(), params.clone()).unwrap();
+        target.add(8, Job::new(export.prompt.clone(), params.clone()).resuming(export.generated.clone())).unwrap();
         let mut rest = Vec::new();
         let mut first = true;
         while target.has_work() {

@@ -8,10 +8,10 @@ use std::time::Duration;
 
 use zerolayer_common::{SamplingParams, SeqEvent, StopReason};
 use zerolayer_tests::*;
-use zerolayer_worker::engine::EngineConfig;
-use zerolayer_worker::{SeqStream, SubmitRequest, WorkerError, WorkerHandle};
+use zerolayer_common::WorkerConfig;
+use zerolayer_worker::{Job, SeqStream, WorkerError, WorkerHandle};
 
-async fn worker(cfg: EngineConfig) -> WorkerHandle {
+async fn worker(cfg: WorkerConfig) -> WorkerHandle {
     WorkerHandle::spawn(engine(cfg), "test").await.expect("worker starts")
 }
 
@@ -41,7 +41,7 @@ async fn a_failed_step_fails_only_its_sequences() {
     let _g = heavy();
     let tok = load_default().tokenizer;
     // One running sequence at a time: the second waits, outside the failing step.
-    let w = worker(EngineConfig { max_running: 1, block_size: 4, ..Default::default() }).await;
+    let w = worker(WorkerConfig { max_running: 1, block_size: 4, ..engine_cfg() }).await;
     let fail_next = Arc::new(AtomicBool::new(false));
     let f = fail_next.clone();
     w.set_step_hook(Some(Box::new(move |_ids| {
@@ -53,14 +53,14 @@ async fn a_failed_step_fails_only_its_sequences() {
     .await
     .unwrap();
     let greedy = |n| SamplingParams { ignore_eos: true, ..SamplingParams::greedy(n) };
-    let mut a = w.submit(SubmitRequest::new(prompt(&tok, "Count to one hundred."), greedy(200))).await.unwrap();
+    let mut a = w.submit(Job::new(prompt(&tok, "Count to one hundred."), greedy(200))).await.unwrap();
     // A is decoding once it has produced a token.
     loop {
         if let SeqEvent::Delta { .. } = a.recv().await.unwrap() {
             break;
         }
     }
-    let b = w.submit(SubmitRequest::new(prompt(&tok, "Name a color."), greedy(8))).await.unwrap();
+    let b = w.submit(Job::new(prompt(&tok, "Name a color."), greedy(8))).await.unwrap();
     fail_next.store(true, Ordering::SeqCst);
     let (_, _, fin_a, _) = drain(a).await;
     assert!(matches!(&fin_a, SeqEvent::Finished { reason: StopReason::Error(e), .. } if e.contains("injected")), "A was in the failed step: {fin_a:?}");
@@ -68,7 +68,7 @@ async fn a_failed_step_fails_only_its_sequences() {
     assert!(matches!(fin_b, SeqEvent::Finished { reason: StopReason::MaxTokens, .. }), "B was waiting, outside the step, and completes: {fin_b:?}");
     assert_eq!(toks_b.len(), 8);
     // The worker keeps serving, and its KV blocks all came back.
-    let c = w.submit(SubmitRequest::new(prompt(&tok, "Say hi."), greedy(4))).await.unwrap();
+    let c = w.submit(Job::new(prompt(&tok, "Say hi."), greedy(4))).await.unwrap();
     let (toks_c, ..) = drain(c).await;
     assert_eq!(toks_c.len(), 4);
     let mut sig = w.watch_signals();
@@ -80,15 +80,15 @@ async fn a_failed_step_fails_only_its_sequences() {
 async fn a_slow_reader_gets_merged_deltas_and_loses_nothing() {
     let _g = heavy();
     let tok = load_default().tokenizer;
-    let w = worker(EngineConfig { block_size: 4, ..Default::default() }).await;
+    let w = worker(WorkerConfig { block_size: 4, ..engine_cfg() }).await;
     let p = prompt(&tok, "Tell me a long story about a lighthouse keeper.");
     let params = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(300) };
     // A reader that keeps up.
-    let fast = w.submit(SubmitRequest::new(p.clone(), params.clone())).await.unwrap();
+    let fast = w.submit(Job::new(p.clone(), params.clone())).await.unwrap();
     let (fast_toks, fast_text, ..) = drain(fast).await;
     // A reader that reads nothing until the sequence is over: 300 deltas do not fit the
     // 64-slot reply channel, and the engine must not wait for the reader.
-    let slow = w.submit(SubmitRequest::new(p, params)).await.unwrap();
+    let slow = w.submit(Job::new(p, params)).await.unwrap();
     let mut sig = w.watch_signals();
     tokio::time::timeout(Duration::from_secs(300), sig.wait_for(|s| s.running == 0 && s.waiting == 0 && s.generated_tokens_total >= 600))
         .await
@@ -106,21 +106,21 @@ async fn a_slow_reader_gets_merged_deltas_and_loses_nothing() {
 async fn cached_hashes_and_shutdown_go_through_the_actor() {
     let _g = heavy();
     let tok = load_default().tokenizer;
-    let w = worker(EngineConfig { block_size: 4, ..Default::default() }).await;
+    let w = worker(WorkerConfig { block_size: 4, ..engine_cfg() }).await;
     assert!(w.cached_hashes().await.unwrap().is_empty());
     let p = prompt(&tok, "What is the capital of France?");
-    let s = w.submit(SubmitRequest::new(p.clone(), SamplingParams::greedy(2))).await.unwrap();
+    let s = w.submit(Job::new(p.clone(), SamplingParams::greedy(2))).await.unwrap();
     drain(s).await;
     let cached = w.cached_hashes().await.unwrap();
     let want = zerolayer_common::block_hashes(&p, 4);
     assert!(want.iter().all(|h| cached.contains(h)), "every full prompt block is cached");
     // Shutdown ends open sequences as `Lost` (their coordinator continues them elsewhere), and
     // later commands are refused.
-    let open = w.submit(SubmitRequest::new(p, SamplingParams { ignore_eos: true, ..SamplingParams::greedy(2000) })).await.unwrap();
+    let open = w.submit(Job::new(p, SamplingParams { ignore_eos: true, ..SamplingParams::greedy(2000) })).await.unwrap();
     w.shutdown().await;
     let (.., fin, _) = drain(open).await;
     assert!(matches!(fin, SeqEvent::Finished { reason: StopReason::Lost(_), .. }), "{fin:?}");
     assert!(matches!(w.cached_hashes().await, Err(WorkerError::ShuttingDown)));
-    let r = w.submit(SubmitRequest::new(vec![1, 2, 3], SamplingParams::greedy(1))).await;
+    let r = w.submit(Job::new(vec![1, 2, 3], SamplingParams::greedy(1))).await;
     assert!(matches!(r, Err(WorkerError::ShuttingDown)));
 }

@@ -19,7 +19,10 @@
 pub mod frame;
 pub mod rank;
 
-use crate::types::{CachePin, SamplingParams, SeqEvent, Share};
+use crate::job::Job;
+#[cfg(doc)]
+use crate::types::CachePin;
+use crate::types::SeqEvent;
 use frame::{aligned, frame_within};
 pub use frame::{frame_len_within, WireError};
 use rank::RankJoin;
@@ -28,25 +31,16 @@ use rank::RankJoin;
 /// events are smaller. The limit bounds what a peer can make us buffer.
 pub const MAX_FRAME_BYTES: usize = 4 << 20;
 
-/// A sequence to run on one of the receiving node's workers.
+/// A sequence to run on one of the receiving node's workers: the [`Job`] as the front end built
+/// it, and where it goes.
 #[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 pub struct Submit {
-    /// The id the client sees (`request-id`), for logs on both nodes.
-    pub request_id: String,
     /// The node that holds the client connection.
     pub origin_node: String,
     /// The worker of the receiving node that placement chose.
     pub worker: String,
-    pub prompt: Vec<u32>,
-    pub params: SamplingParams,
-    /// The API key it runs for (fair sharing on the worker).
-    pub share: Share,
-    /// Tokens a worker that is gone already generated and the client already has: the
-    /// sequence continues after them (exact replay; empty for a new sequence).
-    pub resume: Vec<u32>,
-    /// Prompt prefixes to keep cached (`cache_control` TTLs; checked with
-    /// [`CachePin::all_valid`] on arrival).
-    pub pins: Vec<CachePin>,
+    /// The request itself (its pins are checked with [`CachePin::all_valid`] on arrival).
+    pub job: Job,
 }
 
 /// One block of an import: its prefix hash, the checksum of its bytes, and whether the bytes
@@ -132,20 +126,20 @@ pub fn decode_reply(body: &[u8]) -> Result<Reply, WireError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::types::{StopReason, Usage};
+    use crate::types::{CachePin, SamplingParams, Share, StopReason, Usage};
 
     #[test]
     fn frames_round_trip_and_garbage_is_refused() {
-        let s = Submit {
+        let job = Job {
             request_id: "req_1".into(),
-            origin_node: "a".into(),
-            worker: "cpu0".into(),
+            model: "m".into(),
             prompt: (0..700).collect(),
             params: SamplingParams { stop_sequences: vec!["\n\n".into()], seed: Some(7), ..SamplingParams::greedy(9) },
             share: Share::of("team-a", 2.0),
             resume: vec![5, 6],
             pins: vec![CachePin { tokens: 640, ttl_secs: 300 }],
         };
+        let s = Submit { origin_node: "a".into(), worker: "cpu0".into(), job };
         let f = encode_open(&Open::Submit(s.clone())).unwrap();
         let n = frame_len(f[..4].try_into().unwrap()).unwrap();
         assert_eq!(n, f.len() - 4);

@@ -12,7 +12,7 @@ use zerolayer_common::wire::{self, Open, Reply};
 
 use super::frames::{read_frame, write_reply};
 use super::identity::cert_names;
-use super::link::Cluster;
+use super::handle::Cluster;
 use super::{forward, migrate, rank};
 use super::transport::MAX_GOSSIP_BYTES;
 

@@ -13,10 +13,10 @@ use std::time::Duration;
 
 use zerolayer_common::wire::{self, Open, Reply, Submit};
 use zerolayer_common::{SeqEvent, StopReason};
-use zerolayer_worker::{WorkerError, SubmitRequest};
+use zerolayer_worker::WorkerError;
 
 use super::frames::{read_frame, write_reply};
-use super::link::Cluster;
+use super::handle::Cluster;
 use crate::view::NodeState;
 
 /// How long the owner may take to accept or refuse a submission.
@@ -105,14 +105,16 @@ pub async fn serve(cluster: Arc<Cluster>, sub: Submit, mut send: quinn::SendStre
         let Some(w) = cluster.local_worker(&sub.worker) else {
             return write_reply(&mut send, &refuse(false, format!("node {} has no worker {:?}", cluster.node_id, sub.worker))).await;
         };
-        if !sub.share.is_valid() {
-            return write_reply(&mut send, &refuse(false, format!("share weight {} is outside (0, 1000]", sub.share.weight))).await;
+        let job = sub.job;
+        if !job.share.is_valid() {
+            return write_reply(&mut send, &refuse(false, format!("share weight {} is outside (0, 1000]", job.share.weight))).await;
         }
-        tracing::debug!(request_id = %sub.request_id, origin = %sub.origin_node, worker = %sub.worker, prompt_tokens = sub.prompt.len(), "serving a forwarded request");
-        if !zerolayer_common::CachePin::all_valid(&sub.pins, sub.prompt.len()) {
-            return write_reply(&mut send, &refuse(false, format!("cache pins {:?} are outside the limits", sub.pins))).await;
+        tracing::debug!(request_id = %job.request_id, origin = %sub.origin_node, worker = %sub.worker, prompt_tokens = job.prompt.len(), "serving a forwarded request");
+        if !zerolayer_common::CachePin::all_valid(&job.pins, job.prompt.len()) {
+            return write_reply(&mut send, &refuse(false, format!("cache pins {:?} are outside the limits", job.pins))).await;
         }
-        let mut stream = match w.handle.submit(SubmitRequest { prompt: sub.prompt, params: sub.params, resume: sub.resume, share: sub.share, pins: sub.pins }).await {
+        let request_id = job.request_id.clone();
+        let mut stream = match w.handle.submit(job).await {
             Ok(s) => s,
             Err(e) => {
                 let overloaded = matches!(e, WorkerError::QueueFull(_) | WorkerError::ShuttingDown | WorkerError::Unavailable(_));
@@ -137,7 +139,7 @@ pub async fn serve(cluster: Arc<Cluster>, sub: Submit, mut send: quinn::SendStre
                 }
                 _ = &mut stopped => {
                     // The origin went away (client disconnect): dropping `stream` cancels.
-                    tracing::debug!(request_id = %sub.request_id, "forwarded request cancelled by its origin");
+                    tracing::debug!(%request_id, "forwarded request cancelled by its origin");
                     break;
                 }
             }

@@ -18,7 +18,7 @@ use zerolayer_common::{block_hashes, checksum};
 use zerolayer_worker::migrate::{Export, KvImport};
 
 use super::frames::{read_frame, write_reply};
-use super::link::Cluster;
+use super::handle::Cluster;
 use crate::view::NodeState;
 
 /// How long one transfer may take, end to end (a 1,400-token sequence is ~64 MB of f32 KV).
@@ -112,6 +112,35 @@ fn check(cluster: &Cluster, h: &ImportHeader) -> Result<(), String> {
     Ok(())
 }
 
+/// Reads the blocks `h` marks as sent from `recv` (every one of them, so the stream is drained)
+/// and checks each against its checksum: the import of the chain up to the first block that
+/// fails, and that block's index if one did.
+pub async fn read_blocks<R: tokio::io::AsyncRead + Unpin>(h: &ImportHeader, recv: &mut R) -> std::io::Result<(KvImport, Option<usize>)> {
+    use tokio::io::AsyncReadExt;
+    let mut import = KvImport { block_size: h.block_size as usize, block_bytes: h.block_bytes as usize, blocks: Vec::with_capacity(h.blocks.len()) };
+    let mut bad = None;
+    for (i, b) in h.blocks.iter().enumerate() {
+        if !b.sent {
+            import.blocks.push((b.hash, None));
+            continue;
+        }
+        let mut bytes = vec![0u8; h.block_bytes as usize];
+        recv.read_exact(&mut bytes).await?;
+        if bad.is_some() {
+            continue; // drained, not used: the chain stops at the first bad block
+        }
+        if checksum(&bytes) != b.checksum {
+            bad = Some(i);
+            continue;
+        }
+        import.blocks.push((b.hash, Some(bytes)));
+    }
+    if let Some(i) = bad {
+        import.blocks.truncate(i);
+    }
+    Ok((import, bad))
+}
+
 /// The receiving end of one transfer (its header frame already read).
 pub async fn serve(cluster: Arc<Cluster>, h: ImportHeader, mut send: quinn::SendStream, mut recv: quinn::RecvStream, peer: SocketAddr) {
     let r = async {
@@ -124,28 +153,10 @@ pub async fn serve(cluster: Arc<Cluster>, h: ImportHeader, mut send: quinn::Send
             return write_reply(&mut send, &refuse(e)).await;
         }
         let Some(w) = cluster.local_worker(&h.worker) else { return Ok(()) };
-        let mut import = KvImport { block_size: h.block_size as usize, block_bytes: h.block_bytes as usize, blocks: Vec::with_capacity(h.blocks.len()) };
-        let mut bad = None;
-        for (i, b) in h.blocks.iter().enumerate() {
-            if !b.sent {
-                import.blocks.push((b.hash, None));
-                continue;
-            }
-            let mut bytes = vec![0u8; h.block_bytes as usize];
-            recv.read_exact(&mut bytes).await?;
-            if bad.is_some() {
-                continue; // drained, not used: the chain stops at the first bad block
-            }
-            if checksum(&bytes) != b.checksum {
-                bad = Some(i);
-                continue;
-            }
-            import.blocks.push((b.hash, Some(bytes)));
-        }
+        let (import, bad) = read_blocks(&h, &mut recv).await?;
         let received = std::time::Instant::now();
         if let Some(i) = bad {
             tracing::warn!(%peer, request_id = %h.request_id, block = i, "a KV block failed its checksum; importing the chain before it");
-            import.blocks.truncate(i);
         }
         let report = w.handle.import(import).await?;
         tracing::debug!(
@@ -158,5 +169,34 @@ pub async fn serve(cluster: Arc<Cluster>, h: ImportHeader, mut send: quinn::Send
     };
     if let Err(e) = tokio::time::timeout(TRANSFER_TIMEOUT, r).await.unwrap_or_else(|_| Err(anyhow::anyhow!("timed out"))) {
         tracing::debug!(%peer, error = %e, "KV transfer stream ended with an error");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Three blocks, the middle one damaged in transit: only the chain before it is imported,
+    /// and the stream is read to its end.
+    #[tokio::test]
+    async fn a_block_that_fails_its_checksum_ends_the_chain_there() {
+        let block_bytes = 8;
+        let tokens: Vec<u32> = (0..12).collect();
+        let export = Export { prompt: tokens.clone(), generated: vec![], seed: 1, block_hashes: block_hashes(&tokens, 4), kv: (0..24u8).collect(), block_bytes, block_size: 4 };
+        let h = header("r", "a", "cpu0", &export, &HashSet::new());
+        let (import, bad) = read_blocks(&h, &mut &export.kv[..]).await.unwrap();
+        assert_eq!((import.blocks.len(), bad), (3, None), "intact blocks all arrive");
+        assert_eq!(import.blocks[1], (h.blocks[1].hash, Some(export.kv[8..16].to_vec())));
+        let mut damaged = export.kv.clone();
+        damaged[9] ^= 1;
+        let mut stream = &damaged[..];
+        let (import, bad) = read_blocks(&h, &mut stream).await.unwrap();
+        assert_eq!((import.blocks.len(), bad), (1, Some(1)), "the chain stops before the damaged block");
+        assert!(stream.is_empty(), "the rest is drained");
+        // A block the target already caches is not sent, and takes no bytes.
+        let cached: HashSet<u64> = [h.blocks[0].hash].into();
+        let h = header("r", "a", "cpu0", &export, &cached);
+        let (import, bad) = read_blocks(&h, &mut &export.kv[8..]).await.unwrap();
+        assert_eq!((import.blocks[0].1.is_none(), import.blocks.len(), bad), (true, 3, None));
     }
 }

@@ -12,7 +12,7 @@
 //! - **Publisher** ([`publisher`]). A thin loop, every `publish_interval_ms`: KV events into the
 //!   local digests, local signals and changed shards into chitchat, and the remote part of the
 //!   view rebuilt from gossip.
-//! - **State** ([`link`]). [`Cluster`] holds the local workers, the latest remote snapshot and
+//! - **State** ([`handle`]). [`Cluster`] holds the local workers, the latest remote snapshot and
 //!   the network half; [`Cluster::view`] joins fresh local signals with that snapshot. A single
 //!   node (no `quic` address) runs the same code with no network: the view is local.
 //!
@@ -37,7 +37,7 @@ pub mod forward;
 pub mod frames;
 pub mod gossip;
 pub mod identity;
-pub mod link;
+pub mod handle;
 pub mod migrate;
 pub mod publisher;
 pub mod rank;
@@ -45,4 +45,4 @@ mod start;
 pub mod tls;
 pub mod transport;
 
-pub use link::{Cluster, LinkStats, LocalWorker, NodeInfo};
+pub use handle::{Cluster, LinkStats, LocalWorker, NodeInfo};

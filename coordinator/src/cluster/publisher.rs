@@ -20,7 +20,7 @@ use zerolayer_common::KvEvent;
 
 use super::gossip::{self, Detector, Liveness, LocalDigest, RemoteDigests, KEY_HTTP, KEY_MOVING, KEY_STATE, MAX_WORKERS_PER_NODE};
 use super::identity::{Verifier, KEY_CERT};
-use super::link::{Cluster, LinkStats, NodeInfo};
+use super::handle::{Cluster, LinkStats, NodeInfo};
 use crate::quota::wire;
 use crate::view::{NodeState, WorkerView};
 

@@ -9,7 +9,7 @@ use chitchat::{ChitchatConfig, ChitchatId, FailureDetectorConfig};
 use zerolayer_common::ClusterConfig;
 
 use super::gossip::{KEY_HTTP, KEY_STATE};
-use super::link::{Cluster, LocalWorker, Net};
+use super::handle::{Cluster, LocalWorker, Net};
 use super::transport::{Peers, QuicTransport};
 use super::identity::Signer;
 use super::{accept, publisher, tls};

@@ -1,4 +1,4 @@
-//! The engine's half of a move: a sequence leaving (`export`, `snapshot`: its tokens, seed and
+//! The engine's half of a move: a sequence leaving (`export`, `pre_copy`: its tokens, seed and
 //! the bytes of its computed full blocks) and KV blocks arriving (`import`, into the prefix
 //! cache). [`crate::migrate`] holds what travels.
 
@@ -12,7 +12,7 @@ impl Engine {
     /// its computed full blocks, which stay in this worker's prefix cache after it leaves. The
     /// other sequences are not paused.
     pub fn export(&mut self, id: SeqId) -> Option<Export> {
-        let export = self.snapshot(id)?;
+        let export = self.pre_copy(id)?;
         self.states.remove(&id);
         self.sched.remove(id);
         Some(export)
@@ -21,7 +21,7 @@ impl Engine {
     /// What [`Engine::export`] would hand over for sequence `id` now, leaving it running: a drain
     /// copies these blocks to the target ahead of the move (they are immutable once full), so the
     /// move itself sends only the blocks computed since.
-    pub fn snapshot(&self, id: SeqId) -> Option<Export> {
+    pub fn pre_copy(&self, id: SeqId) -> Option<Export> {
         let st = self.states.get(&id)?;
         let s = self.sched.get(id)?;
         let bs = self.sched.config().block_size;

@@ -39,10 +39,10 @@ fn step(s: &mut Scheduler) -> Plan {
 #[test]
 fn chunked_prefill_shares_the_budget_with_decodes() {
     let mut s = Scheduler::new(cfg(64, 8));
-    s.add(1, vec![1, 2, 3], 10).unwrap();
+    s.add(1, Entry::new(vec![1, 2, 3], 10)).unwrap();
     let p = step(&mut s);
     assert_eq!(p.items, vec![ScheduledItem { seq: 1, start: 0, len: 3, completes: true }]);
-    s.add(2, (0..20).collect(), 10).unwrap();
+    s.add(2, Entry::new((0..20).collect(), 10)).unwrap();
     let p = step(&mut s);
     // The decode goes first, the long prompt gets the rest of the budget.
     assert_eq!(p.items[0], ScheduledItem { seq: 1, start: 3, len: 1, completes: true });
@@ -55,19 +55,19 @@ fn chunked_prefill_shares_the_budget_with_decodes() {
 fn prefix_blocks_are_reused() {
     let mut s = Scheduler::new(cfg(64, 64));
     let prompt: Vec<u32> = (0..13).collect();
-    s.add(1, prompt.clone(), 2).unwrap();
+    s.add(1, Entry::new(prompt.clone(), 2)).unwrap();
     step(&mut s);
     s.remove(1);
     let mut p2 = prompt.clone();
     p2.extend([100, 101]);
-    s.add(2, p2, 2).unwrap();
+    s.add(2, Entry::new(p2, 2)).unwrap();
     let p = step(&mut s);
     // 3 full blocks (12 tokens) cached; 3 tokens computed.
     assert_eq!(p.items, vec![ScheduledItem { seq: 2, start: 12, len: 3, completes: true }]);
     assert_eq!(s.get(2).unwrap().cached_prompt_tokens, 12);
     // A fully cached prompt still computes its last token.
     s.remove(2);
-    s.add(3, (0..12).collect(), 2).unwrap();
+    s.add(3, Entry::new((0..12).collect(), 2)).unwrap();
     let p = step(&mut s);
     assert_eq!(p.items, vec![ScheduledItem { seq: 3, start: 8, len: 4, completes: true }]);
 }
@@ -77,7 +77,7 @@ fn preempts_the_youngest_and_everything_finishes() {
     // 6 blocks of 4 tokens; each sequence needs up to 3 blocks (8 prompt + 4 out).
     let mut s = Scheduler::new(cfg(6, 64));
     for id in 0..4 {
-        s.add(id, (0..8).map(|t| t + 100 * id as u32).collect(), 4).unwrap();
+        s.add(id, Entry::new((0..8).map(|t| t + 100 * id as u32).collect(), 4)).unwrap();
     }
     let mut done = vec![];
     let mut preempted = 0;
@@ -112,23 +112,23 @@ fn preempts_the_youngest_and_everything_finishes() {
 #[test]
 fn refuses_only_what_cannot_fit_alone_and_bounds_the_queue() {
     let mut s = Scheduler::new(cfg(4, 64));
-    assert!(matches!(s.add(1, vec![1; 10], 7), Err(WorkerError::TooLong { .. })));
-    s.add(1, vec![1; 10], 6).unwrap();
+    assert!(matches!(s.add(1, Entry::new(vec![1; 10], 7)), Err(WorkerError::TooLong { .. })));
+    s.add(1, Entry::new(vec![1; 10], 6)).unwrap();
     for id in 2..5 {
-        s.add(id, vec![1], 1).unwrap();
+        s.add(id, Entry::new(vec![1], 1)).unwrap();
     }
-    assert!(matches!(s.add(9, vec![1], 1), Err(WorkerError::QueueFull(4))));
+    assert!(matches!(s.add(9, Entry::new(vec![1], 1)), Err(WorkerError::QueueFull(4))));
 }
 
 #[test]
 fn decodes_go_first_and_prefill_takes_only_its_budget() {
     let mut s = Scheduler::new(cfg(64, 64));
     // Two short prompts become decodes; then a long prompt arrives.
-    s.add(1, vec![1; 4], 8).unwrap();
-    s.add(2, vec![2; 4], 8).unwrap();
+    s.add(1, Entry::new(vec![1; 4], 8)).unwrap();
+    s.add(2, Entry::new(vec![2; 4], 8)).unwrap();
     step(&mut s);
     assert_eq!(s.outlook().decodes.tokens, 2, "both decode next");
-    s.add(3, vec![3; 200], 4).unwrap();
+    s.add(3, Entry::new(vec![3; 200], 4)).unwrap();
     // The long prompt gets 10 tokens a step; both decodes run in every step, listed first.
     let mut prefilled = 0;
     for _ in 0..4 {
@@ -149,8 +149,8 @@ fn decodes_go_first_and_prefill_takes_only_its_budget() {
 #[test]
 fn an_older_prompt_being_prefilled_does_not_hold_a_younger_decode_back() {
     let mut s = Scheduler::new(cfg(128, 32));
-    s.add(2, vec![2; 3], 8).unwrap();
-    s.add(1, vec![1; 200], 4).unwrap();
+    s.add(2, Entry::new(vec![2; 3], 8)).unwrap();
+    s.add(1, Entry::new(vec![1; 200], 4)).unwrap();
     let p = s.schedule_into_test(usize::MAX);
     assert_eq!(p.items.iter().map(|it| (it.seq, it.len)).collect::<Vec<_>>(), vec![(2, 3), (1, 29)]);
     // Make 1 the older, as after a preemption: it recomputes its prompt while 2 decodes.
@@ -173,13 +173,13 @@ fn one_key_cannot_crowd_out_another() {
     let b = Share::of("b", 1.0);
     let mut s = Scheduler::new(SchedulerConfig { max_waiting: 64, reserve_output_tokens: 8, ..cfg(40, 64) });
     for id in 0..4u64 {
-        s.add_shared(id, vec![id as u32; 8], 8, 100, a).unwrap();
+        s.add(id, Entry::new(vec![id as u32; 8], 100).resumed(8).shared(a)).unwrap();
     }
     let (mut next_b, mut b_arrived, mut b_waits, mut done) = (100u64, std::collections::HashMap::new(), vec![], vec![]);
     for t in 0..3000 {
         // A short B request every 25 steps, after A has filled the cache.
         if t >= 60 && t % 25 == 0 && next_b < 120 {
-            s.add_shared(next_b, vec![9; 4], 4, 4, b).unwrap();
+            s.add(next_b, Entry::new(vec![9; 4], 4).resumed(4).shared(b)).unwrap();
             b_arrived.insert(next_b, t);
             next_b += 1;
         }
@@ -217,9 +217,34 @@ fn admission_reserves_room_for_output() {
     // 10 blocks of 4: a 16-token prompt with 16 reserved output tokens takes 8; a second such
     // sequence must wait, though its prompt alone would fit.
     let mut s = Scheduler::new(SchedulerConfig { reserve_output_tokens: 16, ..cfg(10, 64) });
-    s.add(1, vec![1; 16], 20).unwrap();
-    s.add(2, vec![2; 8], 20).unwrap();
+    s.add(1, Entry::new(vec![1; 16], 20)).unwrap();
+    s.add(2, Entry::new(vec![2; 8], 20)).unwrap();
     let p = step(&mut s);
     assert_eq!(p.started, vec![1]);
     assert_eq!(s.num_waiting(), 1, "no room for 2's prompt and reserved output beside 1's reservation");
+}
+
+/// A computed prompt prefix pinned for a TTL stays pinned until its pin expires; a later
+/// request's pin on the same prefix refreshes it.
+#[test]
+fn pins_hold_until_they_expire_and_a_later_pin_refreshes_them() {
+    let mut s = Scheduler::new(cfg(8, 64));
+    s.set_max_pinned(4);
+    let prompt: Vec<u32> = (0..13).collect(); // 3 full blocks of 4
+    s.add(1, Entry::new(prompt.clone(), 2)).unwrap();
+    assert_eq!(s.pin_prefix(1, 12, 100), None, "not computed yet");
+    step(&mut s);
+    assert_eq!(s.pin_prefix(1, 12, 100), Some(3));
+    s.remove(1);
+    s.expire_pins(99);
+    assert_eq!(s.num_pinned(), 3, "live until 100");
+    s.add(2, Entry::new(prompt, 2)).unwrap();
+    step(&mut s);
+    assert_eq!(s.pin_prefix(2, 12, 200), Some(3), "a hit pins the same blocks again");
+    s.remove(2);
+    s.expire_pins(150);
+    assert_eq!(s.num_pinned(), 3, "refreshed: still pinned at 150");
+    s.expire_pins(200);
+    assert_eq!(s.num_pinned(), 0, "expired at 200");
+    s.check_invariants();
 }

@@ -9,10 +9,11 @@
 use std::time::Instant;
 
 use zerolayer_common::config::KvDtype;
-use zerolayer_common::{SamplingParams, SeqEvent};
-use zerolayer_worker::engine::{Engine, EngineConfig};
+use zerolayer_common::{Job, SamplingParams, SeqEvent};
+use zerolayer_common::WorkerConfig;
+use zerolayer_worker::engine::Engine;
 use zerolayer_worker::loader::load;
-use zerolayer_tests::{model_path, LOREM};
+use zerolayer_tests::{engine_cfg, model_path, LOREM};
 
 fn prompt(engine: &Engine, n: usize, salt: usize) -> Vec<u32> {
     let mut t = engine.tokenizer.encode(&format!("Note {salt}: {}", LOREM.repeat(1 + n / 150))).unwrap();
@@ -26,7 +27,7 @@ fn prompt(engine: &Engine, n: usize, salt: usize) -> Vec<u32> {
 fn run(engine: &mut Engine, n: usize, prompt_len: usize, gen: u32, salt: usize) -> (f64, f64, usize) {
     for i in 0..n {
         let p = prompt(engine, prompt_len, salt * 100 + i);
-        engine.add((salt * 100 + i) as u64, p, SamplingParams { max_tokens: gen, ignore_eos: true, ..SamplingParams::greedy(gen) }).unwrap();
+        engine.add((salt * 100 + i) as u64, Job::new(p, SamplingParams { max_tokens: gen, ignore_eos: true, ..SamplingParams::greedy(gen) })).unwrap();
     }
     let t0 = Instant::now();
     let mut started = std::collections::HashSet::new();
@@ -66,10 +67,10 @@ fn main() {
         Some("f16") => KvDtype::F16,
         Some(other) => panic!("--kv-dtype {other:?}: f32 or f16"),
     };
-    let defaults = EngineConfig::default();
+    let defaults = engine_cfg();
     let block_size: usize = get("--block-size").map(|v| v.parse().unwrap()).unwrap_or(defaults.block_size);
-    let ecfg = EngineConfig { max_batch_tokens: 512, kv_cache_bytes: 1 << 30, kv_dtype, block_size, ..defaults };
-    let backend = zerolayer_worker::backend::cpu(l.model, tp, threads, ecfg.block_size, ecfg.kv_dtype, ecfg.kv_cache_bytes).unwrap();
+    let ecfg = WorkerConfig { max_batch_tokens: 512, kv_cache_mb: 1024, kv_dtype, block_size, ..defaults };
+    let backend = zerolayer_worker::backend::cpu(l.model, tp, threads, ecfg.block_size, ecfg.kv_dtype, ecfg.kv_cache_mb << 20).unwrap();
     eprintln!("backend: {}", backend.describe());
     let mut engine = Engine::with_backend(backend, l.tokenizer, &ecfg).unwrap();
     let repeat: usize = get("--repeat").map(|v| v.parse().unwrap()).unwrap_or(3).max(1);

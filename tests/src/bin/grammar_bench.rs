@@ -7,8 +7,8 @@
 use std::time::Instant;
 
 use serde_json::json;
-use zerolayer_coordinator::constrain::{grammar, Shape};
-use zerolayer_coordinator::tools::{Tool, ToolChoice};
+use zerolayer_coordinator::frontend::constrain::{grammar, Shape};
+use zerolayer_coordinator::frontend::tools::{Tool, ToolChoice};
 use zerolayer_worker::grammar::Constraint;
 
 fn main() {

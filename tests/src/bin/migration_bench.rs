@@ -103,7 +103,7 @@ async fn main() -> anyhow::Result<()> {
         tokio::spawn(async move { stream(&http, &url, &body(80_000, 200)).await })
     };
     let b = &cluster.nodes[1];
-    while b.coordinator.workers[0].handle.signals().active_decode_blocks == 0 {
+    while b.frontend.workers[0].handle.signals().active_decode_blocks == 0 {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -144,7 +144,7 @@ async fn main() -> anyhow::Result<()> {
         tokio::time::sleep(Duration::from_secs(4)).await;
         // Drain while the node decodes something (not between requests).
         let deadline = Instant::now() + Duration::from_secs(60);
-        while cluster.nodes[n].coordinator.workers[0].handle.signals().active_decode_blocks == 0 && Instant::now() < deadline {
+        while cluster.nodes[n].frontend.workers[0].handle.signals().active_decode_blocks == 0 && Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         let id = cluster.nodes[n].id.clone();

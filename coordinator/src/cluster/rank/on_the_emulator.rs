@@ -9,29 +9,13 @@ use std::time::Duration;
 
 use zerolayer_common::ClusterConfig;
 use zerolayer_worker::backend::{self, Backend};
-use zerolayer_worker::model::{ForwardItem, Model};
-use zerolayer_worker::sampler::argmax;
+use zerolayer_worker::device_check::greedy;
+use zerolayer_worker::model::Model;
 use zerolayer_worker::synthetic;
 
 use super::lead::open_group;
 use crate::cluster::{tls, Cluster};
 use crate::quota::Quota;
-
-fn greedy(b: &mut dyn Backend, prompt: &[u32], n: usize) -> (Vec<u32>, Vec<Vec<f32>>) {
-    let table: Vec<u32> = (0..16).collect();
-    let (mut ctx, mut pos, mut toks, mut all) = (prompt.to_vec(), 0, Vec::new(), Vec::new());
-    let mut logits = Vec::new();
-    for _ in 0..n {
-        b.forward_into(&[ForwardItem { tokens: &ctx[pos..], start_pos: pos, block_table: &table, want_logits: true }], &mut logits).unwrap();
-        let l = logits[..b.config().vocab_size].to_vec();
-        let t = argmax(&l);
-        pos = ctx.len();
-        ctx.push(t);
-        toks.push(t);
-        all.push(l);
-    }
-    (toks, all)
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gpu_group_across_nodes_forms_from_the_nccl_id_sent_over_the_link() {
@@ -74,8 +58,9 @@ async fn a_gpu_group_across_nodes_forms_from_the_nccl_id_sent_over_the_link() {
         assert_eq!(group.kv(), local.kv());
         for pi in 0..2u32 {
             let p: Vec<u32> = (0..9 + 5 * pi).map(|j| (j * 7919 + pi * 104_729) % 4096).collect();
-            let (tg, lg) = greedy(&mut *group, &p, 6);
-            let (tl, ll) = greedy(&mut *local, &p, 6);
+            let table: Vec<u32> = (0..16).collect();
+            let (tg, lg) = greedy(&mut *group, &p, 6, &table).unwrap();
+            let (tl, ll) = greedy(&mut *local, &p, 6, &table).unwrap();
             assert_eq!(tg, tl, "prompt {pi}");
             assert!(lg == ll, "prompt {pi}: the logits differ from the same group's on one node");
         }

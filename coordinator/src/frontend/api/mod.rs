@@ -63,7 +63,7 @@ fn is_openai(req: &Request) -> bool {
 }
 
 /// Authenticates API calls; adds the key's rate-limit headers to every answer. (Each handler
-/// admits its request against the key's limits: `Coordinator::admit`.)
+/// admits its request against the key's limits: `Frontend::admit`.)
 async fn api_guard(State(c): State<AppState>, mut req: Request, next: Next) -> Response {
     let rid = req.extensions().get::<RequestId>().map(|r| r.0.clone()).unwrap_or_default();
     let openai = is_openai(&req);

@@ -12,12 +12,12 @@ use serde_json::{json, Value};
 use zerolayer_common::{SeqEvent, StopReason, Usage};
 
 use super::request::{self, ChatRequest};
-use crate::api::shared::{self, collect, failed, finish, json_body, new_id, shut_down, AppState, Following, Next, RequestId, SseStep};
+use crate::frontend::api::shared::{self, collect, failed, finish, json_body, new_id, shut_down, AppState, Following, Next, RequestId, SseStep};
 use crate::auth::Caller;
 use crate::clock::unix_now;
-use crate::coordinator::{Accepted, Coordinator};
+use crate::frontend::service::{Accepted, Frontend};
 use crate::error::ApiError;
-use crate::tools::{split_calls, CallParser, Calls, Piece};
+use crate::frontend::tools::{split_calls, CallParser, Calls, Piece};
 
 fn finish_reason(r: &StopReason, calls: usize) -> &'static str {
     match r {
@@ -62,7 +62,7 @@ fn usage_json(u: &Usage) -> Value {
     })
 }
 
-fn parse(c: &Coordinator, body: Result<Bytes, BytesRejection>) -> Result<ChatRequest, ApiError> {
+fn parse(c: &Frontend, body: Result<Bytes, BytesRejection>) -> Result<ChatRequest, ApiError> {
     let v = json_body(body, c.config.server.max_body_bytes)?;
     let req = request::parse(&v)?;
     if c.served(&req.generation.model).is_none() {

@@ -1,5 +1,5 @@
 //! The neutral generation request: what the Anthropic and OpenAI parsers both return, and what
-//! the [`crate::coordinator::Coordinator`] runs (rendered through the chat template by
+//! the [`crate::frontend::service::Frontend`] runs (rendered through the chat template by
 //! `prompt`), and the `max_tokens` rule against the context (clamped to the room left).
 //!
 //! API-specific fields stay with their parser (`api::anthropic`, `api::openai`); everything that
@@ -8,7 +8,7 @@
 use zerolayer_common::SamplingParams;
 
 use crate::error::ApiError;
-use crate::tools::{Tool, ToolCall, ToolChoice};
+use crate::frontend::tools::{Tool, ToolCall, ToolChoice};
 
 /// `max_tokens` when a request does not set one (OpenAI's default is "as many as fit").
 pub const DEFAULT_MAX_TOKENS: usize = 4096;
@@ -151,14 +151,14 @@ impl GenerationRequest {
         }
     }
 
-    /// The calls a reply may hold (see [`crate::tools::Calls`]).
-    pub fn calls(&self) -> crate::tools::Calls {
-        crate::tools::Calls { tools: self.offered_tools().to_vec(), bare: self.format.is_none() }
+    /// The calls a reply may hold (see [`crate::frontend::tools::Calls`]).
+    pub fn calls(&self) -> crate::frontend::tools::Calls {
+        crate::frontend::tools::Calls { tools: self.offered_tools().to_vec(), bare: self.format.is_none() }
     }
 
-    /// The grammar constrained decoding holds the reply to, if any (see [`crate::constrain`]).
+    /// The grammar constrained decoding holds the reply to, if any (see [`crate::frontend::constrain`]).
     pub fn grammar(&self) -> Result<Option<String>, ApiError> {
-        crate::constrain::grammar(crate::constrain::Shape {
+        crate::frontend::constrain::grammar(crate::frontend::constrain::Shape {
             tools: self.offered_tools(),
             choice: &self.tool_choice,
             format: self.format.as_ref(),

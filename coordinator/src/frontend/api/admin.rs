@@ -12,7 +12,7 @@ use axum::Json;
 use serde_json::{json, Value};
 
 use super::shared::{AppState, RequestId};
-use crate::coordinator::Coordinator;
+use crate::frontend::service::Frontend;
 use crate::error::ApiError;
 use crate::metrics;
 
@@ -29,7 +29,7 @@ pub async fn cluster(State(c): State<AppState>) -> Json<Value> {
     Json(cluster_json(&c))
 }
 
-pub fn cluster_json(c: &Coordinator) -> Value {
+pub fn cluster_json(c: &Frontend) -> Value {
     let view = c.cluster.view();
     let nodes = c.cluster.nodes();
     let (mut hits, mut queries) = (0u64, 0u64);
@@ -117,7 +117,7 @@ pub async fn drain(
 }
 
 /// Passes an admin request on to `node`'s own admin API.
-async fn pass_on(c: &Coordinator, node: &str, action: &str, method: &Method, headers: &HeaderMap) -> Result<Response, ApiError> {
+async fn pass_on(c: &Frontend, node: &str, action: &str, method: &Method, headers: &HeaderMap) -> Result<Response, ApiError> {
     let info = c.cluster.nodes().into_iter().find(|n| n.id == node).ok_or_else(|| ApiError::NotFound(format!("node {node} is not in the cluster")))?;
     if info.http.is_empty() {
         return Err(ApiError::Unavailable(format!("node {node} has not published its HTTP address")));

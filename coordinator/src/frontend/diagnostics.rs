@@ -15,7 +15,7 @@ use std::collections::{HashMap, VecDeque};
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
-use crate::request::GenerationRequest;
+use crate::frontend::request::GenerationRequest;
 
 /// Tokens per hashed block.
 pub const BLOCK: usize = 16;
@@ -154,8 +154,8 @@ mod tests {
     use zerolayer_common::SamplingParams;
 
     use super::*;
-    use crate::request::{Role, Turn};
-    use crate::tools::{Tool, ToolChoice};
+    use crate::frontend::request::{Role, Turn};
+    use crate::frontend::tools::{Tool, ToolChoice};
 
     fn req(system: &str, turns: &[&str]) -> GenerationRequest {
         GenerationRequest {

@@ -14,7 +14,7 @@
 use zerolayer_worker::chat::ChatTemplate;
 use zerolayer_worker::tokenizer::Tokenizer;
 
-use crate::request::{CacheTtl, GenerationRequest};
+use crate::frontend::request::{CacheTtl, GenerationRequest};
 
 /// Put at each breakpoint in a second rendering (private-use characters; a request that holds
 /// them has no breakpoints counted).

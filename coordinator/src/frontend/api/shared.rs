@@ -15,11 +15,11 @@ use axum::response::{IntoResponse, Response};
 use serde_json::Value;
 use zerolayer_common::{SeqEvent, StopReason, Usage};
 
-use crate::coordinator::{Accepted, Coordinator};
+use crate::frontend::service::{Accepted, Frontend};
 use crate::error::ApiError;
 use crate::metrics;
 
-pub type AppState = Arc<Coordinator>;
+pub type AppState = Arc<Frontend>;
 
 /// The id of the request being served (set by middleware, echoed in `request-id`).
 #[derive(Clone, Debug)]
@@ -49,7 +49,7 @@ pub fn json_body(body: Result<Bytes, BytesRejection>, max: usize) -> Result<Valu
 }
 
 /// Counts the response in the metrics and names the worker that served it.
-pub fn finish(c: &Coordinator, endpoint: &'static str, mut resp: Response, served_by: Option<&str>) -> Response {
+pub fn finish(c: &Frontend, endpoint: &'static str, mut resp: Response, served_by: Option<&str>) -> Response {
     metrics::request_done(&c.node_id, endpoint, resp.status().as_u16());
     if let Some(s) = served_by.and_then(|s| HeaderValue::from_str(s).ok()) {
         resp.headers_mut().insert("zerolayer-worker", s);

@@ -16,14 +16,14 @@ use serde_json::{json, Value};
 use zerolayer_common::{SeqEvent, StopReason, Usage};
 
 use super::request::{self, Endpoint, MessagesRequest};
-use crate::api::shared::{self, collect, failed, finish, json_body, named_event, new_id, shut_down, AppState, Following, Next, RequestId, SseStep};
+use crate::frontend::api::shared::{self, collect, failed, finish, json_body, named_event, new_id, shut_down, AppState, Following, Next, RequestId, SseStep};
 use crate::auth::Caller;
-use crate::caching;
-use crate::coordinator::{Accepted, Coordinator};
-use crate::diagnostics::Diagnosis;
-use crate::request::CacheTtl;
+use crate::frontend::caching;
+use crate::frontend::service::{Accepted, Frontend};
+use crate::frontend::diagnostics::Diagnosis;
+use crate::frontend::request::CacheTtl;
 use crate::error::ApiError;
-use crate::tools::{split_calls, CallParser, Calls, Piece};
+use crate::frontend::tools::{split_calls, CallParser, Calls, Piece};
 
 fn check_headers(h: &HeaderMap) -> Result<(), ApiError> {
     if let Some(v) = h.get("anthropic-version") {
@@ -37,7 +37,7 @@ fn check_headers(h: &HeaderMap) -> Result<(), ApiError> {
 }
 
 /// Headers, body and model checked; the validated request.
-fn parse(c: &Coordinator, headers: &HeaderMap, body: Result<Bytes, BytesRejection>, endpoint: Endpoint) -> Result<MessagesRequest, ApiError> {
+fn parse(c: &Frontend, headers: &HeaderMap, body: Result<Bytes, BytesRejection>, endpoint: Endpoint) -> Result<MessagesRequest, ApiError> {
     check_headers(headers)?;
     let v = json_body(body, c.config.server.max_body_bytes)?;
     let req = request::parse(&v, endpoint)?;
@@ -121,7 +121,7 @@ fn stop_fields(reason: &StopReason, calls: usize) -> (Value, Value) {
 }
 
 /// `diagnostics: {cache_miss_reason}` for a request that sent `diagnostics`.
-fn diagnostics_json(c: &Coordinator, previous: &Option<String>, acc: &Accepted) -> Value {
+fn diagnostics_json(c: &Frontend, previous: &Option<String>, acc: &Accepted) -> Value {
     let reason = match c.diagnose(previous.as_deref(), &acc.fingerprint) {
         None => json!({"type": "unavailable"}),
         Some(Diagnosis::NoMiss) => Value::Null,

@@ -1,5 +1,5 @@
 //! The OpenAI Chat Completions API: [`request`] parses and validates a body into the neutral
-//! [`GenerationRequest`](crate::request::GenerationRequest); [`response`] holds the handler,
+//! [`GenerationRequest`](crate::frontend::request::GenerationRequest); [`response`] holds the handler,
 //! the completion JSON and the `chat.completion.chunk` stream (ending in `data: [DONE]`).
 
 pub mod request;

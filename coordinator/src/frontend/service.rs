@@ -12,19 +12,19 @@ use std::time::Instant;
 
 use ractor::ActorRef;
 use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
-use zerolayer_common::{CachePin, ClusterConfig, Share, WorkerSignals};
+use zerolayer_common::{CachePin, ClusterConfig, Job, Share, WorkerSignals};
 use zerolayer_worker::chat::ChatTemplate;
 use zerolayer_worker::tokenizer::Tokenizer;
 
 use crate::auth::{Caller, Guard};
 use crate::quota::Ticket;
 use crate::cluster::{Cluster, LocalWorker};
-use crate::diagnostics::{self, Diagnosis, Fingerprint, Recent};
-use crate::dispatch::{Dispatcher, Job};
-use crate::drain::{DrainMsg, DrainReport};
+use crate::frontend::diagnostics::{self, Diagnosis, Fingerprint, Recent};
+use crate::routing::dispatch::Dispatcher;
+use crate::routing::orchestrator::{OrchestratorMsg, DrainReport};
 use crate::error::ApiError;
-use crate::request::{resolve_max_tokens, CacheTtl, GenerationRequest};
-use crate::resume::LiveSequence;
+use crate::frontend::request::{resolve_max_tokens, CacheTtl, GenerationRequest};
+use crate::routing::resume::LiveSequence;
 use crate::view::NodeState;
 
 /// A model the cluster serves: its names and its context.
@@ -77,7 +77,7 @@ pub struct Admitted {
     permit: OwnedSemaphorePermit,
 }
 
-pub struct Coordinator {
+pub struct Frontend {
     pub node_id: String,
     pub config: ClusterConfig,
     /// Every model of the cluster, `[model]` (the default) first.
@@ -91,8 +91,8 @@ pub struct Coordinator {
     pub admission: Admission,
     /// Placement and submission (shared with the sequences it placed, which may move).
     pub dispatch: Arc<Dispatcher>,
-    /// This node's coordinator actor: drain and undrain (see [`crate::drain`]).
-    pub drainer: ActorRef<DrainMsg>,
+    /// This node's coordinator actor: drain and undrain (see [`crate::routing::orchestrator`]).
+    pub orchestrator: ActorRef<OrchestratorMsg>,
     /// Recent responses' prompt fingerprints, for cache-miss diagnostics (bounded).
     pub recent: Mutex<Recent>,
 }
@@ -115,7 +115,7 @@ impl Admission {
     }
 }
 
-impl Coordinator {
+impl Frontend {
     /// Requests holding an in-flight slot (generations being served).
     pub fn in_flight(&self) -> usize {
         self.admission.max_inflight - self.admission.inflight.available_permits()
@@ -135,17 +135,17 @@ impl Coordinator {
     /// Starts draining this node (idempotent): `/ready` turns 503, peers stop placing here, and
     /// every sequence on its workers moves to other workers. Returns the drain's report so far.
     pub async fn drain(&self) -> Result<DrainReport, ApiError> {
-        ractor::call_t!(self.drainer, DrainMsg::Drain, 10_000).map_err(|e| ApiError::Internal(format!("drain: {e}")))
+        ractor::call_t!(self.orchestrator, OrchestratorMsg::Drain, 10_000).map_err(|e| ApiError::Internal(format!("drain: {e}")))
     }
 
     /// Lets traffic back in after a drain.
     pub async fn undrain(&self) -> Result<DrainReport, ApiError> {
-        ractor::call_t!(self.drainer, DrainMsg::Undrain, 10_000).map_err(|e| ApiError::Internal(format!("undrain: {e}")))
+        ractor::call_t!(self.orchestrator, OrchestratorMsg::Undrain, 10_000).map_err(|e| ApiError::Internal(format!("undrain: {e}")))
     }
 
     /// The drain's progress (sequences still on this node's workers, what moved).
     pub async fn drain_report(&self) -> Result<DrainReport, ApiError> {
-        ractor::call_t!(self.drainer, DrainMsg::Report, 10_000).map_err(|e| ApiError::Internal(format!("drain report: {e}")))
+        ractor::call_t!(self.orchestrator, OrchestratorMsg::Report, 10_000).map_err(|e| ApiError::Internal(format!("drain report: {e}")))
     }
 
     /// Sequences still running because of this node: its own requests plus those it serves
@@ -212,11 +212,11 @@ impl Coordinator {
     /// The prompt's token ids (`prompt::prompt_ids`: what the client wrote stays text).
     pub fn prompt_ids(&self, req: &GenerationRequest) -> Result<Vec<u32>, ApiError> {
         let m = self.model_of(req)?;
-        crate::prompt::prompt_ids(req, &m.template, &m.tokenizer, m.special_tokens_in_content)
+        crate::frontend::prompt::prompt_ids(req, &m.template, &m.tokenizer, m.special_tokens_in_content)
     }
 
     /// Sets the grammar the reply is held to (`tool_choice`, the output format: see
-    /// [`crate::constrain`]) and checks that it compiles, so that a schema the engine cannot
+    /// [`crate::frontend::constrain`]) and checks that it compiles, so that a schema the engine cannot
     /// enforce is the client's 400 before anything is placed. CPU work: runs in `prepare`.
     pub fn constrain(&self, req: &mut GenerationRequest) -> Result<(), ApiError> {
         req.params.grammar = req.grammar()?;
@@ -257,8 +257,8 @@ impl Coordinator {
         let prompt_tokens = ids.len();
         let tenant = self.guard.tenant(caller);
         let pins = breakpoints.iter().map(|&(tokens, ttl)| CachePin { tokens: tokens as u32, ttl_secs: ttl.secs() }).collect();
-        let job = Job { request_id: request_id.to_string(), prompt: ids, params, share: Share::of(&tenant.name, tenant.weight), pins, model: model.id };
-        let placed = self.dispatch.submit(&job, &[], &[], None).await?;
+        let job = Job { request_id: request_id.to_string(), model: model.id, prompt: ids, params, share: Share::of(&tenant.name, tenant.weight), pins, resume: Vec::new() };
+        let placed = self.dispatch.submit(&job, &[], None).await?;
         let served_by = placed.served_by();
         Ok(Accepted { stream: LiveSequence::new(self.dispatch.clone(), job, placed), prompt_tokens, served_by, started_at, fingerprint, ticket, breakpoints, _permit: permit })
     }
@@ -280,7 +280,7 @@ impl Coordinator {
             Diagnosis::NoMiss => "none",
             Diagnosis::PreviousNotFound => "previous_message_not_found",
             Diagnosis::Miss { reason, missed_tokens, first_difference } => {
-                tracing::debug!(target: "zerolayer_coordinator::diagnostics", reason = reason.as_str(), missed_tokens, first_difference, "prompt cache miss");
+                tracing::debug!(target: "zerolayer_coordinator::frontend::diagnostics", reason = reason.as_str(), missed_tokens, first_difference, "prompt cache miss");
                 reason.as_str()
             }
         };

@@ -8,7 +8,7 @@
 //! 2. moves every sequence off its workers, running or waiting, prefilling or decoding. First
 //!    the pre-copy: while the sequences keep running, the KV of their computed full blocks
 //!    (immutable once full) travels to the target placement picks for each
-//!    (`WorkerHandle::snapshot`). Then the worker exports all of its sequences at one step
+//!    (`WorkerHandle::pre_copy`). Then the worker exports all of its sequences at one step
 //!    boundary (`WorkerHandle::export`), and
 //!    [`MOVES_AT_ONCE`] of them travel at a time, each to its pre-copy's target (or the one
 //!    placement picks now): only the blocks the target does not cache yet (those computed since
@@ -37,7 +37,7 @@ use zerolayer_worker::migrate::{Export, KvImport};
 use zerolayer_worker::scheduler::SeqId;
 
 use crate::cluster::{migrate, Cluster, LocalWorker};
-use crate::dispatch::{Dispatcher, Target};
+use crate::routing::dispatch::{Dispatcher, Target};
 use crate::view::NodeState;
 
 /// How often a drain looks for sequences still on its workers.
@@ -89,7 +89,7 @@ pub struct MoveRecord {
     pub to: String,
 }
 
-pub enum DrainMsg {
+pub enum OrchestratorMsg {
     Drain(RpcReplyPort<DrainReport>),
     Undrain(RpcReplyPort<DrainReport>),
     Report(RpcReplyPort<DrainReport>),
@@ -97,22 +97,22 @@ pub enum DrainMsg {
 
 /// What a drain works with.
 #[derive(Clone)]
-pub struct DrainContext {
+pub struct OrchestratorContext {
     pub node_id: String,
     pub cluster: Arc<Cluster>,
     pub dispatch: Arc<Dispatcher>,
     pub workers: Vec<LocalWorker>,
 }
 
-pub struct DrainActor;
+pub struct Orchestrator;
 
-pub struct DrainState {
-    ctx: DrainContext,
+pub struct OrchestratorState {
+    ctx: OrchestratorContext,
     report: Arc<Mutex<DrainReport>>,
     task: Option<tokio::task::JoinHandle<()>>,
 }
 
-impl DrainState {
+impl OrchestratorState {
     async fn report(&self) -> DrainReport {
         let mut r = self.report.lock().unwrap_or_else(|e| e.into_inner()).clone();
         r.draining = self.ctx.cluster.state() == NodeState::Draining;
@@ -121,19 +121,19 @@ impl DrainState {
     }
 }
 
-impl Actor for DrainActor {
-    type Msg = DrainMsg;
-    type State = DrainState;
-    type Arguments = DrainContext;
+impl Actor for Orchestrator {
+    type Msg = OrchestratorMsg;
+    type State = OrchestratorState;
+    type Arguments = OrchestratorContext;
 
-    async fn pre_start(&self, _me: ActorRef<Self::Msg>, ctx: DrainContext) -> Result<Self::State, ActorProcessingErr> {
+    async fn pre_start(&self, _me: ActorRef<Self::Msg>, ctx: OrchestratorContext) -> Result<Self::State, ActorProcessingErr> {
         let report = Arc::new(Mutex::new(DrainReport { node: ctx.node_id.clone(), ..Default::default() }));
-        Ok(DrainState { ctx, report, task: None })
+        Ok(OrchestratorState { ctx, report, task: None })
     }
 
     async fn handle(&self, _me: ActorRef<Self::Msg>, msg: Self::Msg, state: &mut Self::State) -> Result<(), ActorProcessingErr> {
         match msg {
-            DrainMsg::Drain(reply) => {
+            OrchestratorMsg::Drain(reply) => {
                 if state.task.as_ref().is_none_or(|t| t.is_finished()) {
                     state.ctx.cluster.set_state(NodeState::Draining);
                     *state.report.lock().unwrap_or_else(|e| e.into_inner()) = DrainReport { node: state.ctx.node_id.clone(), ..Default::default() };
@@ -142,7 +142,7 @@ impl Actor for DrainActor {
                 }
                 let _ = reply.send(state.report().await);
             }
-            DrainMsg::Undrain(reply) => {
+            OrchestratorMsg::Undrain(reply) => {
                 if let Some(t) = state.task.take() {
                     t.abort();
                 }
@@ -153,7 +153,7 @@ impl Actor for DrainActor {
                 }
                 let _ = reply.send(state.report().await);
             }
-            DrainMsg::Report(reply) => {
+            OrchestratorMsg::Report(reply) => {
                 let _ = reply.send(state.report().await);
             }
         }
@@ -177,7 +177,7 @@ async fn sequences_here(workers: &[LocalWorker]) -> usize {
 }
 
 /// The drain's loop: move what is here, until undrained (the actor aborts it).
-async fn drain(ctx: DrainContext, report: Arc<Mutex<DrainReport>>) {
+async fn drain(ctx: OrchestratorContext, report: Arc<Mutex<DrainReport>>) {
     let t0 = Instant::now();
     loop {
         if ctx.cluster.state() != NodeState::Draining {
@@ -228,9 +228,9 @@ struct Precopy {
 /// The pre-copy: each sequence's computed full blocks, to the worker placement picks for it,
 /// while it keeps running ([`MOVES_AT_ONCE`] at a time). A sequence whose copy fails is simply
 /// moved whole.
-async fn precopy(ctx: &DrainContext, w: &LocalWorker, ids: Vec<SeqId>) -> HashMap<SeqId, Precopy> {
-    let Ok(snapshots) = w.handle.snapshot(ids).await else { return HashMap::new() };
-    futures::stream::iter(snapshots.into_iter().filter(|(_, ex)| !ex.block_hashes.is_empty()).map(|(id, ex)| async move {
+async fn precopy(ctx: &OrchestratorContext, w: &LocalWorker, ids: Vec<SeqId>) -> HashMap<SeqId, Precopy> {
+    let Ok(copies) = w.handle.pre_copy(ids).await else { return HashMap::new() };
+    futures::stream::iter(copies.into_iter().filter(|(_, ex)| !ex.block_hashes.is_empty()).map(|(id, ex)| async move {
         let t0 = Instant::now();
         let tokens: Vec<u32> = ex.prompt.iter().chain(&ex.generated).copied().collect();
         let target = ctx.dispatch.target(&w.model, &tokens, ex.generated.len().max(1), std::slice::from_ref(&ctx.node_id))?;
@@ -255,7 +255,7 @@ async fn precopy(ctx: &DrainContext, w: &LocalWorker, ids: Vec<SeqId>) -> HashMa
 /// Puts `ex`'s blocks into `target`'s prefix cache: in process for a worker of this node, over
 /// QUIC for another's, sending none of the blocks the target caches already (its published set,
 /// and `known`).
-async fn transfer(ctx: &DrainContext, target: &Target, ex: &Export, known: &HashSet<u64>, request_id: &str) -> anyhow::Result<migrate::Transferred> {
+async fn transfer(ctx: &OrchestratorContext, target: &Target, ex: &Export, known: &HashSet<u64>, request_id: &str) -> anyhow::Result<migrate::Transferred> {
     if target.local {
         let Some(tw) = ctx.cluster.local_worker(&target.worker) else { anyhow::bail!("local worker {} vanished", target.worker) };
         let blocks = ex
@@ -275,7 +275,7 @@ async fn transfer(ctx: &DrainContext, target: &Target, ex: &Export, known: &Hash
 
 /// Moves one exported sequence to its pre-copy's target, or the worker placement picks
 /// (`wait_ms`: how long its export waited for the worker's step).
-async fn move_one(ctx: &DrainContext, w: &LocalWorker, handover: Handover, report: &Mutex<DrainReport>, wait_ms: f64, pre: Option<&Precopy>) {
+async fn move_one(ctx: &OrchestratorContext, w: &LocalWorker, handover: Handover, report: &Mutex<DrainReport>, wait_ms: f64, pre: Option<&Precopy>) {
     let t0 = Instant::now();
     let exclude = [ctx.node_id.clone()];
     let ex = &handover.export;

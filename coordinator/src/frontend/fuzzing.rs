@@ -5,7 +5,7 @@
 use zerolayer_worker::chat::ChatTemplate;
 use zerolayer_worker::tokenizer::Tokenizer;
 
-use crate::api::anthropic::{self, Endpoint};
+use crate::frontend::api::anthropic::{self, Endpoint};
 use crate::error::ApiError;
 
 /// Runs one input through the whole front end. Returns the prompt's token count.
@@ -20,7 +20,7 @@ pub fn exercise(data: &[u8], tokenizer: &Tokenizer, template: &ChatTemplate) -> 
         }
     };
     let prompt = req.generation.render(template)?;
-    let ids = crate::prompt::prompt_ids(&req.generation, template, tokenizer, false)?;
+    let ids = crate::frontend::prompt::prompt_ids(&req.generation, template, tokenizer, false)?;
     // The rendered prompt round-trips through the tokenizer whenever the vocabulary has a token
     // for each of its bytes (bytes without one are dropped, as llama.cpp does).
     if tokenizer.covers(&prompt) {

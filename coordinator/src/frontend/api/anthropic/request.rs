@@ -8,8 +8,8 @@ use serde_json::Value;
 use zerolayer_common::SamplingParams;
 
 use crate::error::ApiError;
-use crate::request::{push_turn, Breakpoint, CacheTtl, GenerationRequest, Role, Turn, MAX_BREAKPOINTS, MAX_STOP_SEQUENCES, MAX_STOP_SEQUENCE_BYTES};
-use crate::tools::{valid_name, Tool, ToolCall, ToolChoice, MAX_TOOLS};
+use crate::frontend::request::{push_turn, Breakpoint, CacheTtl, GenerationRequest, Role, Turn, MAX_BREAKPOINTS, MAX_STOP_SEQUENCES, MAX_STOP_SEQUENCE_BYTES};
+use crate::frontend::tools::{valid_name, Tool, ToolCall, ToolChoice, MAX_TOOLS};
 
 /// A validated Messages API request: the neutral generation request, and what only this API
 /// has.

@@ -23,7 +23,7 @@
 use serde_json::{json, Value};
 
 use crate::error::ApiError;
-use crate::tools::{Tool, ToolChoice, CLOSE as CALL_CLOSE, OPEN as CALL_OPEN};
+use crate::frontend::tools::{Tool, ToolChoice, CLOSE as CALL_CLOSE, OPEN as CALL_OPEN};
 
 /// Most calls one reply may make when parallel calls are allowed.
 pub const MAX_PARALLEL_CALLS: usize = 8;
@@ -165,5 +165,32 @@ mod tests {
         assert!(grammar(Shape { tools: &[], choice: &ToolChoice::Auto, format: Some(&json!([1])), parallel: false }).is_err());
         let forced = grammar(Shape { tools: &tools, choice: &ToolChoice::Any, format: Some(&f), parallel: false }).unwrap().unwrap();
         assert!(!forced.contains("answer"), "a forced call has no answer rule: {forced}");
+    }
+
+    /// What `auto` admits, read byte by byte through the grammar engine itself: free text that
+    /// never opens a call, or text and then whole, valid calls; never `<tool_call>` left in free
+    /// text, a call to an unknown tool, or arguments against the schema.
+    #[test]
+    fn auto_admits_free_text_or_valid_calls_and_nothing_between() {
+        use zerolayer_worker::grammar::accepts_text;
+        let tools = [tool("get_weather")];
+        let g = grammar(Shape { tools: &tools, choice: &ToolChoice::Auto, format: None, parallel: true }).unwrap().unwrap();
+        let call = |name: &str, args: &str| format!("<tool_call>\n{{\"name\": \"{name}\", \"arguments\": {args}}}\n</tool_call>");
+        let good = call("get_weather", r#"{"city": "Paris"}"#);
+        for (text, ok, why) in [
+            ("It is sunny in Paris.".to_string(), true, "free text"),
+            (format!("Let me check.\n{good}"), true, "text, then a call"),
+            (format!("{good}\n{good}"), true, "parallel calls"),
+            ("I will call <tool_call> later, maybe.".to_string(), false, "a call opened in free text"),
+            (format!("Checking.\n{}", call("get_time", "{}")), false, "an unknown tool"),
+            (format!("Checking.\n{}", call("get_weather", r#"{"city": 3}"#)), false, "arguments against the schema"),
+            (format!("{good} and then more text"), false, "text after the calls"),
+        ] {
+            assert_eq!(accepts_text(&g, &text).unwrap(), ok, "{why}: {text:?}");
+        }
+        let forced = grammar(Shape { tools: &tools, choice: &ToolChoice::Any, format: None, parallel: false }).unwrap().unwrap();
+        assert!(accepts_text(&forced, &good).unwrap());
+        assert!(!accepts_text(&forced, "No call.").unwrap(), "a forced call admits no free text");
+        assert!(!accepts_text(&forced, &format!("{good}\n{good}")).unwrap(), "a forced call is exactly one call");
     }
 }

@@ -14,7 +14,7 @@ use zerolayer_worker::chat::{ChatMessage, ChatTemplate};
 use zerolayer_worker::tokenizer::Tokenizer;
 
 use crate::error::ApiError;
-use crate::request::{GenerationRequest, Role};
+use crate::frontend::request::{GenerationRequest, Role};
 
 /// Markers around what clients wrote (private-use characters; a request holding them is simply
 /// not marked).
@@ -162,8 +162,8 @@ mod tests {
     use zerolayer_common::SamplingParams;
 
     use super::*;
-    use crate::request::Turn;
-    use crate::tools::{Tool, ToolCall, ToolChoice};
+    use crate::frontend::request::Turn;
+    use crate::frontend::tools::{Tool, ToolCall, ToolChoice};
 
     fn request(turns: Vec<Turn>) -> GenerationRequest {
         GenerationRequest {

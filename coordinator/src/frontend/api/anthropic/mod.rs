@@ -1,5 +1,5 @@
 //! The Anthropic Messages API: [`request`] parses and validates a body into the neutral
-//! [`GenerationRequest`](crate::request::GenerationRequest); [`response`] holds the handlers,
+//! [`GenerationRequest`](crate::frontend::request::GenerationRequest); [`response`] holds the handlers,
 //! the response JSON and the SSE event sequence.
 
 pub mod request;

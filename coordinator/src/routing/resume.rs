@@ -4,7 +4,7 @@
 //! cache) or is lost (`Lost`: the worker stopped, its node died or was cut off, a transfer
 //! failed), the sequence continues elsewhere by **exact replay**: the prompt plus every token the
 //! client already has is submitted again, with the same seed and the sampler at the same step
-//! (`Engine::add_resumed`). After a move the whole prefix is a cache hit; after a loss it is
+//! (a [`Job`] with its `resume` tokens). After a move the whole prefix is a cache hit; after a loss it is
 //! recomputed. Greedy decoding is batch-invariant and sampling is a function of (seed, step), so
 //! the continuation produces exactly the tokens the original would have: the client's stream
 //! goes on with no gap, no repeat and no missing token, and its `usage` is the original's.
@@ -14,16 +14,16 @@
 
 use std::sync::Arc;
 
-use zerolayer_common::{SeqEvent, StopReason, Usage};
+use zerolayer_common::{Job, SeqEvent, StopReason, Usage};
 
-use crate::dispatch::{Dispatcher, Job, Placed};
+use crate::routing::dispatch::{Dispatcher, Placed};
 
 /// An accepted sequence's events, continued across moves.
 pub struct LiveSequence {
     dispatch: Arc<Dispatcher>,
     job: Job,
     at: Placed,
-    /// Tokens delivered so far (what a continuation resumes after).
+    /// Tokens delivered so far (what a continuation resumes after: the job's `resume`).
     generated: Vec<u32>,
     /// The first `Started`: the prompt's cached/uncached split the client was told.
     started: Option<(u32, u32)>,
@@ -116,7 +116,8 @@ impl LiveSequence {
         let mut exclude = self.lost_on.clone();
         exclude.push(self.at.node.clone());
         let prefer = prefer.as_ref().map(|(n, w)| (n.as_str(), w.as_str()));
-        let placed = self.dispatch.submit(&self.job, &self.generated, &exclude, prefer).await.map_err(|e| format!("{reason}, and it could not continue elsewhere: {e}"))?;
+        self.job.resume.clone_from(&self.generated);
+        let placed = self.dispatch.submit(&self.job, &exclude, prefer).await.map_err(|e| format!("{reason}, and it could not continue elsewhere: {e}"))?;
         tracing::info!(
             request_id = %self.job.request_id, %from, to = %placed.served_by(), kind, %reason,
             tokens = self.generated.len(), moves = self.moves, "sequence continues elsewhere"

@@ -2,21 +2,21 @@
 //! recent placements, [`Tracker`]) and submission to the chosen worker, one in-process message
 //! when it is local and one QUIC stream when it is remote. An unreachable owner means the next
 //! candidate is tried. Used for a new request and, with `resume` tokens, for a sequence that
-//! continues after its worker was lost or drained ([`crate::resume`]).
+//! continues after its worker was lost or drained ([`crate::routing::resume`]).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use zerolayer_common::wire::Submit;
-use zerolayer_common::{block_hashes, CachePin, ClusterConfig, SamplingParams, SeqEvent, Share};
-use zerolayer_worker::{SeqStream, SubmitRequest};
+use zerolayer_common::{block_hashes, ClusterConfig, Job, SeqEvent};
+use zerolayer_worker::SeqStream;
 
 use crate::cluster::forward::{self, ForwardError, RemoteStream};
 use crate::cluster::Cluster;
 use crate::error::ApiError;
-use crate::placement::{self, Decision, RequestSummary};
-use crate::tracker::{PlacementMark, Tracker};
+use crate::routing::placement::{self, Decision, RequestSummary};
+use crate::routing::tracker::{PlacementMark, Tracker};
 use crate::view::ClusterView;
 
 /// Candidates tried per submission when forwarding fails.
@@ -37,21 +37,6 @@ impl EventStream {
             EventStream::Remote(s) => s.recv().await,
         }
     }
-}
-
-/// What a sequence is, wherever it runs: its prompt and its sampling (the seed fixed, so a
-/// continuation elsewhere samples exactly what the original would have).
-#[derive(Clone, Debug)]
-pub struct Job {
-    pub request_id: String,
-    pub prompt: Vec<u32>,
-    pub params: SamplingParams,
-    /// The API key it runs for.
-    pub share: Share,
-    /// Prompt prefixes the worker keeps cached (`cache_control`).
-    pub pins: Vec<CachePin>,
-    /// The id of the model it runs on: only workers that serve it are placed on.
-    pub model: String,
 }
 
 /// A submission that a worker accepted.
@@ -133,17 +118,12 @@ impl Dispatcher {
         }
     }
 
-    /// Places `job` (continuing after `resume`, the tokens its client already has) on a worker
-    /// of a node not in `exclude` and submits it. With `prefer`, that worker is tried first
-    /// (the target a drain moved the sequence's KV to).
-    pub async fn submit(&self, job: &Job, resume: &[u32], exclude: &[String], prefer: Option<(&str, &str)>) -> Result<Placed, ApiError> {
-        let mut tokens = job.prompt.clone();
-        tokens.extend_from_slice(resume);
-        let summary = RequestSummary {
-            block_hashes: block_hashes(&tokens, self.block_size),
-            prompt_tokens: tokens.len(),
-            max_tokens: (job.params.max_tokens as usize).saturating_sub(resume.len()),
-        };
+    /// Places `job` (continuing after its `resume` tokens, if any) on a worker of a node not in
+    /// `exclude` and submits it. With `prefer`, that worker is tried first (the target a drain
+    /// moved the sequence's KV to).
+    pub async fn submit(&self, job: &Job, exclude: &[String], prefer: Option<(&str, &str)>) -> Result<Placed, ApiError> {
+        let tokens = job.tokens();
+        let summary = RequestSummary { block_hashes: block_hashes(&tokens, self.block_size), prompt_tokens: tokens.len(), max_tokens: job.remaining_tokens() };
         let mut view = self.view();
         view.workers.retain(|w| !exclude.contains(&w.node) && w.model == job.model);
         let mut order: Vec<(usize, usize)> = Vec::new(); // (view index, cached blocks)
@@ -192,8 +172,7 @@ impl Dispatcher {
                     last_err = Some(ApiError::Internal(format!("local worker {} vanished", w.worker)));
                     continue;
                 };
-                let req = SubmitRequest { prompt: job.prompt.clone(), params: job.params.clone(), resume: resume.to_vec(), share: job.share, pins: job.pins.clone() };
-                match lw.handle.submit(req).await.map_err(ApiError::from) {
+                match lw.handle.submit(job.clone()).await.map_err(ApiError::from) {
                     Ok(stream) => return Ok(placed(EventStream::Local(stream))),
                     Err(e @ ApiError::Overloaded(_)) => {
                         last_err = Some(e);
@@ -207,16 +186,7 @@ impl Dispatcher {
                 last_err = Some(ApiError::Overloaded(format!("Overloaded: node {} is unreachable", w.node)));
                 continue;
             };
-            let sub = Submit {
-                request_id: job.request_id.clone(),
-                origin_node: self.node_id.clone(),
-                worker: w.worker.clone(),
-                prompt: job.prompt.clone(),
-                params: job.params.clone(),
-                share: job.share,
-                resume: resume.to_vec(),
-                pins: job.pins.clone(),
-            };
+            let sub = Submit { origin_node: self.node_id.clone(), worker: w.worker.clone(), job: job.clone() };
             match forward::submit(&self.cluster, &w.node, addr, &sub).await {
                 Ok(rs) => return Ok(placed(EventStream::Remote(rs))),
                 Err(ForwardError::Refused { overloaded: true, message }) => {

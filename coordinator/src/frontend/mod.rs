@@ -1,0 +1,23 @@
+//! The front-end wing: everything between a client's bytes and a routed sequence.
+//! - [`request`]: the neutral generation request every API parses into; [`tools`]: offered
+//!   functions, calls, and finding calls in generated text; [`constrain`]: the grammar a reply
+//!   is held to;
+//! - [`prompt`]: the request through the chat template, and where the client's words land;
+//!   [`caching`]: cache breakpoints in tokens, and the cache usage split; [`diagnostics`]: why a
+//!   prompt missed the cache;
+//! - [`service`]: the [`service::Frontend`] every handler calls (admission, preparation off the
+//!   runtime, then [`crate::routing`]);
+//! - [`api`]: the axum router, one folder per API; [`fuzzing`]: the front end as one function,
+//!   for the fuzz targets.
+//!
+//! Uses the routing and cluster wings; neither of them uses this one.
+
+pub mod api;
+pub mod caching;
+pub mod constrain;
+pub mod diagnostics;
+pub mod fuzzing;
+pub mod prompt;
+pub mod request;
+pub mod service;
+pub mod tools;
