@@ -54,6 +54,15 @@ pub fn kernels(gpu: &Gpu, model: &Model) -> Res<Vec<Value>> {
     println!("(a) kernels against the CPU");
     let pool = ThreadPool::new(std::thread::available_parallelism().map(|n| n.get()).unwrap_or(4).min(16));
     let mut out = Vec::new();
+    matmul_checks(gpu, model, &pool, &mut out)?;
+    row_op_checks(gpu, model, &mut out)?;
+    attention_check(gpu, &pool, &mut out)?;
+    sampling_checks(gpu, &mut out)?;
+    Ok(out)
+}
+
+/// Every weight format's matmul at 1, 7 and 40 rows.
+fn matmul_checks(gpu: &Gpu, model: &Model, pool: &ThreadPool, out: &mut Vec<Value>) -> Res<()> {
     let p = model.parts();
     let dense = Weight::from_f32(96, 512, &rand_vec(96 * 512, 5));
     let weights: Vec<(&str, &Weight)> = vec![
@@ -70,7 +79,7 @@ pub fn kernels(gpu: &Gpu, model: &Model) -> Res<Vec<Value>> {
         for rows in [1usize, 7, 40] {
             let x = rand_vec(rows * w.cols, 11 + rows as u64);
             let mut y = vec![0f32; rows * w.rows];
-            matmul(&pool, w, &x, &mut y, &mut MatmulScratch::default());
+            matmul(pool, w, &x, &mut y, &mut MatmulScratch::default());
             let dw = gpu.weight(w)?;
             let dx = gpu.upload(&x)?;
             let mut dy = gpu.zeros::<f32>(rows * w.rows)?;
@@ -78,6 +87,12 @@ pub fn kernels(gpu: &Gpu, model: &Model) -> Res<Vec<Value>> {
             out.push(kernel_entry(&format!("{name} ×{rows}"), &y, &gpu.download(&dy, rows * w.rows)?));
         }
     }
+    Ok(())
+}
+
+/// Embedding rows, RMSNorm and SiLU·mul.
+fn row_op_checks(gpu: &Gpu, model: &Model, out: &mut Vec<Value>) -> Res<()> {
+    let p = model.parts();
     // Embedding rows.
     let toks: Vec<i32> = vec![0, 17, 4095, 3];
     let mut want = vec![0f32; toks.len() * p.embed.cols];
@@ -114,6 +129,11 @@ pub fn kernels(gpu: &Gpu, model: &Model) -> Res<Vec<Value>> {
     let mut dy = gpu.zeros::<f32>(2 * f)?;
     gpu.silu_mul(&dg, f, 2, &mut dy)?;
     out.push(kernel_entry("silu_mul", &want, &gpu.download(&dy, 2 * f)?));
+    Ok(())
+}
+
+/// Paged attention through scattered block tables (GQA 8/2).
+fn attention_check(gpu: &Gpu, pool: &ThreadPool, out: &mut Vec<Value>) -> Res<()> {
     // Paged attention through scattered block tables.
     let layout = KvLayout { block_size: 16, n_kv_heads: 2, head_dim: 64, group: 1 }; // the GPU's block-major layout
     let n_blocks = 96;
@@ -126,7 +146,7 @@ pub fn kernels(gpu: &Gpu, model: &Model) -> Res<Vec<Value>> {
     let rows: Vec<AttnRow<'_>> = (0..3).map(|t| AttnRow { table: &tables[t], pos: pos[t] }).collect();
     let mut want = vec![0f32; 3 * n_heads * hd];
     let scale = 0.125;
-    paged_attention(&pool, &KvView { layout: &layout, k: &kc, v: &vc }, &rows, &q, n_heads * hd, n_heads, scale, &mut want);
+    paged_attention(pool, &KvView { layout: &layout, k: &kc, v: &vc }, &rows, &q, n_heads * hd, n_heads, scale, &mut want);
     let flat: Vec<i32> = tables.iter().flat_map(|t| t.iter().map(|&b| b as i32)).collect();
     let at: Vec<i32> = (0..3).map(|t| (t * 32) as i32).collect();
     let pos_i: Vec<i32> = pos.iter().map(|&p| p as i32).collect();
@@ -136,6 +156,11 @@ pub fn kernels(gpu: &Gpu, model: &Model) -> Res<Vec<Value>> {
     let mut dout = gpu.zeros::<f32>(want.len())?;
     gpu.attention(&dq, 3, n_heads * hd, (&dk, &dv), (&dtab, &dat, &dpos), (n_heads, 2, hd), 16, scale, &mut scores, 501, &mut dout)?;
     out.push(kernel_entry("paged attention (GQA 8/2)", &want, &gpu.download(&dout, want.len())?));
+    Ok(())
+}
+
+/// Greedy sampling and top-k selection on the device.
+fn sampling_checks(gpu: &Gpu, out: &mut Vec<Value>) -> Res<()> {
     // Greedy sampling on the device: each row's first largest logit (rows with ties included).
     let vocab = 49152;
     let mut logits = rand_vec(4 * vocab, 51);
@@ -177,7 +202,7 @@ pub fn kernels(gpu: &Gpu, model: &Model) -> Res<Vec<Value>> {
     }
     out.push(kernel_entry("top-k selection (tokens)", &want_i, &got_i));
     out.push(kernel_entry("top-k selection (logits / T)", &want_v, &got_v));
-    Ok(out)
+    Ok(())
 }
 
 /// Greedy decoding of `n` tokens on a backend; returns the tokens and each step's logits.

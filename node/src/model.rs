@@ -271,29 +271,9 @@ impl Model {
         let s = &mut self.scratch;
         // The KV attention reads, by runs: with several sequences in the step, each layer's
         // projections bring the next layer's into the caches as they compute (`Warm`).
-        s.warm_runs.clear();
-        let layout = cache.layout;
-        let elem = cache.dtype.bytes();
-        let run_bytes = layout.block_size * layout.head_dim * elem;
-        if items.len() >= 2 && run_bytes % 64 == 0 && kv_warming() {
-            for it in items {
-                let blocks = (it.start_pos + it.tokens.len()).div_ceil(layout.block_size);
-                for h in 0..layout.n_kv_heads {
-                    s.warm_runs.extend(it.block_table[..blocks].iter().map(|&b| layout.offset(b as usize, h, 0) * elem));
-                }
-            }
-        }
+        let run_bytes = warm_runs(&mut s.warm_runs, items, cache);
         resize(&mut s.x, t_total * d);
-        let mut r = 0;
-        for it in items {
-            for &tok in it.tokens {
-                if tok as usize >= self.embed.rows {
-                    return Err(WorkerError::Invalid(format!("token id {tok} out of vocabulary")));
-                }
-                self.embed.dequantize_row(tok as usize, &mut s.x[r * d..(r + 1) * d]);
-                r += 1;
-            }
-        }
+        embed(&self.embed, items, &mut s.x, d)?;
         resize(&mut s.qkv, t_total * qkv_w);
         resize(&mut s.att, t_total * qd);
         resize(&mut s.proj, t_total * d);
@@ -349,18 +329,7 @@ impl Model {
         add_assign(&mut s.x, &s.proj);
         // Final norm and logits, only for the rows that are sampled.
         let mut last_rows = std::mem::take(&mut s.last_rows);
-        last_rows.clear();
-        let mut r = 0;
-        for it in items {
-            r += it.tokens.len();
-            if it.want_logits {
-                last_rows.push(r - 1);
-            }
-        }
-        // Every rank holds the same final activations; rank 0 alone computes the logits.
-        if self.rank != 0 {
-            last_rows.clear();
-        }
+        logit_rows(items, self.rank, &mut last_rows);
         let n_last = last_rows.len();
         if n_last > 0 {
             let v = cfg.vocab_size;
@@ -374,6 +343,57 @@ impl Model {
         s.last_rows = last_rows;
         self.scratch.rows = recycle(rows);
         Ok(n_last)
+    }
+}
+
+/// The KV attention reads of a step, by runs (byte offsets of each item's blocks, per KV head),
+/// into `out`: with several sequences in the step, each layer's projections bring the next
+/// layer's into the caches as they compute (`Warm`). Empty when warming does not pay. Returns
+/// the bytes of one run.
+fn warm_runs(out: &mut Vec<usize>, items: &[ForwardItem<'_>], cache: &KvCache) -> usize {
+    out.clear();
+    let layout = cache.layout;
+    let elem = cache.dtype.bytes();
+    let run_bytes = layout.block_size * layout.head_dim * elem;
+    if items.len() >= 2 && run_bytes % 64 == 0 && kv_warming() {
+        for it in items {
+            let blocks = (it.start_pos + it.tokens.len()).div_ceil(layout.block_size);
+            for h in 0..layout.n_kv_heads {
+                out.extend(it.block_table[..blocks].iter().map(|&b| layout.offset(b as usize, h, 0) * elem));
+            }
+        }
+    }
+    run_bytes
+}
+
+/// Every item's token embeddings, row after row, into `x` (`d` values a row).
+fn embed(table: &Weight, items: &[ForwardItem<'_>], x: &mut [f32], d: usize) -> Result<()> {
+    let mut r = 0;
+    for it in items {
+        for &tok in it.tokens {
+            if tok as usize >= table.rows {
+                return Err(WorkerError::Invalid(format!("token id {tok} out of vocabulary")));
+            }
+            table.dequantize_row(tok as usize, &mut x[r * d..(r + 1) * d]);
+            r += 1;
+        }
+    }
+    Ok(())
+}
+
+/// The rows whose logits a step computes (each item's last row, where it wants logits) into
+/// `out`. Every rank holds the same final activations; rank 0 alone computes the logits.
+fn logit_rows(items: &[ForwardItem<'_>], rank: usize, out: &mut Vec<usize>) {
+    out.clear();
+    if rank != 0 {
+        return;
+    }
+    let mut r = 0;
+    for it in items {
+        r += it.tokens.len();
+        if it.want_logits {
+            out.push(r - 1);
+        }
     }
 }
 

@@ -52,6 +52,75 @@ pub fn parse(body: &Value, endpoint: Endpoint) -> Result<MessagesRequest, ApiErr
     let Some(obj) = body.as_object() else {
         return bad(format!("request body must be a JSON object, not {}", type_name(body)));
     };
+    check_fields(obj)?;
+
+    let model = parse_model(obj.get("model"))?;
+
+    let max_tokens = parse_max_tokens(obj.get("max_tokens"), endpoint)?;
+
+    let mut breakpoints = vec![];
+    let system = parse_system(obj.get("system"), &mut breakpoints)?;
+
+    let turns = parse_messages(obj.get("messages"), &mut breakpoints)?;
+    if let Some(cc) = obj.get("cache_control") {
+        // Automatic caching: a breakpoint at the end of the last message.
+        let ttl = cache_control(cc, "cache_control")?;
+        if let Some(last) = turns.last() {
+            breakpoints.push(Breakpoint { turn: Some(turns.len() - 1), end: last.text.len(), ttl });
+        }
+    }
+    if breakpoints.len() > MAX_BREAKPOINTS {
+        return bad(format!("A maximum of {MAX_BREAKPOINTS} blocks with cache_control may be provided. Found {}.", breakpoints.len()));
+    }
+
+    let stop_sequences = parse_stop_sequences(obj.get("stop_sequences"))?;
+
+    let (temperature, top_p, top_k) = parse_sampling(obj)?;
+    let stream = match obj.get("stream") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(v) => return bad(format!("stream: expected a boolean, got {}", type_name(v))),
+    };
+
+    let tools = parse_tools(obj.get("tools"))?;
+    let (tool_choice, parallel_tool_calls) = parse_tool_choice(obj.get("tool_choice"), &tools)?;
+    each_field(obj, "metadata", |k, v| match (k, v) {
+        ("user_id", Value::String(s)) if s.len() <= 256 => Ok(()),
+        ("user_id", Value::Null) => Ok(()),
+        ("user_id", _) => bad("metadata.user_id: expected a string of at most 256 characters"),
+        (k, _) => bad(format!("metadata.{k}: Extra inputs are not permitted")),
+    })?;
+    check_thinking(obj.get("thinking"))?;
+    let mut format = None;
+    each_field(obj, "output_config", |k, v| match k {
+        "effort" => Ok(()),
+        "format" if v.is_null() => Ok(()),
+        "format" => {
+            format = Some(output_format(v)?);
+            Ok(())
+        }
+        k => bad(format!("output_config.{k}: Extra inputs are not permitted")),
+    })?;
+    let diagnostics = parse_diagnostics(obj.get("diagnostics"))?;
+
+    let context_management = match obj.get("context_management") {
+        None | Some(Value::Null) => false,
+        Some(cm) => {
+            context_edits(cm)?;
+            true
+        }
+    };
+
+    let params = SamplingParams { temperature, top_k, top_p, seed: None, max_tokens: 0, stop_sequences, ignore_eos: false, grammar: None };
+    Ok(MessagesRequest {
+        generation: GenerationRequest { model, system, turns, max_tokens, params, stream, tools, tool_choice, parallel_tool_calls, format, breakpoints },
+        diagnostics,
+        context_management,
+    })
+}
+
+/// Every top-level field is one this API knows (or one it accepts and ignores).
+fn check_fields(obj: &serde_json::Map<String, Value>) -> Result<(), ApiError> {
     for k in obj.keys() {
         let known = matches!(
             k.as_str(),
@@ -63,15 +132,22 @@ pub fn parse(body: &Value, endpoint: Endpoint) -> Result<MessagesRequest, ApiErr
             return bad(format!("{k}: Extra inputs are not permitted"));
         }
     }
+    Ok(())
+}
 
-    let model = match obj.get("model") {
-        Some(Value::String(s)) if !s.is_empty() => s.clone(),
-        Some(Value::String(_)) => return bad("model: must not be empty"),
-        Some(v) => return bad(format!("model: expected a string, got {}", type_name(v))),
-        None => return bad("model: Field required"),
-    };
+/// `model`: a non-empty string.
+fn parse_model(v: Option<&Value>) -> Result<String, ApiError> {
+    match v {
+        Some(Value::String(s)) if !s.is_empty() => Ok(s.clone()),
+        Some(Value::String(_)) => bad("model: must not be empty"),
+        Some(v) => bad(format!("model: expected a string, got {}", type_name(v))),
+        None => bad("model: Field required"),
+    }
+}
 
-    let max_tokens = match (obj.get("max_tokens"), endpoint) {
+/// `max_tokens`: required for a generation, optional when counting tokens.
+fn parse_max_tokens(v: Option<&Value>, endpoint: Endpoint) -> Result<Option<u32>, ApiError> {
+    Ok(match (v, endpoint) {
         (None, Endpoint::Messages) => return bad("max_tokens: Field required"),
         (None, Endpoint::CountTokens) => None,
         (Some(v), _) => match v.as_i64() {
@@ -81,10 +157,13 @@ pub fn parse(body: &Value, endpoint: Endpoint) -> Result<MessagesRequest, ApiErr
             None if v.as_u64().is_some() => return bad("max_tokens: value is too large"),
             None => return bad(format!("max_tokens: expected an integer, got {}", describe(v))),
         },
-    };
+    })
+}
 
-    let mut breakpoints = vec![];
-    let system = match obj.get("system") {
+/// `system`: a string, or text blocks (joined by blank lines), whose `cache_control`s become
+/// breakpoints.
+fn parse_system(v: Option<&Value>, breakpoints: &mut Vec<Breakpoint>) -> Result<Option<String>, ApiError> {
+    Ok(match v {
         None | Some(Value::Null) => None,
         Some(Value::String(s)) => Some(s.clone()),
         Some(Value::Array(blocks)) => {
@@ -100,21 +179,12 @@ pub fn parse(body: &Value, endpoint: Endpoint) -> Result<MessagesRequest, ApiErr
             Some(parts.join("\n\n"))
         }
         Some(v) => return bad(format!("system: expected a string or an array of text blocks, got {}", type_name(v))),
-    };
+    })
+}
 
-    let turns = parse_messages(obj.get("messages"), &mut breakpoints)?;
-    if let Some(cc) = obj.get("cache_control") {
-        // Automatic caching: a breakpoint at the end of the last message.
-        let ttl = cache_control(cc, "cache_control")?;
-        if let Some(last) = turns.last() {
-            breakpoints.push(Breakpoint { turn: Some(turns.len() - 1), end: last.text.len(), ttl });
-        }
-    }
-    if breakpoints.len() > MAX_BREAKPOINTS {
-        return bad(format!("A maximum of {MAX_BREAKPOINTS} blocks with cache_control may be provided. Found {}.", breakpoints.len()));
-    }
-
-    let stop_sequences = match obj.get("stop_sequences") {
+/// `stop_sequences`: at most [`MAX_STOP_SEQUENCES`] non-blank strings.
+fn parse_stop_sequences(v: Option<&Value>) -> Result<Vec<String>, ApiError> {
+    Ok(match v {
         None | Some(Value::Null) => vec![],
         Some(Value::Array(a)) => {
             if a.len() > MAX_STOP_SEQUENCES {
@@ -137,8 +207,11 @@ pub fn parse(body: &Value, endpoint: Endpoint) -> Result<MessagesRequest, ApiErr
             out
         }
         Some(v) => return bad(format!("stop_sequences: expected an array of strings, got {}", type_name(v))),
-    };
+    })
+}
 
+/// `temperature` (0 to 1), `top_p` (in (0, 1]) and `top_k` (at least 1).
+fn parse_sampling(obj: &serde_json::Map<String, Value>) -> Result<(f32, Option<f32>, Option<u32>), ApiError> {
     let temperature = match obj.get("temperature") {
         None | Some(Value::Null) => 1.0,
         Some(v) => match v.as_f64() {
@@ -163,49 +236,40 @@ pub fn parse(body: &Value, endpoint: Endpoint) -> Result<MessagesRequest, ApiErr
             None => return bad(format!("top_k: expected an integer, got {}", describe(v))),
         },
     };
-    let stream = match obj.get("stream") {
-        None | Some(Value::Null) => false,
-        Some(Value::Bool(b)) => *b,
-        Some(v) => return bad(format!("stream: expected a boolean, got {}", type_name(v))),
-    };
+    Ok((temperature, top_p, top_k))
+}
 
-    let tools = parse_tools(obj.get("tools"))?;
-    let mut parallel_tool_calls = true;
-    let tool_choice = match obj.get("tool_choice") {
-        None | Some(Value::Null) => ToolChoice::Auto,
-        Some(tc) => {
-            let Some(o) = tc.as_object() else { return bad("tool_choice: expected an object") };
-            for (k, v) in o {
-                match (k.as_str(), v) {
-                    ("type", Value::String(_)) | ("name", Value::String(_)) | ("disable_parallel_tool_use", Value::Bool(_)) => {}
-                    (k, _) => return bad(format!("tool_choice.{k}: unexpected field or type")),
-                }
-            }
-            parallel_tool_calls = o.get("disable_parallel_tool_use") != Some(&Value::Bool(true));
-            let choice = match o.get("type").and_then(Value::as_str) {
-                Some("auto") => ToolChoice::Auto,
-                Some("none") => ToolChoice::None,
-                Some("any") => ToolChoice::Any,
-                Some("tool") => match o.get("name").and_then(Value::as_str) {
-                    Some(name) if tools.iter().any(|t| t.name == name) => ToolChoice::Tool(name.to_string()),
-                    Some(name) => return bad(format!("tool_choice.name: no tool named {name:?} is in tools")),
-                    None => return bad("tool_choice.name: Field required for type \"tool\""),
-                },
-                _ => return bad("tool_choice.type: expected \"auto\", \"any\", \"tool\" or \"none\""),
-            };
-            if matches!(choice, ToolChoice::Any) && tools.iter().all(|t| t.deferred) {
-                return bad("tool_choice: a call is forced (\"any\"), but tools is empty");
-            }
-            choice
+/// `tool_choice`, checked against the tools offered, and whether parallel calls are allowed.
+fn parse_tool_choice(v: Option<&Value>, tools: &[Tool]) -> Result<(ToolChoice, bool), ApiError> {
+    let Some(tc) = v.filter(|v| !v.is_null()) else { return Ok((ToolChoice::Auto, true)) };
+    let Some(o) = tc.as_object() else { return bad("tool_choice: expected an object") };
+    for (k, v) in o {
+        match (k.as_str(), v) {
+            ("type", Value::String(_)) | ("name", Value::String(_)) | ("disable_parallel_tool_use", Value::Bool(_)) => {}
+            (k, _) => return bad(format!("tool_choice.{k}: unexpected field or type")),
         }
+    }
+    let parallel = o.get("disable_parallel_tool_use") != Some(&Value::Bool(true));
+    let choice = match o.get("type").and_then(Value::as_str) {
+        Some("auto") => ToolChoice::Auto,
+        Some("none") => ToolChoice::None,
+        Some("any") => ToolChoice::Any,
+        Some("tool") => match o.get("name").and_then(Value::as_str) {
+            Some(name) if tools.iter().any(|t| t.name == name) => ToolChoice::Tool(name.to_string()),
+            Some(name) => return bad(format!("tool_choice.name: no tool named {name:?} is in tools")),
+            None => return bad("tool_choice.name: Field required for type \"tool\""),
+        },
+        _ => return bad("tool_choice.type: expected \"auto\", \"any\", \"tool\" or \"none\""),
     };
-    each_field(obj, "metadata", |k, v| match (k, v) {
-        ("user_id", Value::String(s)) if s.len() <= 256 => Ok(()),
-        ("user_id", Value::Null) => Ok(()),
-        ("user_id", _) => bad("metadata.user_id: expected a string of at most 256 characters"),
-        (k, _) => bad(format!("metadata.{k}: Extra inputs are not permitted")),
-    })?;
-    match obj.get("thinking") {
+    if matches!(choice, ToolChoice::Any) && tools.iter().all(|t| t.deferred) {
+        return bad("tool_choice: a call is forced (\"any\"), but tools is empty");
+    }
+    Ok((choice, parallel))
+}
+
+/// `thinking`: our models never think; disabled or adaptive thinking is accepted.
+fn check_thinking(v: Option<&Value>) -> Result<(), ApiError> {
+    match v {
         None | Some(Value::Null) => {}
         Some(t) => match t.get("type").and_then(Value::as_str) {
             // Adaptive: the model decides whether to think; ours never do, and answer without
@@ -215,17 +279,12 @@ pub fn parse(body: &Value, endpoint: Endpoint) -> Result<MessagesRequest, ApiErr
             _ => return bad("thinking: expected {\"type\": \"enabled\" | \"adaptive\" | \"disabled\"}"),
         },
     }
-    let mut format = None;
-    each_field(obj, "output_config", |k, v| match k {
-        "effort" => Ok(()),
-        "format" if v.is_null() => Ok(()),
-        "format" => {
-            format = Some(output_format(v)?);
-            Ok(())
-        }
-        k => bad(format!("output_config.{k}: Extra inputs are not permitted")),
-    })?;
-    let diagnostics = match obj.get("diagnostics") {
+    Ok(())
+}
+
+/// `diagnostics: {previous_message_id}` (the message to compare this prompt with).
+fn parse_diagnostics(v: Option<&Value>) -> Result<Option<Option<String>>, ApiError> {
+    Ok(match v {
         None | Some(Value::Null) => None,
         Some(Value::Object(d)) => match d.get("previous_message_id") {
             None | Some(Value::Null) => Some(None),
@@ -233,21 +292,6 @@ pub fn parse(body: &Value, endpoint: Endpoint) -> Result<MessagesRequest, ApiErr
             Some(_) => return bad("diagnostics.previous_message_id: expected a message id (a string) or null"),
         },
         Some(v) => return bad(format!("diagnostics: expected an object, got {}", type_name(v))),
-    };
-
-    let context_management = match obj.get("context_management") {
-        None | Some(Value::Null) => false,
-        Some(cm) => {
-            context_edits(cm)?;
-            true
-        }
-    };
-
-    let params = SamplingParams { temperature, top_k, top_p, seed: None, max_tokens: 0, stop_sequences, ignore_eos: false, grammar: None };
-    Ok(MessagesRequest {
-        generation: GenerationRequest { model, system, turns, max_tokens, params, stream, tools, tool_choice, parallel_tool_calls, format, breakpoints },
-        diagnostics,
-        context_management,
     })
 }
 

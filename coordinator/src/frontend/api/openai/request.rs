@@ -111,14 +111,9 @@ fn assistant_calls(v: Option<&Value>, at: &str) -> Result<Vec<ToolCall>, ApiErro
         .collect()
 }
 
-pub fn parse(body: &Value) -> Result<ChatRequest, ApiError> {
-    let Some(obj) = body.as_object() else { return bad("request body must be a JSON object") };
-    let model = match obj.get("model") {
-        Some(Value::String(s)) if !s.is_empty() => s.clone(),
-        Some(_) => return bad("model: expected a non-empty string"),
-        None => return bad("model: Field required"),
-    };
-    let Some(msgs) = obj.get("messages").and_then(Value::as_array) else { return bad("messages: expected a non-empty array") };
+/// `messages`: the leading system (and developer) messages, joined, and the conversation.
+fn parse_messages(v: Option<&Value>) -> Result<(Option<String>, Vec<Turn>), ApiError> {
+    let Some(msgs) = v.and_then(Value::as_array) else { return bad("messages: expected a non-empty array") };
     if msgs.is_empty() {
         return bad("messages: expected a non-empty array");
     }
@@ -155,6 +150,54 @@ pub fn parse(body: &Value) -> Result<ChatRequest, ApiError> {
     if turns.is_empty() {
         return bad("messages: at least one user message is required");
     }
+    let system = if system.is_empty() { None } else { Some(system.join("\n\n")) };
+    Ok((system, turns))
+}
+
+/// `stop`: a string or a list of at most [`MAX_STOP_SEQUENCES`] strings.
+fn parse_stop(v: Option<&Value>) -> Result<Vec<String>, ApiError> {
+    let stop = match v {
+        None | Some(Value::Null) => vec![],
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(a)) => a.iter().map(|s| s.as_str().map(str::to_string).ok_or_else(|| ApiError::invalid("stop: expected strings"))).collect::<Result<_, _>>()?,
+        Some(_) => return bad("stop: expected a string or an array of strings"),
+    };
+    if stop.len() > MAX_STOP_SEQUENCES || stop.iter().any(|s| s.is_empty() || s.len() > MAX_STOP_SEQUENCE_BYTES) {
+        return bad(format!("stop: at most {MAX_STOP_SEQUENCES} non-empty sequences of at most {MAX_STOP_SEQUENCE_BYTES} bytes"));
+    }
+    Ok(stop)
+}
+
+/// `tool_choice`: `auto`, `none`, `required`, or a named function that is in `tools`.
+fn parse_tool_choice(v: Option<&Value>, tools: &[Tool]) -> Result<ToolChoice, ApiError> {
+    Ok(match v {
+        None | Some(Value::Null) => ToolChoice::Auto,
+        Some(Value::String(s)) if s == "auto" => ToolChoice::Auto,
+        Some(Value::String(s)) if s == "none" => ToolChoice::None,
+        Some(Value::String(s)) if s == "required" => {
+            if tools.is_empty() {
+                return bad("tool_choice: \"required\" needs tools");
+            }
+            ToolChoice::Any
+        }
+        Some(Value::Object(o)) => match (o.get("type").and_then(Value::as_str), o.get("function").and_then(|f| f.get("name")).and_then(Value::as_str)) {
+            (Some("function"), Some(name)) if tools.iter().any(|t| t.name == name) => ToolChoice::Tool(name.to_string()),
+            (Some("function"), Some(name)) => return bad(format!("tool_choice: no function named {name:?} is in tools")),
+            _ => return bad("tool_choice: expected {\"type\": \"function\", \"function\": {\"name\": …}}"),
+        },
+        Some(_) => return bad("tool_choice: expected \"auto\", \"none\", \"required\" or a named function"),
+    })
+}
+
+/// Parses and validates a Chat Completions request body.
+pub fn parse(body: &Value) -> Result<ChatRequest, ApiError> {
+    let Some(obj) = body.as_object() else { return bad("request body must be a JSON object") };
+    let model = match obj.get("model") {
+        Some(Value::String(s)) if !s.is_empty() => s.clone(),
+        Some(_) => return bad("model: expected a non-empty string"),
+        None => return bad("model: Field required"),
+    };
+    let (system, turns) = parse_messages(obj.get("messages"))?;
     let int = |k: &str| -> Result<Option<u64>, ApiError> {
         match obj.get(k) {
             None | Some(Value::Null) => Ok(None),
@@ -180,15 +223,7 @@ pub fn parse(body: &Value) -> Result<ChatRequest, ApiError> {
         None | Some(Value::Null) => None,
         Some(v) => Some(v.as_i64().ok_or_else(|| ApiError::invalid("seed: expected an integer"))? as u64),
     };
-    let stop = match obj.get("stop") {
-        None | Some(Value::Null) => vec![],
-        Some(Value::String(s)) => vec![s.clone()],
-        Some(Value::Array(a)) => a.iter().map(|s| s.as_str().map(str::to_string).ok_or_else(|| ApiError::invalid("stop: expected strings"))).collect::<Result<_, _>>()?,
-        Some(_) => return bad("stop: expected a string or an array of strings"),
-    };
-    if stop.len() > MAX_STOP_SEQUENCES || stop.iter().any(|s| s.is_empty() || s.len() > MAX_STOP_SEQUENCE_BYTES) {
-        return bad(format!("stop: at most {MAX_STOP_SEQUENCES} non-empty sequences of at most {MAX_STOP_SEQUENCE_BYTES} bytes"));
-    }
+    let stop = parse_stop(obj.get("stop"))?;
     let stream = match obj.get("stream") {
         None | Some(Value::Null) => false,
         Some(Value::Bool(b)) => *b,
@@ -206,23 +241,7 @@ pub fn parse(body: &Value) -> Result<ChatRequest, ApiError> {
         }
     }
     let tools = parse_tools(obj.get("tools"))?;
-    let tool_choice = match obj.get("tool_choice") {
-        None | Some(Value::Null) => ToolChoice::Auto,
-        Some(Value::String(s)) if s == "auto" => ToolChoice::Auto,
-        Some(Value::String(s)) if s == "none" => ToolChoice::None,
-        Some(Value::String(s)) if s == "required" => {
-            if tools.is_empty() {
-                return bad("tool_choice: \"required\" needs tools");
-            }
-            ToolChoice::Any
-        }
-        Some(Value::Object(o)) => match (o.get("type").and_then(Value::as_str), o.get("function").and_then(|f| f.get("name")).and_then(Value::as_str)) {
-            (Some("function"), Some(name)) if tools.iter().any(|t| t.name == name) => ToolChoice::Tool(name.to_string()),
-            (Some("function"), Some(name)) => return bad(format!("tool_choice: no function named {name:?} is in tools")),
-            _ => return bad("tool_choice: expected {\"type\": \"function\", \"function\": {\"name\": …}}"),
-        },
-        Some(_) => return bad("tool_choice: expected \"auto\", \"none\", \"required\" or a named function"),
-    };
+    let tool_choice = parse_tool_choice(obj.get("tool_choice"), &tools)?;
     let parallel_tool_calls = match obj.get("parallel_tool_calls") {
         None | Some(Value::Null) => true,
         Some(Value::Bool(b)) => *b,
@@ -232,7 +251,6 @@ pub fn parse(body: &Value) -> Result<ChatRequest, ApiError> {
         None | Some(Value::Null) => None,
         Some(rf) => response_format(rf)?,
     };
-    let system = if system.is_empty() { None } else { Some(system.join("\n\n")) };
     // `ignore_eos` is vLLM's extension: keep generating past end tokens (benchmarks).
     let params = SamplingParams { temperature, top_k: None, top_p, seed, max_tokens: 0, stop_sequences: stop, ignore_eos, grammar: None };
     Ok(ChatRequest { generation: GenerationRequest { model, system, turns, max_tokens, params, stream, tools, tool_choice, parallel_tool_calls, format, breakpoints: vec![] }, include_usage })
