@@ -115,7 +115,7 @@ fn check(cluster: &Cluster, h: &ImportHeader) -> Result<(), String> {
 /// Reads the blocks `h` marks as sent from `recv` (every one of them, so the stream is drained)
 /// and checks each against its checksum: the import of the chain up to the first block that
 /// fails, and that block's index if one did.
-pub async fn read_blocks<R: tokio::io::AsyncRead + Unpin>(h: &ImportHeader, recv: &mut R) -> std::io::Result<(KvImport, Option<usize>)> {
+async fn read_blocks<R: tokio::io::AsyncRead + Unpin>(h: &ImportHeader, recv: &mut R) -> std::io::Result<(KvImport, Option<usize>)> {
     use tokio::io::AsyncReadExt;
     let mut import = KvImport { block_size: h.block_size as usize, block_bytes: h.block_bytes as usize, blocks: Vec::with_capacity(h.blocks.len()) };
     let mut bad = None;

@@ -21,10 +21,10 @@ use crate::routing::dispatch::{Dispatcher, Placed};
 /// An accepted sequence's events, continued across moves.
 pub struct LiveSequence {
     dispatch: Arc<Dispatcher>,
+    /// The request; its `resume` is every token delivered to the client so far, on any worker
+    /// (what a continuation resumes after).
     job: Job,
     at: Placed,
-    /// Tokens delivered so far (what a continuation resumes after: the job's `resume`).
-    generated: Vec<u32>,
     /// The first `Started`: the prompt's cached/uncached split the client was told.
     started: Option<(u32, u32)>,
     moves: u32,
@@ -35,7 +35,7 @@ pub struct LiveSequence {
 
 impl LiveSequence {
     pub fn new(dispatch: Arc<Dispatcher>, job: Job, at: Placed) -> Self {
-        LiveSequence { dispatch, job, at, generated: Vec::new(), started: None, moves: 0, lost_on: Vec::new(), finished: false }
+        LiveSequence { dispatch, job, at, started: None, moves: 0, lost_on: Vec::new(), finished: false }
     }
 
     /// `NODE/WORKER` serving the sequence now.
@@ -65,7 +65,7 @@ impl LiveSequence {
                     return Some(ev);
                 }
                 SeqEvent::Delta { ref tokens, .. } => {
-                    self.generated.extend_from_slice(tokens);
+                    self.job.resume.extend_from_slice(tokens);
                     return Some(ev);
                 }
                 SeqEvent::Finished { reason, usage } if reason.continues_elsewhere() => {
@@ -92,7 +92,7 @@ impl LiveSequence {
             return last;
         }
         let (prompt, cached) = self.started.unwrap_or((last.prompt_tokens(), last.prompt_tokens_cached));
-        Usage { prompt_tokens_uncached: prompt - cached.min(prompt), prompt_tokens_cached: cached.min(prompt), output_tokens: last.output_tokens.max(self.generated.len() as u32) }
+        Usage { prompt_tokens_uncached: prompt - cached.min(prompt), prompt_tokens_cached: cached.min(prompt), output_tokens: last.output_tokens.max(self.job.resume.len() as u32) }
     }
 
     async fn continue_elsewhere(&mut self, reason: StopReason) -> Result<(), String> {
@@ -116,11 +116,10 @@ impl LiveSequence {
         let mut exclude = self.lost_on.clone();
         exclude.push(self.at.node.clone());
         let prefer = prefer.as_ref().map(|(n, w)| (n.as_str(), w.as_str()));
-        self.job.resume.clone_from(&self.generated);
         let placed = self.dispatch.submit(&self.job, &exclude, prefer).await.map_err(|e| format!("{reason}, and it could not continue elsewhere: {e}"))?;
         tracing::info!(
             request_id = %self.job.request_id, %from, to = %placed.served_by(), kind, %reason,
-            tokens = self.generated.len(), moves = self.moves, "sequence continues elsewhere"
+            tokens = self.job.resume.len(), moves = self.moves, "sequence continues elsewhere"
         );
         metrics::counter!("zerolayer_migrations_total", "node" => self.dispatch.node_id.clone(), "kind" => kind).increment(1);
         self.at = placed;

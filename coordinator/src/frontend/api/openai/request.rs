@@ -189,6 +189,15 @@ fn parse_tool_choice(v: Option<&Value>, tools: &[Tool]) -> Result<ToolChoice, Ap
     })
 }
 
+/// An optional boolean field (`default` when absent or null).
+fn flag(obj: &serde_json::Map<String, Value>, key: &str, default: bool) -> Result<bool, ApiError> {
+    match obj.get(key) {
+        None | Some(Value::Null) => Ok(default),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(_) => bad(format!("{key}: expected a boolean")),
+    }
+}
+
 /// Parses and validates a Chat Completions request body.
 pub fn parse(body: &Value) -> Result<ChatRequest, ApiError> {
     let Some(obj) = body.as_object() else { return bad("request body must be a JSON object") };
@@ -224,16 +233,8 @@ pub fn parse(body: &Value) -> Result<ChatRequest, ApiError> {
         Some(v) => Some(v.as_i64().ok_or_else(|| ApiError::invalid("seed: expected an integer"))? as u64),
     };
     let stop = parse_stop(obj.get("stop"))?;
-    let stream = match obj.get("stream") {
-        None | Some(Value::Null) => false,
-        Some(Value::Bool(b)) => *b,
-        Some(_) => return bad("stream: expected a boolean"),
-    };
-    let ignore_eos = match obj.get("ignore_eos") {
-        None | Some(Value::Null) => false,
-        Some(Value::Bool(b)) => *b,
-        Some(_) => return bad("ignore_eos: expected a boolean"),
-    };
+    let stream = flag(obj, "stream", false)?;
+    let ignore_eos = flag(obj, "ignore_eos", false)?;
     let include_usage = obj.get("stream_options").and_then(|o| o.get("include_usage")).and_then(Value::as_bool).unwrap_or(false);
     if let Some(n) = int("n")? {
         if n != 1 {
@@ -242,11 +243,7 @@ pub fn parse(body: &Value) -> Result<ChatRequest, ApiError> {
     }
     let tools = parse_tools(obj.get("tools"))?;
     let tool_choice = parse_tool_choice(obj.get("tool_choice"), &tools)?;
-    let parallel_tool_calls = match obj.get("parallel_tool_calls") {
-        None | Some(Value::Null) => true,
-        Some(Value::Bool(b)) => *b,
-        Some(_) => return bad("parallel_tool_calls: expected a boolean"),
-    };
+    let parallel_tool_calls = flag(obj, "parallel_tool_calls", true)?;
     let format = match obj.get("response_format") {
         None | Some(Value::Null) => None,
         Some(rf) => response_format(rf)?,
