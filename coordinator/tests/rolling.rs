@@ -198,6 +198,10 @@ async fn rolling_restart_and_a_killed_process_fail_no_request() {
     let out = tokio::time::timeout(Duration::from_secs(600), rolling).await.expect("the rolling restart finishes").unwrap();
     println!("{}", String::from_utf8_lossy(&out.stdout));
     assert!(out.status.success(), "rolling-restart failed: {}\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    // The drains moved what ran on the drained nodes (a drain that moved nothing would leave
+    // the load above no way to tell).
+    let moved = moved_by_drains(&String::from_utf8_lossy(&out.stdout));
+    assert!(moved >= 1, "the three drains moved no sequence: the load never ran on a drained node");
     let mut failures = vec![];
     for c in clients {
         failures.extend(tokio::time::timeout(Duration::from_secs(600), c).await.expect("the load finishes").unwrap());
@@ -243,6 +247,13 @@ async fn rolling_restart_and_a_killed_process_fail_no_request() {
     }
     println!("{on_victim} of 8 requests were running on n3 when it was killed");
     assert!(on_victim >= 1, "some requests ran on the killed node");
+    // Each of them continued by a replay that the survivor holding its client counted.
+    let mut replays = 0.0;
+    for n in &survivors {
+        let text = http.get(format!("{n}/metrics")).send().await.unwrap().text().await.unwrap();
+        replays += metric_sum(&text, "zerolayer_migrations_total", "kind=\"replay\"");
+    }
+    assert!(replays >= on_victim as f64, "{replays} replays counted for {on_victim} requests lost with n3");
     // The survivors keep serving.
     let (status, _) = ask(&http, &survivors, 0, &body(0, false)).await;
     assert_eq!(status, 200);
@@ -257,4 +268,34 @@ async fn rolling_restart_and_a_killed_process_fail_no_request() {
         assert!(Instant::now() < deadline, "local-cluster stops");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// Sequences the drains of a `scripts/rolling-restart` run moved, with or without their KV, from
+/// the `zerolayer drain --wait` lines it prints ("… drained: N sequences moved with their KV
+/// (…), M without").
+fn moved_by_drains(out: &str) -> u64 {
+    out.lines()
+        .filter(|l| l.contains(" drained: "))
+        .map(|l| {
+            let n = l.split(" drained: ").nth(1).and_then(|r| r.split_whitespace().next()).and_then(|n| n.parse::<u64>().ok()).unwrap_or(0);
+            let m = l.rsplit("), ").next().and_then(|r| r.split_whitespace().next()).and_then(|m| m.parse::<u64>().ok()).unwrap_or(0);
+            n + m
+        })
+        .sum()
+}
+
+/// The sum of a Prometheus counter's series whose labels contain `label` (`name{…} value`).
+fn metric_sum(text: &str, name: &str, label: &str) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(&format!("{name}{{")) && l.contains(label))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+#[test]
+fn drain_lines_and_metrics_are_read() {
+    let out = "== n1\nn1 drained: 2 sequences moved with their KV (30 blocks, 100 bytes), 1 without\nn2 drained: 0 sequences moved with their KV (0 blocks, 0 bytes), 0 without\n";
+    assert_eq!(moved_by_drains(out), 3);
+    let m = "zerolayer_migrations_total{kind=\"replay\",node=\"n1\"} 2\nzerolayer_migrations_total{kind=\"kv\",node=\"n1\"} 5\nzerolayer_migrations_total{kind=\"replay\",node=\"n2\"} 1\n";
+    assert_eq!(metric_sum(m, "zerolayer_migrations_total", "kind=\"replay\""), 3.0);
 }

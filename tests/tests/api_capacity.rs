@@ -227,3 +227,24 @@ async fn kv_short_requests_queue_across_workers() {
     assert!(served.iter().any(|w| w == "n1/cpu0") && served.iter().any(|w| w == "n1/cpu1"), "both workers served: {served:?}");
     s.stop().await.unwrap();
 }
+
+/// Preparing a request (parsing, rendering, tokenizing) runs off the async runtime: on a
+/// one-thread runtime, a timer set beside a slow preparation still fires on time. (Run on the
+/// runtime itself, the preparation would hold the only thread until it ended.)
+#[tokio::test(flavor = "current_thread")]
+async fn preparation_runs_off_the_runtime() {
+    let _g = heavy();
+    let s = TestServer::start(|_| {}).await;
+    let slow = s.frontend.prepare(|| std::thread::sleep(Duration::from_millis(600)));
+    // The clock starts before either is polled: join! polls the preparation first, and one
+    // that ran on this thread would finish before the timer's first poll.
+    let t = std::time::Instant::now();
+    let timer = async {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        t.elapsed()
+    };
+    let (prepared, waited) = tokio::join!(slow, timer);
+    prepared.expect("prepared");
+    assert!(waited < Duration::from_millis(400), "a 20 ms timer fired after {waited:?}: the preparation held the runtime");
+    s.stop().await.unwrap();
+}

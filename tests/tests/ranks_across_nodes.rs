@@ -165,3 +165,44 @@ async fn a_group_across_nodes_computes_what_it_computes_on_one_node() {
     assert!(matches!(end, Some(zerolayer_common::StopReason::Lost(_))), "a lost rank ends its sequences Lost (so the coordinator replays them): {end:?}");
     eprintln!("total {:.1}s", t0.elapsed().as_secs_f64());
 }
+
+/// The same group over the in-memory transport (`ranks::channel_pair`, no QUIC): the worker's
+/// half of a group across nodes is transport-neutral, and gives the same bits as the group on
+/// one node, as over QUIC above. A rank whose stream ends breaks the group's next step.
+#[test]
+fn a_group_over_in_memory_streams_computes_what_it_computes_on_one_node() {
+    use std::sync::atomic::AtomicBool;
+    use std::sync::Arc;
+    use zerolayer_worker::ranks::{channel_pair, host, lead::{Group, PendingRank}, Unlinked};
+    let _g = heavy();
+    let addr = "127.0.0.1:1".parse().unwrap();
+    let cfg = config(&temp_dir("ranks-mem"), addr, addr);
+    let wc = cfg.nodes[0].workers[0].clone();
+    let loaded = load(&model_path(), None, 1, |_, _| {}).unwrap();
+    let group = Group::plan(&wc, &loaded.model.cfg, "a", Instant::now() + Duration::from_secs(60)).unwrap();
+    let mut ranks = Vec::new();
+    let mut hosts = Vec::new();
+    for rank in 1..3 {
+        let (lead_side, host_side) = channel_pair();
+        let j = group.join_of("a", rank);
+        let wc = host::check(&cfg, "b", &j).expect("the config puts this rank on b");
+        let cfg = cfg.clone();
+        hosts.push(std::thread::spawn(move || host::serve(&cfg, &wc, &j, "b", host_side, &AtomicBool::new(false))));
+        ranks.push(PendingRank { node: "b".into(), rank, channels: lead_side });
+    }
+    let mut group = group.form(loaded.model, ranks, Arc::new(Unlinked)).expect("the group forms");
+    let mut local = backend::cpu(load(&model_path(), None, 1, |_, _| {}).unwrap().model, 3, 2, wc.block_size, wc.kv_dtype, wc.kv_cache_mb << 20).unwrap();
+    let prompt = loaded.tokenizer.encode("Once upon a time, in a small village by the sea,").unwrap();
+    let table: Vec<u32> = (0..8).collect();
+    let (tg, lg) = greedy_on(&mut *group, &prompt, 8, &table);
+    let (tl, ll) = greedy_on(&mut *local, &prompt, 8, &table);
+    assert_eq!(tg, tl, "tokens");
+    assert!(lg == ll, "the logits differ from the same group's on one node");
+    let n = group.kv().num_blocks as u32;
+    assert!(group.read_block(n, &mut Vec::new()).is_err(), "a block outside the cache is refused by the remote rank");
+    // The group goes: its streams end, and each host's loop with them.
+    drop(group);
+    for h in hosts {
+        h.join().expect("the host's loop ends when its leader goes");
+    }
+}

@@ -76,6 +76,9 @@ async fn anthropic_tool_use_streamed_and_not_and_a_round_trip() {
     let v: Value = serde_json::from_str(&body).unwrap();
     assert_eq!(v["stop_reason"], "end_turn", "{v}");
     assert!(v["content"].as_array().unwrap().iter().all(|b| b["type"] == "text"), "no calls with tool_choice none: {v}");
+    // The result reached the prompt: the answer reports it.
+    let answer: String = v["content"].as_array().unwrap().iter().filter_map(|b| b["text"].as_str()).collect();
+    assert!(answer.contains("18"), "the answer does not use the tool result: {answer:?}");
 
     // What is not allowed is the API's 400.
     for (field, value) in [
@@ -143,8 +146,16 @@ async fn openai_tool_calls_streamed_and_not() {
     assert_eq!(st, 200, "{text}");
     let v: Value = serde_json::from_str(&text).unwrap();
     assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
-    // A forced call: the arguments hold to the function's schema (constrained decoding).
-    let mut forced = body(false);
+    // A forced call: the arguments hold to the function's schema (constrained decoding). The
+    // prompt is one the model answers in text when the call is not forced, so only the
+    // constraint can make this a call.
+    let mut free = body(false);
+    free["messages"] = json!([{"role": "user", "content": "Say hello in French."}]);
+    let (st, text) = post(&c, s.url("/v1/chat/completions"), &free).await;
+    assert_eq!(st, 200, "{text}");
+    let v: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["choices"][0]["finish_reason"], "stop", "unforced, this prompt gets text: {v}");
+    let mut forced = free.clone();
     forced["tool_choice"] = json!("required");
     let (st, text) = post(&c, s.url("/v1/chat/completions"), &forced).await;
     assert_eq!(st, 200, "{text}");

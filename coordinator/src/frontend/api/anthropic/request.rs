@@ -11,7 +11,7 @@ use messages::{cache_control, cached_text_block, parse_messages};
 use zerolayer_common::SamplingParams;
 
 use crate::error::ApiError;
-use crate::frontend::request::{Breakpoint, CacheTtl, GenerationRequest, Role, Turn, MAX_BREAKPOINTS, MAX_STOP_SEQUENCES, MAX_STOP_SEQUENCE_BYTES};
+use crate::frontend::request::{Breakpoint, GenerationRequest, MAX_BREAKPOINTS, MAX_STOP_SEQUENCES, MAX_STOP_SEQUENCE_BYTES};
 use crate::frontend::tools::{valid_name, Tool, ToolChoice, MAX_TOOLS};
 
 /// A validated Messages API request: the neutral generation request, and what only this API

@@ -2,6 +2,7 @@
 
 use super::*;
 use serde_json::json;
+use crate::frontend::request::{CacheTtl, Role, Turn};
 
 #[test]
 fn combines_turns_and_keeps_prefill() {
