@@ -5,7 +5,8 @@ use std::path::PathBuf;
 
 use clap::{Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
-use zerolayer_common::ClusterConfig;
+use zerolayer_common::config::ModelSection;
+use zerolayer_common::{ClusterConfig, WorkerConfig};
 use zerolayer_coordinator::node::Node;
 
 /// The default cluster config, embedded so the binary runs from anywhere.
@@ -31,9 +32,14 @@ enum Cmd {
         /// HTTP listen address, overriding the config.
         #[arg(long)]
         http: Option<String>,
-        /// Model path (GGUF file or safetensors directory), overriding the config.
+        /// A model to serve (a GGUF file, or a safetensors directory) in place of the config's
+        /// models. Repeat it to serve several files from this node, one worker each. Each is
+        /// served under its own name: the GGUF's `general.name` as an id, else the file's stem.
         #[arg(long)]
-        model: Option<PathBuf>,
+        model: Vec<PathBuf>,
+        /// The name clients send for each --model, in the same order (vLLM's flag).
+        #[arg(long = "served-model-name")]
+        served_model_name: Vec<String>,
     },
     /// Cluster status: one row per worker across the cluster, as a node sees it.
     Status {
@@ -123,7 +129,7 @@ fn main() -> anyhow::Result<()> {
         .init();
     let cli = Cli::parse();
     match cli.cmd {
-        Cmd::Up { config, node, http, model } => up(config, node, http, model),
+        Cmd::Up { config, node, http, model, served_model_name } => up(config, node, http, model, served_model_name),
         Cmd::Status { addr, admin_key, json } => status(&addr, admin_key.as_deref(), json),
         Cmd::Tokenizer { model, out } => {
             zerolayer_worker::loader::export_tokenizer(&model, &out)?;
@@ -223,7 +229,44 @@ fn status(addr: &str, admin_key: Option<&str>, json: bool) -> anyhow::Result<()>
     Ok(())
 }
 
-fn up(config: Option<PathBuf>, node: Option<String>, http: Option<String>, model: Option<PathBuf>) -> anyhow::Result<()> {
+/// `--model` (repeated) and `--served-model-name`: the models the config names give way to
+/// these files, each under its own name, and node `node_id` runs one worker per model (copies
+/// of its first worker). Other nodes' workers run the first.
+fn serve_models(cfg: &mut ClusterConfig, node_id: &str, paths: Vec<PathBuf>, names: Vec<String>) -> anyhow::Result<()> {
+    if names.len() > paths.len() {
+        anyhow::bail!("{} --served-model-name for {} --model", names.len(), paths.len());
+    }
+    let mut sections = Vec::new();
+    for (i, path) in paths.into_iter().enumerate() {
+        let id = match names.get(i) {
+            Some(n) => n.clone(),
+            None => zerolayer_worker::loader::served_name(&path).map_err(|e| anyhow::anyhow!(e))?,
+        };
+        sections.push(ModelSection { path, id, ..ModelSection::default() });
+    }
+    let ids: Vec<String> = sections.iter().map(|m| m.id.clone()).collect();
+    cfg.model = sections.remove(0);
+    cfg.models = sections;
+    for n in &mut cfg.nodes {
+        let template = n.workers[0].clone();
+        if n.id == node_id {
+            n.workers = ids
+                .iter()
+                .enumerate()
+                .map(|(i, id)| WorkerConfig {
+                    id: if i == 0 { template.id.clone() } else { format!("{}-{}", template.id, i) },
+                    model: (i > 0).then(|| id.clone()),
+                    ..template.clone()
+                })
+                .collect();
+        } else {
+            n.workers.iter_mut().for_each(|w| w.model = None);
+        }
+    }
+    Ok(())
+}
+
+fn up(config: Option<PathBuf>, node: Option<String>, http: Option<String>, model: Vec<PathBuf>, served_model_name: Vec<String>) -> anyhow::Result<()> {
     let mut cfg = match config {
         Some(p) => ClusterConfig::load(Some(&p))?,
         None if std::path::Path::new("cluster.toml").exists() => ClusterConfig::load(Some(std::path::Path::new("cluster.toml")))?,
@@ -233,15 +276,21 @@ fn up(config: Option<PathBuf>, node: Option<String>, http: Option<String>, model
             let p = dir.join("cluster.toml");
             std::fs::write(&p, DEFAULT_CONFIG)?;
             let mut c = ClusterConfig::load(Some(&p))?;
-            // Relative paths in the embedded default are relative to the working directory.
-            c.model.path = ClusterConfig::default().model.path;
+            // Relative paths in the embedded default are relative to the working directory
+            // (a path from the environment is as given).
+            let default_path = ClusterConfig::default().model.path;
+            if c.model.path == dir.join(&default_path) {
+                c.model.path = default_path;
+            }
             c
         }
     };
-    if let Some(m) = model {
-        cfg.model.path = m;
-    }
     let node_id = node.unwrap_or_else(|| cfg.nodes[0].id.clone());
+    if !model.is_empty() {
+        serve_models(&mut cfg, &node_id, model, served_model_name)?;
+    } else if !served_model_name.is_empty() {
+        anyhow::bail!("--served-model-name names a --model; with the config's models, set their `id`");
+    }
     let idx = cfg.nodes.iter().position(|n| n.id == node_id).ok_or_else(|| anyhow::anyhow!("node {node_id:?} is not in the config"))?;
     if let Some(h) = http {
         cfg.nodes[idx].http = h;

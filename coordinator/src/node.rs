@@ -42,6 +42,9 @@ impl Node {
         quic_socket: Option<std::net::UdpSocket>,
         mut progress: impl FnMut(&str, usize, usize) + Send,
     ) -> anyhow::Result<Node> {
+        // Models the config gives no id are served under their files' own names.
+        let mut config = config;
+        config.name_models(loader::served_name)?;
         let node = config.node(node_id).ok_or_else(|| anyhow::anyhow!("node {node_id:?} is not in the cluster config"))?.clone();
         // Install the metrics recorder before anything records: series recorded earlier would go
         // to the no-op recorder and be lost.

@@ -26,6 +26,12 @@ pub fn render(v: &Value) -> String {
         s(v, "policy"),
         100.0 * f(v, "prefix_hit_ratio"),
     );
+    // Each model with the most tokens one request may hold (prompt and output).
+    let models = v.get("models").and_then(Value::as_array).cloned().unwrap_or_default();
+    if !models.is_empty() {
+        let list: Vec<String> = models.iter().map(|m| format!("{} (max_model_len {})", s(m, "id"), f(m, "max_model_len"))).collect();
+        out.push_str(&format!("models: {}\n", list.join(", ")));
+    }
     let mut t = Table::new();
     t.load_style(UTF8_FULL_CONDENSED);
     t.set_header(vec!["node", "state", "worker", "model", "device", "kv free/total", "cached/pinned", "frag", "prefix hit", "run/wait", "tok/s", "http"]);
@@ -69,6 +75,7 @@ mod tests {
     fn one_row_per_worker_and_dead_nodes_show() {
         let v = serde_json::json!({
             "node": "a", "policy": "cache_aware", "prefix_hit_ratio": 0.5,
+            "models": [{"id": "qwen", "max_model_len": 32768}, {"id": "gemma-3-270m", "max_model_len": 8192}],
             "nodes": [{"id": "a", "state": "ready", "http": "127.0.0.1:1"}, {"id": "b", "state": "dead", "http": "127.0.0.1:2"},
                       {"id": "c", "state": "draining", "moving": 3, "http": "127.0.0.1:3"}],
             "workers": [{"node": "a", "worker": "cpu0", "model": "qwen", "device": "cpu", "kv_blocks_free": 10, "kv_blocks_total": 12,
@@ -79,6 +86,7 @@ mod tests {
         assert!(out.lines().any(|l| l.contains(" c ") && l.contains("draining, 3 moving")), "{out}");
         assert!(out.starts_with("cluster seen from node a: 3 nodes, 1 ready; placement cache_aware; cluster prefix-hit ratio 50.0%"), "{out}");
         assert!(out.contains("cpu0") && out.contains("qwen") && out.contains("10/12") && out.contains("3/2") && out.contains("80.5") && out.contains("25.0%"), "{out}");
+        assert!(out.lines().any(|l| l == "models: qwen (max_model_len 32768), gemma-3-270m (max_model_len 8192)"), "{out}");
         assert!(out.lines().any(|l| l.contains(" b ") && l.contains("dead")), "{out}");
         assert!(out.lines().any(|l| l.contains("tp0") && l.contains("ready, worker unavailable")), "{out}");
         assert!(!out.lines().any(|l| l.contains("cpu0") && l.contains("unavailable")), "{out}");

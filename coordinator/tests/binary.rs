@@ -120,8 +120,8 @@ async fn up_serves_and_sigterm_drains_active_streams() {
 }
 
 /// How a user starts a node without writing a config: in a directory with no `cluster.toml`
-/// the binary uses its embedded default; `--node`, `--http` and `--model` override it, and so
-/// do `ZEROLAYER_*` variables; the default's model alias is accepted. An unknown `--node` is
+/// the binary uses its embedded default; `--node` and `--http` override it, and so do
+/// `ZEROLAYER_*` variables; the default's model alias is accepted. An unknown `--node` is
 /// refused with a clear message.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn embedded_default_flags_env_and_aliases() {
@@ -133,9 +133,9 @@ async fn embedded_default_flags_env_and_aliases() {
     assert!(String::from_utf8_lossy(&bad.stderr).contains("\"n9\" is not in the config"), "{}", String::from_utf8_lossy(&bad.stderr));
     let (mut child, ready, base) = start(
         Command::new(env!("CARGO_BIN_EXE_zerolayer"))
-            .args(["up", "--node", "n1", "--http", "127.0.0.1:0", "--model"])
-            .arg(model_path())
+            .args(["up", "--node", "n1", "--http", "127.0.0.1:0"])
             .current_dir(&dir)
+            .env("ZEROLAYER_MODEL__PATH", model_path())
             .env("ZEROLAYER_MODEL__ID", "zl-renamed")
             .env("ZEROLAYER_MODEL__DISPLAY_NAME", "Renamed by the environment"),
     );
@@ -158,6 +158,57 @@ async fn embedded_default_flags_env_and_aliases() {
         assert!(t0.elapsed() < Duration::from_secs(60), "exits after SIGTERM");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `zerolayer up --model FILE` serves FILE under its own name (the GGUF's `general.name` as an
+/// id), or under `--served-model-name`; `--model` again serves a second file from the same node
+/// (a worker each). The default model's id and alias then name nothing (404), and `/v1/models`
+/// gives each model's `max_model_len`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn up_serves_each_model_file_under_its_own_name() {
+    let dir = std::env::temp_dir().join(format!("zerolayer-bin-models-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let qwen = model_path().with_file_name("Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf");
+    assert!(qwen.exists(), "run scripts/fetch-model qwen2.5-coder-0.5b");
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_zerolayer"));
+    cmd.args(["up", "--http", "127.0.0.1:0", "--model"]).arg(model_path()).args(["--served-model-name", "tiny", "--model"]).arg(&qwen);
+    let (mut child, ready, base) = start(cmd.current_dir(&dir));
+    assert!(ready.contains("serving tiny, qwen2.5-coder-0.5b-instruct-awq") && ready.contains("(2 workers)"), "{ready}");
+    let c = reqwest::Client::builder().timeout(Duration::from_secs(120)).build().unwrap();
+    let models: serde_json::Value = c.get(format!("{base}/v1/models")).send().await.unwrap().json().await.unwrap();
+    let listed: Vec<(String, u64)> =
+        models["data"].as_array().unwrap().iter().map(|m| (m["id"].as_str().unwrap().to_string(), m["max_model_len"].as_u64().unwrap())).collect();
+    assert_eq!(listed, [("tiny".to_string(), 8192), ("qwen2.5-coder-0.5b-instruct-awq".to_string(), 32768)], "{models}");
+    let ask = |model: &str| {
+        let body = serde_json::json!({"model": model, "max_tokens": 2, "temperature": 0, "messages": [{"role": "user", "content": "Hi"}]});
+        c.post(format!("{base}/v1/messages")).json(&body).send()
+    };
+    assert_eq!(ask("tiny").await.unwrap().status(), 200);
+    let r = ask("qwen2.5-coder-0.5b-instruct-awq").await.unwrap();
+    assert_eq!(r.status(), 200);
+    let v: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(v["model"], "qwen2.5-coder-0.5b-instruct-awq");
+    for old in ["smollm2-135m-instruct", "SmolLM2-135M-Instruct"] {
+        let r = ask(old).await.unwrap();
+        assert_eq!(r.status(), 404, "the default model's name {old} names nothing now");
+        let v: serde_json::Value = r.json().await.unwrap();
+        assert_eq!(v["error"]["type"], "not_found_error", "{v}");
+    }
+    Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap();
+    let t0 = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        assert!(t0.elapsed() < Duration::from_secs(60), "exits after SIGTERM");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // More names than files is refused before anything loads.
+    let bad = Command::new(env!("CARGO_BIN_EXE_zerolayer"))
+        .args(["up", "--served-model-name", "a", "--served-model-name", "b", "--model"])
+        .arg(model_path())
+        .current_dir(&dir)
+        .output()
+        .unwrap();
+    assert!(!bad.status.success() && String::from_utf8_lossy(&bad.stderr).contains("2 --served-model-name for 1 --model"), "{}", String::from_utf8_lossy(&bad.stderr));
     let _ = std::fs::remove_dir_all(&dir);
 }
 

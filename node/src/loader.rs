@@ -4,6 +4,8 @@
 use std::path::Path;
 use std::sync::Arc;
 
+use zerolayer_common::config::model_slug;
+
 use crate::chat::ChatTemplate;
 use crate::error::{WorkerError, Result};
 use crate::model::Model;
@@ -69,6 +71,24 @@ pub fn load(path: &Path, tokenizer: Option<&Path>, threads: usize, progress: imp
     };
     let template = ChatTemplate::new(tmpl_src.as_deref(), &token_str("tokenizer.ggml.bos_token_id"), &token_str("tokenizer.ggml.eos_token_id"))?;
     Ok(Loaded { model, tokenizer: Arc::new(tok), template: Arc::new(template) })
+}
+
+/// The name a model is served under when its config gives none: a GGUF's `general.name`, else
+/// the file's stem (a directory's name), as an id ([`model_slug`]).
+pub fn served_name(path: &Path) -> std::result::Result<String, String> {
+    let stem = || path.file_stem().or(path.file_name()).map(|s| model_slug(&s.to_string_lossy())).unwrap_or_default();
+    let named = if path.is_dir() {
+        String::new()
+    } else {
+        let mut f = std::fs::File::open(path).map_err(|e| format!("opening {}: {e}", path.display()))?;
+        let content = candle_core::quantized::gguf_file::Content::read(&mut f).map_err(|e| format!("reading GGUF {}: {e}", path.display()))?;
+        content.metadata.get("general.name").and_then(|v| v.to_string().ok()).map(|n| model_slug(n)).unwrap_or_default()
+    };
+    let name = if named.is_empty() { stem() } else { named };
+    if name.is_empty() {
+        return Err(format!("{} has no name to serve it under; give it an `id` (--served-model-name)", path.display()));
+    }
+    Ok(name)
 }
 
 /// Writes a GGUF model's tokenizer as a Hugging Face tokenizer directory: `tokenizer.json` and

@@ -160,7 +160,9 @@ pub struct ModelSection {
     pub path: PathBuf,
     /// Optional `tokenizer.json` (otherwise the GGUF metadata, or `tokenizer.json` beside the weights).
     pub tokenizer: Option<PathBuf>,
-    /// The model id clients send in `model`.
+    /// The model id clients send in `model` (vLLM's served model name). Empty: the file names
+    /// it at startup ([`ClusterConfig::name_models`]: the GGUF's `general.name` as a slug, else
+    /// the file's stem).
     pub id: String,
     /// Other names accepted for the same model.
     pub aliases: Vec<String>,
@@ -199,6 +201,23 @@ impl ModelSection {
             &self.display_name
         }
     }
+}
+
+/// A model name as an id: lowercase ASCII letters, digits, '.', '_' and '-', every other run
+/// of characters one '-', at most 64 bytes ("Gemma 3 270m" → `gemma-3-270m`). Empty when
+/// nothing of `name` is left.
+pub fn model_slug(name: &str) -> String {
+    let mut out = String::new();
+    for c in name.chars().flat_map(char::to_lowercase) {
+        if c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-') {
+            out.push(c);
+        } else if !out.ends_with('-') {
+            out.push('-');
+        }
+    }
+    let mut slug = out.trim_matches(|c| c == '-' || c == '.').to_string();
+    slug.truncate(64);
+    slug.trim_end_matches(['-', '.']).to_string()
 }
 
 /// HTTP serving limits.
@@ -288,13 +307,16 @@ impl ClusterConfig {
         Ok(cfg)
     }
 
-    /// A `[model]` that loads another file than the default's does not keep the default's
+    /// A `[model]` that loads another file than the default's does not keep the default's id,
     /// aliases and display name (the defaults the file is merged over): a request for
-    /// `SmolLM2-135M-Instruct` must not reach another model. (The default file under a new id
-    /// keeps them: they still name it.)
+    /// `smollm2-135m-instruct` must not reach another model, which is named by its own file
+    /// instead. (The default file under a new id keeps the aliases: they still name it.)
     fn forget_default_names(&mut self) {
         let d = ModelSection::default_model();
         if self.model.path.file_name() != d.path.file_name() {
+            if self.model.id == d.id {
+                self.model.id.clear();
+            }
             if self.model.aliases == d.aliases {
                 self.model.aliases.clear();
             }
@@ -302,6 +324,18 @@ impl ClusterConfig {
                 self.model.display_name.clear();
             }
         }
+    }
+
+    /// Names every model whose config gives no `id`, by `name_of(path)` (the loader reads the
+    /// file's own name), then checks the whole config again: two files of the same name need
+    /// an `id` each.
+    pub fn name_models(&mut self, name_of: impl Fn(&Path) -> Result<String, String>) -> Result<(), ConfigError> {
+        for m in std::iter::once(&mut self.model).chain(&mut self.models) {
+            if m.id.is_empty() {
+                m.id = name_of(&m.path).map_err(|e| ConfigError::Invalid(format!("naming the model at {}: {e}", m.path.display())))?;
+            }
+        }
+        self.validate()
     }
 
     /// Every model the cluster serves: `[model]`, then `[[models]]`.
@@ -368,6 +402,17 @@ mod tests {
     use super::*;
 
     #[test]
+    fn model_names_become_ids() {
+        assert_eq!(model_slug("Gemma 3 270m"), "gemma-3-270m");
+        assert_eq!(model_slug("Qwen2.5 Coder 0.5B Instruct AWQ"), "qwen2.5-coder-0.5b-instruct-awq");
+        assert_eq!(model_slug("  Llama-3.2-1B-Instruct.Q4_K_M "), "llama-3.2-1b-instruct.q4_k_m");
+        assert_eq!(model_slug("Mistral 7B (v0.3) / Instruct!"), "mistral-7b-v0.3-instruct");
+        assert_eq!(model_slug("日本語"), "");
+        assert_eq!(model_slug(&"a".repeat(100)).len(), 64);
+        assert_eq!(model_slug(&format!("{} b", "a".repeat(63))), "a".repeat(63));
+    }
+
+    #[test]
     fn several_models_each_worker_names_one() {
         let c = ClusterConfig::from_toml(
             r#"
@@ -401,7 +446,17 @@ mod tests {
         assert!(ClusterConfig::from_toml(&base.replace("id='qwen'", "id='smollm2-135m-instruct'")).is_err(), "two models share an id");
         assert!(ClusterConfig::from_toml(&base.replace("id='qwen'", "id='SmolLM2-135M-Instruct'")).is_err(), "an id is another's alias");
         assert!(ClusterConfig::from_toml(&base.replace("id='qwen'", "id='q w'")).is_err(), "a model id with a space");
-        assert!(ClusterConfig::from_toml(&base.replace("id='qwen'\n", "")).is_err(), "a model without an id");
+        // A model without an id is named by its file at startup; until then nothing refers to it.
+        let mut unnamed = ClusterConfig::from_toml(&base.replace("id='qwen'\n", "")).unwrap();
+        assert_eq!(unnamed.models[0].id, "");
+        unnamed.name_models(|p| Ok(model_slug(&p.file_stem().unwrap().to_string_lossy()))).unwrap();
+        assert_eq!(unnamed.models[0].id, "q");
+        let mut twins = ClusterConfig::from_toml(&base.replace("id='qwen'\n", "")).unwrap();
+        let err = twins.name_models(|_| Ok("smollm2-135m-instruct".into())).unwrap_err().to_string();
+        assert!(err.contains("used twice"), "two files of one name: {err}");
+        // A [model] on another file forgets the default's id too: the file names it.
+        let moved = ClusterConfig::from_toml("[model]\npath='other.gguf'\n").unwrap();
+        assert_eq!((moved.model.id.as_str(), moved.model.aliases.len()), ("", 0));
         assert!(ClusterConfig::from_toml(&format!("{base}tensor_parallel=0\n")).unwrap_err().to_string().contains("tensor_parallel"));
         assert_eq!(ClusterConfig::from_toml(&format!("{base}tensor_parallel=2\n")).unwrap().nodes[0].workers[0].tensor_parallel, 2);
         // A GPU is named `cuda:N`; anything else is refused, saying what is accepted. (Whether the

@@ -11,8 +11,10 @@ impl ClusterConfig {
             return bad("at least one [[nodes]] entry is required".into());
         }
         let mut names = std::collections::HashSet::new();
+        // An empty id is named by the model's file at startup (`name_models`), and checked then.
+        let all_named = self.all_models().all(|m| !m.id.is_empty());
         for m in self.all_models() {
-            for name in std::iter::once(&m.id).chain(&m.aliases) {
+            for name in std::iter::once(&m.id).filter(|id| !id.is_empty()).chain(&m.aliases) {
                 if name.is_empty() || name.len() > 64 || !name.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.:".contains(&b)) {
                     return bad(format!("model name {name:?}: 1 to 64 ASCII letters, digits, '-', '_', '.' or ':'"));
                 }
@@ -47,7 +49,7 @@ impl ClusterConfig {
                     return bad(format!("worker {}/{}: step_stretch must be 0 (off) or 1 to 100, min_step_ms 0 to 10000", n.id, w.id));
                 }
                 if let Some(m) = &w.model {
-                    if !self.all_models().any(|x| &x.id == m) {
+                    if all_named && !self.all_models().any(|x| &x.id == m) {
                         return bad(format!("worker {}/{}: model {m:?} is not a [model] or [[models]] id", n.id, w.id));
                     }
                 }
@@ -108,9 +110,6 @@ impl ClusterConfig {
         let p = &self.placement;
         if !(p.overlap_weight >= 0.0 && p.queue_weight >= 0.0 && p.remote_hop_blocks >= 0.0 && p.balance_rel_threshold >= 1.0) {
             return bad("placement: weights must be >= 0 and balance_rel_threshold >= 1".into());
-        }
-        if self.model.id.is_empty() {
-            return bad("model.id must not be empty".into());
         }
         super::access::validate(&self.auth, &self.limits).map_err(ConfigError::Invalid)
     }

@@ -67,6 +67,7 @@ pub fn cluster_json(c: &Frontend) -> Value {
         "policy": c.config.placement.policy,
         "nodes": nodes,
         "workers": workers,
+        "models": c.models.iter().map(|m| json!({"id": m.info.id, "aliases": m.info.aliases, "max_model_len": m.info.context_length})).collect::<Vec<_>>(),
         "hosted_ranks": c.cluster.hosted_ranks(),
         "prefix_cache_hits_total": hits,
         "prefix_cache_queries_total": queries,

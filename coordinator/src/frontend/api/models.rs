@@ -15,6 +15,8 @@ fn model_json(m: &ModelInfo) -> Value {
         "id": m.id, "type": "model", "display_name": m.display_name,
         "created_at": rfc3339(m.created_unix),
         "object": "model", "created": m.created_unix, "owned_by": "zerolayer",
+        // vLLM's field: the most tokens (prompt and output) one request may hold.
+        "max_model_len": m.context_length,
     })
 }
 
