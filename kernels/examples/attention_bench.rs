@@ -57,7 +57,7 @@ fn run<E: KvKernels>(threads: usize, layers: usize, order: &str, reps: usize, ct
     for round in 0..5 {
         let t = Instant::now();
         for l in (0..layers).cycle().take(layers * reps) {
-            paged_attention(&pool, &KvView { layout: &layout, k: &kc[l], v: &vc[l] }, &rows, &q, qd, n_heads, 0.125, &mut out);
+            paged_attention(&pool, &KvView { layout: &layout, k: &kc[l], v: &vc[l], window: 0 }, &rows, &q, qd, n_heads, 0.125, &mut out);
         }
         let e = t.elapsed().as_secs_f64();
         let pairs = (rows_n * n_heads * ctx * layers * reps) as f64;

@@ -46,13 +46,21 @@ pub struct RopeTable {
 
 impl RopeTable {
     pub fn new(head_dim: usize, max_pos: usize, base: f32, style: RopeStyle) -> Self {
+        Self::scaled(head_dim, max_pos, base, style, 1.0, None)
+    }
+
+    /// With linear position scaling (`pos_scale`: 1 / the scaling factor) and per-frequency
+    /// divisors (`freq_factors`, one per pair: Llama 3.1's `rope_freqs`), as llama.cpp's RoPE:
+    /// the angle of pair `i` at position `p` is `p · base^(-2i/d) / factor_i · pos_scale`.
+    pub fn scaled(head_dim: usize, max_pos: usize, base: f32, style: RopeStyle, pos_scale: f32, freq_factors: Option<&[f32]>) -> Self {
         let half = head_dim / 2;
         let mut cos = vec![0f32; max_pos * half];
         let mut sin = vec![0f32; max_pos * half];
         for i in 0..half {
+            let ff = freq_factors.and_then(|f| f.get(i)).copied().unwrap_or(1.0);
             let inv = 1.0 / base.powf((2 * i) as f32 / head_dim as f32);
             for p in 0..max_pos {
-                let a = p as f32 * inv;
+                let a = if ff == 1.0 && pos_scale == 1.0 { p as f32 * inv } else { p as f32 * inv / ff * pos_scale };
                 cos[p * half + i] = a.cos();
                 sin[p * half + i] = a.sin();
             }
@@ -140,6 +148,36 @@ const EXP_C: [f64; 12] = [
     1.0,
     1.0,
 ];
+
+/// GELU with the tanh approximation, in f32 as llama.cpp's `ggml_gelu_f32`.
+fn gelu_tanh(x: f32) -> f32 {
+    const GELU_COEF_A: f32 = 0.044715;
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (1.0 + GELU_COEF_A * x * x)).tanh())
+}
+
+/// GELU of every f16 value, rounded to f16: llama.cpp's `ggml_table_gelu_f16`.
+fn gelu_table() -> &'static [half::f16] {
+    static TABLE: std::sync::OnceLock<Vec<half::f16>> = std::sync::OnceLock::new();
+    TABLE.get_or_init(|| (0..=u16::MAX).map(|b| half::f16::from_f32(gelu_tanh(half::f16::from_bits(b).to_f32()))).collect())
+}
+
+/// `out = gelu(gate) * up`, elementwise (GeGLU), exactly as llama.cpp's CPU backend computes
+/// it (`ggml_vec_geglu_f32` with `GGML_GELU_FP16`): 0 at or below -10, the identity at or above
+/// 10, and between them GELU looked up by the input rounded to f16.
+pub fn gelu_mul_to(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    assert!(gate.len() == up.len() && out.len() == gate.len());
+    let table = gelu_table();
+    for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+        *o = if g <= -10.0 {
+            0.0
+        } else if g >= 10.0 {
+            g * u
+        } else {
+            table[half::f16::from_f32(g).to_bits() as usize].to_f32() * u
+        };
+    }
+}
 
 /// `gate = silu(gate) * up`, elementwise: `g / (1 + e^-g) * u`.
 pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
@@ -352,6 +390,31 @@ pub fn add_assign(x: &mut [f32], y: &[f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// GeGLU against the reference formula `0.5·g·(1 + tanh(√(2/π)·(g + 0.044715·g³)))·u`: within
+    /// the f16 rounding of the table (input and output), exact at the clamps.
+    #[test]
+    fn gelu_mul_follows_the_formula_through_f16() {
+        let gate: Vec<f32> = (0..4001).map(|i| (i as f32 - 2000.0) / 150.0).collect();
+        let up: Vec<f32> = (0..4001).map(|i| 1.0 + (i % 7) as f32 / 7.0).collect();
+        let mut out = vec![0f32; gate.len()];
+        gelu_mul_to(&gate, &up, &mut out);
+        for ((&g, &u), &o) in gate.iter().zip(&up).zip(&out) {
+            let x = g as f64;
+            let want = 0.5 * x * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x * x * x)).tanh()) * u as f64;
+            if g <= -10.0 {
+                assert_eq!(o, 0.0);
+            } else if g >= 10.0 {
+                assert_eq!(o, g * u);
+            } else {
+                // f16 input rounding moves gelu by at most |g'|·2⁻¹¹·|g| (|g'| < 1.13), and the
+                // f16 output by 2⁻¹¹ of itself.
+                let tol = (1.13 * x.abs() * u as f64 + want.abs()) / 2048.0 + 1e-6;
+                assert!((o as f64 - want).abs() <= tol, "gelu({g})·{u} = {o}, want {want}");
+            }
+        }
+    }
+
 
     #[test]
     fn exp_fast_is_accurate_and_vector_equals_scalar() {

@@ -39,6 +39,12 @@ pub fn open(wc: &zerolayer_common::config::WorkerConfig, model: Model) -> Result
         Ok(None) => cpu(model, wc.tensor_parallel, wc.threads, wc.block_size, wc.kv_dtype, budget),
         // GPU KV caches are f32 (the config refuses anything else on a GPU).
         Ok(Some(_)) if wc.kv_dtype != KvDtype::F32 => Err(WorkerError::Invalid(format!("device {}: kv_dtype {} runs on the CPU only", wc.device, wc.kv_dtype))),
+        // The GPU kernels compute a Llama layer (Llama, Qwen2); Gemma 3's and Qwen3's extra
+        // norms, GeGLU and sliding windows run on the CPU backend only so far.
+        Ok(Some(_)) if !model.cfg.is_llama_layer() || model.cfg.q_dim() != model.cfg.dim => Err(WorkerError::Invalid(format!(
+            "device {}: the {} architecture runs on the CPU backend only (the GPU kernels compute Llama and Qwen2 layers); use device = \"cpu\"",
+            wc.device, model.cfg.arch
+        ))),
         Ok(Some(n)) => gpu(model, n, wc.tensor_parallel, wc.block_size, budget, wc.gpu_kv_share),
         Err(()) => Err(WorkerError::Invalid(format!("unknown device {:?}", wc.device))),
     }

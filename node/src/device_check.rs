@@ -146,7 +146,7 @@ fn attention_check(gpu: &Gpu, pool: &ThreadPool, out: &mut Vec<Value>) -> Res<()
     let rows: Vec<AttnRow<'_>> = (0..3).map(|t| AttnRow { table: &tables[t], pos: pos[t] }).collect();
     let mut want = vec![0f32; 3 * n_heads * hd];
     let scale = 0.125;
-    paged_attention(pool, &KvView { layout: &layout, k: &kc, v: &vc }, &rows, &q, n_heads * hd, n_heads, scale, &mut want);
+    paged_attention(pool, &KvView { layout: &layout, k: &kc, v: &vc, window: 0 }, &rows, &q, n_heads * hd, n_heads, scale, &mut want);
     let flat: Vec<i32> = tables.iter().flat_map(|t| t.iter().map(|&b| b as i32)).collect();
     let at: Vec<i32> = (0..3).map(|t| (t * 32) as i32).collect();
     let pos_i: Vec<i32> = pos.iter().map(|&p| p as i32).collect();

@@ -21,7 +21,7 @@ use std::sync::Arc;
 
 use zerolayer_kernels::attention::AttnRow;
 use zerolayer_kernels::collective::{Collective, Solo};
-use zerolayer_kernels::ops::{add_assign, rms_norm_row, silu_mul_to, RopeTable};
+use zerolayer_kernels::ops::{add_assign, gelu_mul_to, rms_norm_row, silu_mul_to, RopeTable};
 use zerolayer_kernels::pool::ThreadPool;
 use zerolayer_kernels::quant::{matmul_rows, matmul_rows_state, matmul_rows_warming, matmul_warming, MatmulScratch, Warm, Weight, PANEL, QK};
 
@@ -30,7 +30,7 @@ mod kv_cache;
 mod load;
 pub mod shard;
 
-pub use config::ModelConfig;
+pub use config::{Activation, ModelConfig};
 pub use kv_cache::KvCache;
 
 use crate::error::{WorkerError, Result};
@@ -41,11 +41,18 @@ struct Layer {
     wqkv: Weight,
     /// Their biases, stacked the same way (Qwen2), added after the projection.
     bqkv: Option<Vec<f32>>,
+    /// Per-head RMSNorm weights of Q and of K (`head_dim` each), applied before RoPE (Gemma 3,
+    /// Qwen3).
+    qk_norm: Option<(Vec<f32>, Vec<f32>)>,
     wo: Weight,
+    /// RMSNorm of the attention output before its residual add (Gemma 3).
+    post_attn_norm: Option<Vec<f32>>,
     ffn_norm: Vec<f32>,
     /// Gate and up stacked: `2 * ffn_dim` output rows.
     wgate_up: Weight,
     wdown: Weight,
+    /// RMSNorm of the FFN output before its residual add (Gemma 3).
+    post_ffn_norm: Option<Vec<f32>>,
 }
 
 /// Moves the layers' weights (each below a huge page for small models) into one huge-page
@@ -79,6 +86,8 @@ struct Scratch {
     /// Byte offsets (the same in every layer's K and V arrays) of the KV runs this step's
     /// attention reads: one block of one KV head each.
     warm_runs: Vec<usize>,
+    /// One row's post-norm of the last layer's output (`dim` values).
+    row: Vec<f32>,
 }
 
 /// A loaded model, ready to run forward steps.
@@ -93,6 +102,8 @@ pub struct Model {
     norm: Arc<Vec<f32>>,
     output: Arc<Weight>,
     rope: Arc<RopeTable>,
+    /// The local (sliding-window) layers' RoPE, where their base differs (Gemma 3).
+    rope_local: Option<Arc<RopeTable>>,
     pool: ThreadPool,
     /// The shard's group ([`Solo`] when unsharded).
     group: Box<dyn Collective>,
@@ -159,7 +170,7 @@ fn resize(v: &mut Vec<f32>, n: usize) {
 }
 
 impl Model {
-    fn assemble(cfg: ModelConfig, embed: Weight, output: Option<Weight>, norm: Vec<f32>, mut layers: Vec<Layer>, threads: usize) -> Result<Self> {
+    fn assemble(cfg: ModelConfig, embed: Weight, output: Option<Weight>, norm: Vec<f32>, mut layers: Vec<Layer>, rope_freqs: Option<&[f32]>, threads: usize) -> Result<Self> {
         pack_layers(&mut layers);
         let embed = Arc::new(embed);
         let output = match output {
@@ -176,8 +187,11 @@ impl Model {
             + if Arc::ptr_eq(&embed, &output) { 0 } else { output.bytes() }
             + layers.iter().map(|l| l.wqkv.bytes() + l.wo.bytes() + l.wgate_up.bytes() + l.wdown.bytes()).sum::<usize>();
         let threads = if threads == 0 { std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) } else { threads };
-        let rope = Arc::new(RopeTable::new(cfg.head_dim, cfg.context_length, cfg.rope_base, cfg.rope_style));
+        let rope = Arc::new(RopeTable::scaled(cfg.head_dim, cfg.context_length, cfg.rope_base, cfg.rope_style, cfg.rope_pos_scale, rope_freqs));
+        let rope_local = (cfg.sliding_window > 0 && (cfg.rope_base_local != cfg.rope_base || cfg.rope_pos_scale != 1.0))
+            .then(|| Arc::new(RopeTable::new(cfg.head_dim, cfg.context_length, cfg.rope_base_local, cfg.rope_style)));
         Ok(Model {
+            rope_local,
             shard_cfg: cfg.clone(),
             cfg,
             embed,
@@ -248,7 +262,7 @@ impl Model {
     pub fn forward_into(&mut self, cache: &mut KvCache, items: &[ForwardItem<'_>], logits: &mut Vec<f32>) -> Result<usize> {
         // The shard's widths (the whole model's when unsharded); `dim` and the vocabulary are whole.
         let cfg = &self.shard_cfg;
-        let (d, qd, kvd, hd) = (cfg.dim, cfg.q_dim(), cfg.kv_dim(), cfg.head_dim);
+        let (d, qd, kvd) = (cfg.dim, cfg.q_dim(), cfg.kv_dim());
         let qkv_w = qd + 2 * kvd;
         let t_total: usize = items.iter().map(|it| it.tokens.len()).sum();
         if t_total == 0 {
@@ -274,11 +288,14 @@ impl Model {
         let run_bytes = warm_runs(&mut s.warm_runs, items, cache);
         resize(&mut s.x, t_total * d);
         embed(&self.embed, items, &mut s.x, d)?;
+        if cfg.embed_scale != 1.0 {
+            s.x.iter_mut().for_each(|v| *v *= cfg.embed_scale);
+        }
         resize(&mut s.qkv, t_total * qkv_w);
         resize(&mut s.att, t_total * qd);
         resize(&mut s.proj, t_total * d);
         resize(&mut s.gu, t_total * 2 * cfg.ffn_dim);
-        let scale = 1.0 / (hd as f32).sqrt();
+        let scale = cfg.attn_scale;
         let (eps, f) = (cfg.rms_eps, cfg.ffn_dim);
         let n_layers = self.layers.len();
         for (li, layer) in self.layers.iter().enumerate() {
@@ -292,41 +309,57 @@ impl Model {
             // and RMSNorm run per row inside the projection's parallel activation
             // quantization, as do the add of the O projection and SiLU·mul below.
             let proj = &s.proj;
+            let prev_post = li.checked_sub(1).and_then(|p| self.layers[p].post_ffn_norm.as_deref());
             matmul_rows_state(&self.pool, &layer.wqkv, t_total, &mut s.qkv, &mut s.mm, warm_qkv.as_ref(), &mut s.x, |i, x, out| {
                 if li > 0 {
-                    add_assign(x, &proj[i * d..(i + 1) * d]);
+                    residual_add(x, &proj[i * d..(i + 1) * d], prev_post, eps, out);
                 }
                 rms_norm_row(x, &layer.attn_norm, eps, out)
             });
-            // Bias, RoPE and the K/V write, per row in parallel.
-            let (rope, bias) = (&self.rope, layer.bqkv.as_deref());
+            // Bias, Q/K norms, RoPE and the K/V write, per row in parallel.
+            let window = cfg.window_of(li);
+            let rope = if window > 0 { self.rope_local.as_ref().unwrap_or(&self.rope) } else { &self.rope };
+            let (bias, qk_norm) = (layer.bqkv.as_deref(), layer.qk_norm.as_ref());
             cache.write_rows(li, &self.pool, &rows, &mut s.qkv, qkv_w, (qd, qd + kvd), &|t, rr| {
                 if let Some(b) = bias {
                     add_assign(rr, b);
                 }
                 let (q, rest) = rr.split_at_mut(qd);
+                let k = &mut rest[..kvd];
+                if let Some((qn, kn)) = qk_norm {
+                    norm_heads(q, qn, eps);
+                    norm_heads(k, kn, eps);
+                }
                 let pos = rows[t].pos;
                 rope.apply(q, pos);
-                rope.apply(&mut rest[..kvd], pos);
+                rope.apply(k, pos);
             });
-            cache.attend(li, &self.pool, &rows, &s.qkv, qkv_w, cfg.n_heads, scale, &mut s.att);
+            cache.attend(li, window, &self.pool, &rows, &s.qkv, qkv_w, cfg.n_heads, scale, &mut s.att);
             matmul_warming(&self.pool, &layer.wo, &s.att, &mut s.proj, &mut s.mm, warm_o.as_ref());
             self.group.all_reduce_sum(&mut s.proj).map_err(|e| WorkerError::Unavailable(e.to_string()))?;
             let proj = &s.proj;
+            let post = layer.post_attn_norm.as_deref();
             matmul_rows_state(&self.pool, &layer.wgate_up, t_total, &mut s.gu, &mut s.mm, warm_gate_up.as_ref(), &mut s.x, |i, x, out| {
-                add_assign(x, &proj[i * d..(i + 1) * d]);
+                residual_add(x, &proj[i * d..(i + 1) * d], post, eps, out);
                 rms_norm_row(x, &layer.ffn_norm, eps, out)
             });
-            // SiLU(gate)·up per row, inside the down projection's activation quantization.
-            let gu = &s.gu;
+            // act(gate)·up per row, inside the down projection's activation quantization.
+            let (gu, act) = (&s.gu, cfg.activation);
             matmul_rows_warming(&self.pool, &layer.wdown, t_total, &mut s.proj, &mut s.mm, warm_down.as_ref(), |i, out| {
                 let (g, u) = gu[i * 2 * f..(i + 1) * 2 * f].split_at(f);
-                silu_mul_to(g, u, out);
+                match act {
+                    Activation::Silu => silu_mul_to(g, u, out),
+                    Activation::GeluTanh => gelu_mul_to(g, u, out),
+                }
             });
             self.group.all_reduce_sum(&mut s.proj).map_err(|e| WorkerError::Unavailable(e.to_string()))?;
         }
         // The last layer's residual add (the next layer's projection would have fused it).
-        add_assign(&mut s.x, &s.proj);
+        let last_post = self.layers.last().and_then(|l| l.post_ffn_norm.as_deref());
+        resize(&mut s.row, d);
+        for (x, p) in s.x.chunks_exact_mut(d).zip(s.proj.chunks_exact(d)) {
+            residual_add(x, p, last_post, eps, &mut s.row);
+        }
         // Final norm and logits, only for the rows that are sampled.
         let mut last_rows = std::mem::take(&mut s.last_rows);
         logit_rows(items, self.rank, &mut last_rows);
@@ -343,6 +376,29 @@ impl Model {
         s.last_rows = last_rows;
         self.scratch.rows = recycle(rows);
         Ok(n_last)
+    }
+}
+
+/// `x += p`, or `x += rms_norm(p)` where the layer normalizes its output before the residual
+/// add (`post`; `tmp` holds the normalized row).
+fn residual_add(x: &mut [f32], p: &[f32], post: Option<&[f32]>, eps: f32, tmp: &mut [f32]) {
+    match post {
+        Some(w) => {
+            rms_norm_row(p, w, eps, tmp);
+            add_assign(x, tmp);
+        }
+        None => add_assign(x, p),
+    }
+}
+
+/// RMSNorm of every head of `x` (`weight.len()` values each) in place.
+fn norm_heads(x: &mut [f32], weight: &[f32], eps: f32) {
+    let mut buf = [0f32; 512];
+    let hd = weight.len();
+    for h in x.chunks_exact_mut(hd) {
+        let tmp = &mut buf[..hd];
+        rms_norm_row(h, weight, eps, tmp);
+        h.copy_from_slice(tmp);
     }
 }
 

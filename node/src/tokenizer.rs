@@ -1,22 +1,11 @@
 //! The tokenizer: built from GGUF metadata, or loaded from a `tokenizer.json`.
 //!
-//! GGUF `gpt2`-model tokenizers (SmolLM2, Llama 3, …) are byte-level BPE: the vocabulary and
-//! merges come from `tokenizer.ggml.tokens` / `tokenizer.ggml.merges`, and the pre-tokenizer is
-//! chosen by `tokenizer.ggml.pre` to match llama.cpp's reference splitting (SmolLM2's `smollm`
-//! splits every digit on its own before the GPT-2 pattern). Control and user-defined tokens are
-//! registered as special tokens, so `<|im_start|>` in a rendered chat template encodes to one id.
+//! GGUF vocabularies are built in `gguf`: byte-level BPE (`gpt2`: SmolLM2, Qwen, Llama 3) and
+//! SentencePiece (`llama`: Gemma, Llama 2, Mistral), each equal to llama.cpp's tokenizer on the
+//! same file. Control and user-defined tokens are registered as added tokens, so `<|im_start|>`
+//! in a rendered chat template encodes to one id.
 
-use candle_core::quantized::gguf_file;
-use std::collections::HashMap;
 use std::path::Path;
-use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
-use tokenizers::models::bpe::BPE;
-use tokenizers::pre_tokenizers::byte_level::ByteLevel;
-use tokenizers::pre_tokenizers::digits::Digits;
-use tokenizers::pre_tokenizers::sequence::Sequence;
-use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
-use tokenizers::pre_tokenizers::PreTokenizerWrapper;
-use tokenizers::{AddedToken, SplitDelimiterBehavior};
 
 use crate::error::{WorkerError, Result};
 
@@ -30,6 +19,9 @@ pub struct Tokenizer {
     /// Token ids that end generation (the model's EOS and the chat end-of-turn tokens).
     pub end_tokens: Vec<u32>,
     pub bos_token: Option<u32>,
+    /// Whether a raw prompt (not a chat template's, which writes its own) starts with
+    /// `bos_token`: the GGUF's `tokenizer.ggml.add_bos_token`, as llama.cpp reads it.
+    pub add_bos: bool,
     vocab_size: usize,
     /// Which raw bytes have a byte-level token. Some vocabularies lack a few (SmolLM2 has no
     /// token for 0xF1, for example); like llama.cpp, encoding then drops those bytes, so such
@@ -53,104 +45,21 @@ fn byte_char(b: u8) -> char {
     char::from_u32(256 + n).unwrap()
 }
 
+/// Which raw bytes have a token: a byte-level one (GPT-2's character for it) or a
+/// SentencePiece byte-fallback one (`<0x41>`).
 fn coverage(has: impl Fn(&str) -> bool) -> [bool; 256] {
     let mut out = [false; 256];
     for (b, o) in out.iter_mut().enumerate() {
-        *o = has(&byte_char(b as u8).to_string());
+        *o = has(&byte_char(b as u8).to_string()) || has(&format!("<0x{b:02X}>"));
     }
     out
 }
 
 const END_TOKEN_NAMES: &[&str] = &["<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "</s>", "<end_of_turn>"];
 
-// llama.cpp's `llama-bpe` / Llama 3 pattern.
-const LLAMA3_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
-
-// llama.cpp's `qwen2` pattern: Llama 3's, with digits split one by one.
-const QWEN2_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+mod gguf;
 
 impl Tokenizer {
-    /// Builds the tokenizer from GGUF metadata.
-    pub fn from_gguf(md: &HashMap<String, gguf_file::Value>) -> Result<Self> {
-        let get = |k: &str| md.get(k).ok_or_else(|| WorkerError::Model(format!("GGUF metadata lacks {k}")));
-        let model = get("tokenizer.ggml.model")?.to_string().map_err(WorkerError::candle)?.clone();
-        if model != "gpt2" {
-            return Err(WorkerError::Model(format!(
-                "GGUF tokenizer model {model:?} is not supported (byte-level BPE `gpt2` is); pass a tokenizer.json instead"
-            )));
-        }
-        let tokens: Vec<String> = get("tokenizer.ggml.tokens")?
-            .to_vec()
-            .map_err(WorkerError::candle)?
-            .iter()
-            .map(|v| v.to_string().cloned())
-            .collect::<std::result::Result<_, _>>()
-            .map_err(WorkerError::candle)?;
-        let merges: Vec<(String, String)> = get("tokenizer.ggml.merges")?
-            .to_vec()
-            .map_err(WorkerError::candle)?
-            .iter()
-            .map(|v| {
-                let s = v.to_string().map_err(WorkerError::candle)?;
-                s.split_once(' ').map(|(a, b)| (a.to_string(), b.to_string())).ok_or_else(|| WorkerError::Model(format!("bad merge {s:?}")))
-            })
-            .collect::<Result<_>>()?;
-        let types: Vec<i32> = match md.get("tokenizer.ggml.token_type") {
-            Some(v) => v.to_vec().map_err(WorkerError::candle)?.iter().map(|t| t.to_i32().unwrap_or(1)).collect(),
-            None => vec![1; tokens.len()],
-        };
-        let pre = md.get("tokenizer.ggml.pre").and_then(|v| v.to_string().ok()).cloned().unwrap_or_else(|| "default".into());
-
-        let vocab: tokenizers::models::bpe::Vocab = tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
-        let bpe = BPE::builder()
-            .vocab_and_merges(vocab, merges)
-            .build()
-            .map_err(|e| WorkerError::Model(format!("building BPE: {e}")))?;
-        let mut inner = tokenizers::Tokenizer::new(bpe);
-        let byte_level = ByteLevel::new(false, true, true);
-        let pre_tok: PreTokenizerWrapper = match pre.as_str() {
-            "smollm" => Sequence::new(vec![Digits::new(true).into(), byte_level.into()]).into(),
-            "llama-bpe" | "llama3" | "dbrx" | "smaug-bpe" | "qwen2" => {
-                let pattern = if pre == "qwen2" { QWEN2_PATTERN } else { LLAMA3_PATTERN };
-                let split = Split::new(SplitPattern::Regex(pattern.into()), SplitDelimiterBehavior::Isolated, false)
-                    .map_err(|e| WorkerError::Model(format!("pre-tokenizer regex: {e}")))?;
-                Sequence::new(vec![split.into(), ByteLevel::new(false, true, false).into()]).into()
-            }
-            "gpt2" | "default" | "gpt-2" | "starcoder" => byte_level.into(),
-            other => {
-                tracing::warn!(pre = other, "unknown GGUF pre-tokenizer; using the GPT-2 pattern");
-                byte_level.into()
-            }
-        };
-        inner.with_pre_tokenizer(Some(pre_tok));
-        inner.with_decoder(Some(ByteLevelDecoder::default()));
-        // Control (3) and user-defined (4) tokens are matched before pre-tokenization. Control
-        // tokens are special (never shown in output text); user-defined ones (Qwen's
-        // `<tool_call>`) are ordinary text the model writes.
-        let added = |kind: i32| -> Vec<AddedToken> {
-            tokens.iter().zip(&types).filter(|(_, &t)| t == kind).map(|(s, &t)| AddedToken::from(s.clone(), t == 3).normalized(false)).collect()
-        };
-        inner.add_special_tokens(added(3)).map_err(|e| WorkerError::Model(format!("registering special tokens: {e}")))?;
-        inner.add_tokens(added(4)).map_err(|e| WorkerError::Model(format!("registering user-defined tokens: {e}")))?;
-
-        let mut end_tokens = Vec::new();
-        if let Some(eos) = md.get("tokenizer.ggml.eos_token_id").and_then(|v| v.to_u32().ok()) {
-            end_tokens.push(eos);
-        }
-        if let Some(eot) = md.get("tokenizer.ggml.eot_token_id").and_then(|v| v.to_u32().ok()) {
-            end_tokens.push(eot);
-        }
-        for name in END_TOKEN_NAMES {
-            if let Some(id) = tokens.iter().position(|t| t == name) {
-                end_tokens.push(id as u32);
-            }
-        }
-        end_tokens.sort_unstable();
-        end_tokens.dedup();
-        let bos_token = md.get("tokenizer.ggml.bos_token_id").and_then(|v| v.to_u32().ok());
-        Ok(Tokenizer::assemble(inner, end_tokens, bos_token, tokens.len()))
-    }
-
     /// Loads a Hugging Face `tokenizer.json`; end tokens come from the vocabulary's well-known names
     /// plus `extra_end_tokens` (e.g. from `config.json`'s `eos_token_id`).
     pub fn from_file(path: &Path, extra_end_tokens: &[u32]) -> Result<Self> {
@@ -172,7 +81,7 @@ impl Tokenizer {
             inner.get_added_tokens_decoder().into_iter().filter(|(_, t)| t.special).map(|(id, t)| (t.content, id)).collect();
         specials.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then(a.1.cmp(&b.1)));
         let max_token_bytes = inner.get_vocab(true).keys().map(String::len).max().unwrap_or(1).max(1);
-        Tokenizer { inner, text_only, specials, end_tokens, bos_token, vocab_size, byte_covered, max_token_bytes, grammars: Default::default() }
+        Tokenizer { inner, text_only, specials, end_tokens, bos_token, add_bos: false, vocab_size, byte_covered, max_token_bytes, grammars: Default::default() }
     }
 
     /// Encodes text with special-token strings read as plain text.

@@ -84,6 +84,14 @@ pub fn qwen_model_path() -> PathBuf {
     p
 }
 
+/// Gemma 3 270M (base, Q4_K_M, a SentencePiece vocabulary), fetched by `scripts/fetch-model
+/// gemma3-270m` (the test script does). Tests never skip without it.
+pub fn gemma_model_path() -> PathBuf {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/gemma-3-270m-Q4_K_M.gguf");
+    assert!(p.exists(), "the Gemma 3 model is required at {}: run scripts/fetch-model gemma3-270m", p.display());
+    p
+}
+
 /// A long, varied English text for building prompts of a given token length.
 pub const LOREM: &str = "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg \
 combined movable metal type, oil-based ink and a wooden press adapted from wine making. Books became cheaper, \

@@ -62,18 +62,22 @@ unsafe fn attend<E: KvElement, const MAXG: usize>(kv: &KvView<'_, E>, query: &Qu
     let group = q.len() / hd;
     debug_assert_eq!(out.len(), group * hd);
     let bs = layout.block_size;
-    let n = pos + 1;
+    // The visible positions `first..=pos` (all of them outside a sliding window).
+    let first = kv.first_visible(pos);
+    let n = pos + 1 - first;
     let chunks = hd / 8;
     let Scratch { scores, offsets } = scratch;
     scores.clear();
     scores.resize(group * n, 0.0);
-    // Every position's offset in the layer's K (and V) array, once: the passes below look them
-    // up instead of dividing by the block size per key.
+    // Every visible position's offset in the layer's K (and V) array, once: the passes below
+    // look them up instead of dividing by the block size per key.
     offsets.clear();
-    for &b in table {
+    let mut slot = first % bs;
+    for &b in &table[first / bs..] {
         let base = layout.offset(b as usize, kv_head, 0);
-        let take = bs.min(n - offsets.len());
-        offsets.extend((0..take).map(|slot| base + slot * hd));
+        let take = (bs - slot).min(n - offsets.len());
+        offsets.extend((slot..slot + take).map(|s| base + s * hd));
+        slot = 0;
         if offsets.len() == n {
             break;
         }

@@ -208,12 +208,28 @@ pub struct AttnRow<'a> {
     pub pos: usize,
 }
 
-/// One layer's K and V caches and their geometry.
+/// One layer's K and V caches, their geometry, and how far back the layer's queries look.
 #[derive(Clone, Copy, Debug)]
 pub struct KvView<'a, E: KvElement> {
     pub layout: &'a KvLayout,
     pub k: &'a [E],
     pub v: &'a [E],
+    /// A sliding-window layer's span: a query at position `p` reads positions
+    /// `p + 1 - window ..= p` (the last `window`, itself included; llama.cpp's standard SWA).
+    /// 0: every position `0..=p`.
+    pub window: usize,
+}
+
+impl<E: KvElement> KvView<'_, E> {
+    /// The first position a query at `pos` reads.
+    #[inline(always)]
+    pub fn first_visible(&self, pos: usize) -> usize {
+        if self.window == 0 {
+            0
+        } else {
+            (pos + 1).saturating_sub(self.window)
+        }
+    }
 }
 
 /// The query heads of one row that read one KV head: their queries (`group * head_dim` values,

@@ -10,19 +10,21 @@ pub(super) fn attend_one<E: KvElement>(kv: &KvView<'_, E>, query: &Query<'_>, sc
     let (table, pos, kv_head, q, scale) = (query.table, query.pos, query.kv_head, query.q, query.scale);
     let hd = layout.head_dim;
     let bs = layout.block_size;
-    let n = pos + 1;
+    let first = kv.first_visible(pos);
+    let n = pos + 1 - first;
     scores.clear();
     scores.resize(n, 0.0);
     let mut kbuf = [0f32; 256];
     let kb = &mut kbuf[..hd];
     let mut max = f32::NEG_INFINITY;
-    for p in 0..n {
+    for i in 0..n {
+        let p = first + i;
         let off = layout.offset(table[p / bs] as usize, kv_head, p % bs);
         for (d, s) in kb.iter_mut().zip(&k_cache[off..off + hd]) {
             *d = s.to_f32();
         }
         let s = dot8_fma(q, kb) * scale;
-        scores[p] = s;
+        scores[i] = s;
         if s > max {
             max = s;
         }
@@ -33,9 +35,10 @@ pub(super) fn attend_one<E: KvElement>(kv: &KvView<'_, E>, query: &Query<'_>, sc
         sum += *s;
     }
     out.iter_mut().for_each(|o| *o = 0.0);
-    for p in 0..n {
+    for (i, score) in scores.iter().enumerate() {
+        let p = first + i;
         let off = layout.offset(table[p / bs] as usize, kv_head, p % bs);
-        let w = scores[p] / sum;
+        let w = score / sum;
         for (o, v) in out.iter_mut().zip(&v_cache[off..off + hd]) {
             *o = w.mul_add(v.to_f32(), *o);
         }

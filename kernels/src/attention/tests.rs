@@ -34,11 +34,13 @@ fn simd_equals_portable<E: KvElement>() {
         let table: Vec<u32> = (0..n_blocks as u32).rev().collect(); // scattered
         let q: Vec<f32> = (0..7 * hd).map(|_| rnd()).collect();
         for pos in [0usize, 6, 7, 8, 15, 16, 17, 23, 24, 33, n_blocks * bs - 1] {
-            for head in 0..3 {
+            // Whole contexts, and sliding windows that start inside a block, on a block
+            // boundary, or before position 0.
+            for (head, window) in (0..3).flat_map(|h| [(h, 0usize), (h, 1), (h, 5), (h, bs), (h, 19)]) {
                 for group in [1usize, 2, 3, 4, 7] {
                     // `group` query heads read this KV head; each alone through the
                     // portable code, then all together through the AVX2 kernel.
-                    let kv = KvView { layout: &layout, k: &kc, v: &vc };
+                    let kv = KvView { layout: &layout, k: &kc, v: &vc, window };
                     let query = Query { table: &table, pos, kv_head: head, q: &q[..group * hd], scale: 0.125 };
                     let mut want = vec![0f32; group * hd];
                     let mut s1 = vec![];
@@ -51,7 +53,7 @@ fn simd_equals_portable<E: KvElement>() {
                     unsafe { avx2::attend_group(&kv, &query, &mut s2, &mut got) };
                     let b1: Vec<u32> = want.iter().map(|x| x.to_bits()).collect();
                     let b2: Vec<u32> = got.iter().map(|x| x.to_bits()).collect();
-                    assert_eq!(b1, b2, "{name}: bs {bs} hd {hd} ({} blocks a group) pos {pos} head {head} group {group}", layout.group);
+                    assert_eq!(b1, b2, "{name}: bs {bs} hd {hd} ({} blocks a group) pos {pos} head {head} group {group} window {window}", layout.group);
                     if crate::has_avx512vl() {
                         // Several heads per pass (groups of 2 and 7 leave partial passes).
                         got.fill(f32::NAN);
@@ -102,20 +104,22 @@ fn contiguous_reference<E: KvKernels>(layout: KvLayout) {
         vs.push(v);
     }
     let q: Vec<f32> = (0..8).map(|i| (i as f32 * 0.7).cos()).collect();
-    for head in 0..2 {
+    // The whole context, and sliding windows of the last 3 and 6 positions.
+    for (head, window) in [(0, 0), (1, 0), (0, 3), (1, 6)] {
         let pos = len - 1;
+        let first = if window == 0 { 0 } else { pos + 1 - window };
         let mut out = vec![0f32; 8];
         let mut scratch = Scratch::default();
-        attend_group(&KvView { layout: &layout, k: &kc, v: &vc }, &Query { table: &table, pos, kv_head: head, q: &q, scale: 0.35 }, &mut scratch, &mut out);
+        attend_group(&KvView { layout: &layout, k: &kc, v: &vc, window }, &Query { table: &table, pos, kv_head: head, q: &q, scale: 0.35 }, &mut scratch, &mut out);
         // Reference over contiguous copies (rounded to the cache element type), in f64.
         let r = |x: f32| E::from_f32(x).to_f32() as f64;
-        let sc: Vec<f64> = (0..=pos).map(|p| (0..8).map(|i| q[i] as f64 * r(ks[p][head * 8 + i])).sum::<f64>() * 0.35).collect();
+        let sc: Vec<f64> = (first..=pos).map(|p| (0..8).map(|i| q[i] as f64 * r(ks[p][head * 8 + i])).sum::<f64>() * 0.35).collect();
         let m = sc.iter().cloned().fold(f64::MIN, f64::max);
         let e: Vec<f64> = sc.iter().map(|s| (s - m).exp()).collect();
         let z: f64 = e.iter().sum();
         for i in 0..8 {
-            let want: f64 = (0..=pos).map(|p| e[p] / z * r(vs[p][head * 8 + i])).sum();
-            assert!((out[i] as f64 - want).abs() < 1e-5, "{layout:?}: head {head} dim {i}");
+            let want: f64 = (first..=pos).zip(&e).map(|(p, e)| e / z * r(vs[p][head * 8 + i])).sum();
+            assert!((out[i] as f64 - want).abs() < 1e-5, "{layout:?}: head {head} window {window} dim {i}");
         }
     }
 }

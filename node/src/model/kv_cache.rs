@@ -161,11 +161,12 @@ impl KvCache {
         planes!(&mut self.store, p => write_kv_rows(pool, layout, &mut p.k[l], &mut p.v[l], rows, src, stride, at, prep))
     }
 
-    /// Paged attention over layer `l` (see [`paged_attention`]).
+    /// Paged attention over layer `l` (see [`paged_attention`]); `window` is the layer's
+    /// sliding window (0: the whole context).
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn attend(&self, l: usize, pool: &ThreadPool, rows: &[AttnRow<'_>], q: &[f32], q_stride: usize, n_heads: usize, scale: f32, out: &mut [f32]) {
+    pub(super) fn attend(&self, l: usize, window: usize, pool: &ThreadPool, rows: &[AttnRow<'_>], q: &[f32], q_stride: usize, n_heads: usize, scale: f32, out: &mut [f32]) {
         let layout = &self.layout;
-        planes!(&self.store, p => paged_attention(pool, &KvView { layout, k: &p.k[l], v: &p.v[l] }, rows, q, q_stride, n_heads, scale, out))
+        planes!(&self.store, p => paged_attention(pool, &KvView { layout, k: &p.k[l], v: &p.v[l], window }, rows, q, q_stride, n_heads, scale, out))
     }
 }
 
@@ -188,6 +189,7 @@ mod tests {
             rms_eps: 1e-5,
             context_length: 64,
             rope_style: RopeStyle::Interleaved,
+            ..ModelConfig::default()
         }
     }
 

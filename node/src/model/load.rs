@@ -11,71 +11,119 @@ use candle_core::{DType, Device, Tensor};
 use zerolayer_kernels::ops::RopeStyle;
 use zerolayer_kernels::quant::{Weight, WeightFormat};
 
-use super::{Layer, Model, ModelConfig};
+use super::{Activation, Layer, Model, ModelConfig};
 use crate::error::{Result, WorkerError};
 
+/// The GGUF architectures this engine runs, each exact to llama.cpp's forward pass.
+pub const ARCHITECTURES: &[&str] = &["llama", "qwen2", "qwen3", "gemma3"];
+
+/// A GGUF file's metadata, read by key under its architecture's prefix.
+struct Meta<'a> {
+    md: &'a HashMap<String, gguf_file::Value>,
+    arch: &'a str,
+}
+
+impl Meta<'_> {
+    fn get(&self, k: &str) -> Option<&gguf_file::Value> {
+        self.md.get(&format!("{}.{k}", self.arch))
+    }
+    fn u(&self, k: &str) -> Result<usize> {
+        let v = self.get(k).ok_or_else(|| WorkerError::Model(format!("GGUF metadata lacks {}.{k}", self.arch)))?;
+        v.to_u64().map(|v| v as usize).or_else(|_| v.to_u32().map(|v| v as usize)).map_err(WorkerError::candle)
+    }
+    fn f(&self, k: &str, default: f32) -> f32 {
+        self.get(k).and_then(|v| v.to_f32().ok()).unwrap_or(default)
+    }
+    fn s(&self, k: &str) -> Option<String> {
+        self.get(k).and_then(|v| v.to_string().ok()).cloned()
+    }
+}
+
+/// The architecture's hyper-parameters from GGUF metadata (`vocab_size` from the embedding).
+fn gguf_config(md: &HashMap<String, gguf_file::Value>, arch: &str, vocab_size: usize, rope_freqs: bool) -> Result<ModelConfig> {
+    let m = Meta { md, arch };
+    let (n_heads, dim, n_layers) = (m.u("attention.head_count")?, m.u("embedding_length")?, m.u("block_count")?);
+    let head_dim = m.u("attention.key_length").or_else(|_| m.u("rope.dimension_count")).unwrap_or(dim / n_heads.max(1));
+    if m.u("attention.value_length").is_ok_and(|v| v != head_dim) || m.u("rope.dimension_count").is_ok_and(|r| r != head_dim) {
+        return Err(WorkerError::Model(format!("{arch}: value heads or rotary dimensions narrower than the key heads ({head_dim}) are not supported")));
+    }
+    let mut cfg = ModelConfig {
+        arch: arch.into(),
+        n_layers,
+        dim,
+        ffn_dim: m.u("feed_forward_length")?,
+        n_heads,
+        n_kv_heads: m.u("attention.head_count_kv").unwrap_or(n_heads),
+        head_dim,
+        vocab_size,
+        rope_base: m.f("rope.freq_base", 10000.0),
+        rms_eps: m.f("attention.layer_norm_rms_epsilon", 1e-5),
+        context_length: m.u("context_length").unwrap_or(4096),
+        attn_scale: 1.0 / (head_dim as f32).sqrt(),
+        ..ModelConfig::default()
+    };
+    // llama.cpp permutes Q and K of Llama GGUFs for interleaved RoPE; the others rotate by
+    // halves ("NEOX" style).
+    cfg.rope_style = if arch == "llama" { RopeStyle::Interleaved } else { RopeStyle::HalfSplit };
+    match m.s("rope.scaling.type").as_deref() {
+        None | Some("none") => {}
+        Some("linear") => cfg.rope_pos_scale = 1.0 / m.f("rope.scaling.factor", 1.0),
+        Some(other) => return Err(WorkerError::Model(format!("{arch}: RoPE scaling {other:?} is not supported (none, linear)"))),
+    }
+    if rope_freqs && arch != "llama" {
+        return Err(WorkerError::Model(format!("{arch}: a rope_freqs tensor is read for llama only")));
+    }
+    match arch {
+        "qwen3" => cfg.qk_norm = true,
+        "gemma3" => {
+            cfg.qk_norm = true;
+            cfg.post_norms = true;
+            cfg.activation = Activation::GeluTanh;
+            cfg.embed_scale = (dim as f32).sqrt();
+            cfg.sliding_window = m.u("attention.sliding_window")?;
+            cfg.swa_period = m.u("attention.sliding_window_pattern").unwrap_or(6);
+            cfg.rope_base_local = 10000.0;
+            // llama.cpp: Gemma 3 27B (62 layers) scales queries by the model's width per head.
+            if n_layers == 62 {
+                cfg.attn_scale = 1.0 / ((dim / n_heads) as f32).sqrt();
+            }
+        }
+        _ => {}
+    }
+    Ok(cfg)
+}
+
 impl Model {
-    /// Loads a GGUF file (llama-family architectures).
+    /// Loads a GGUF file (the architectures in [`ARCHITECTURES`]). Anything else is refused,
+    /// naming the file, what it holds and what is supported.
     pub fn from_gguf(path: &Path, threads: usize, mut progress: impl FnMut(usize, usize)) -> Result<(Self, HashMap<String, gguf_file::Value>)> {
         let mut file = std::fs::File::open(path).map_err(|e| WorkerError::Model(format!("opening {}: {e}", path.display())))?;
         let content = gguf_file::Content::read(&mut file).map_err(|e| WorkerError::Model(format!("reading GGUF {}: {e}", path.display())))?;
         let md = &content.metadata;
         let arch = md.get("general.architecture").and_then(|v| v.to_string().ok()).cloned().unwrap_or_else(|| "llama".into());
-        // llama.cpp permutes Q and K of Llama-family GGUFs for interleaved RoPE; Qwen2's are not
-        // permuted and rotate by halves ("NEOX" style), and carry Q/K/V biases.
-        let rope_style = match arch.as_str() {
-            "llama" | "mistral" | "granite" | "smollm" => RopeStyle::Interleaved,
-            "qwen2" => RopeStyle::HalfSplit,
-            _ => return Err(WorkerError::Model(format!("GGUF architecture {arch:?} is not one this engine runs (Llama family, Qwen2)"))),
-        };
-        let u = |k: &str| -> Result<usize> {
-            md.get(&format!("{arch}.{k}"))
-                .ok_or_else(|| WorkerError::Model(format!("GGUF metadata lacks {arch}.{k}")))?
-                .to_u64()
-                .map(|v| v as usize)
-                .or_else(|_| md[&format!("{arch}.{k}")].to_u32().map(|v| v as usize))
-                .map_err(WorkerError::candle)
-        };
-        let f = |k: &str, default: f32| -> f32 { md.get(&format!("{arch}.{k}")).and_then(|v| v.to_f32().ok()).unwrap_or(default) };
-        let n_heads = u("attention.head_count")?;
-        let dim = u("embedding_length")?;
-        let n_layers = u("block_count")?;
+        if !ARCHITECTURES.contains(&arch.as_str()) {
+            return Err(WorkerError::Model(format!(
+                "{}: GGUF architecture {arch:?} is not supported (supported: {})",
+                path.display(),
+                ARCHITECTURES.join(", ")
+            )));
+        }
+        let has = |name: &str| content.tensor_infos.contains_key(name);
         let mut get = |name: &str| -> Result<QTensor> {
-            content.tensor(&mut file, name, &Device::Cpu).map_err(|e| WorkerError::Model(format!("tensor {name}: {e}")))
+            content.tensor(&mut file, name, &Device::Cpu).map_err(|e| WorkerError::Model(format!("{}: tensor {name}: {e}", path.display())))
         };
         let embed = to_weight(get("token_embd.weight")?)?;
-        let cfg = ModelConfig {
-            arch: arch.clone(),
-            n_layers,
-            dim,
-            ffn_dim: u("feed_forward_length")?,
-            n_heads,
-            n_kv_heads: u("attention.head_count_kv").unwrap_or(n_heads),
-            head_dim: u("rope.dimension_count").unwrap_or(dim / n_heads),
-            vocab_size: embed.rows,
-            rope_base: f("rope.freq_base", 10000.0),
-            rms_eps: f("attention.layer_norm_rms_epsilon", 1e-5),
-            context_length: u("context_length").unwrap_or(4096),
-            rope_style,
-        };
-        if cfg.head_dim * cfg.n_heads != dim {
-            return Err(WorkerError::Model(format!("head_dim {} × heads {} != dim {dim}", cfg.head_dim, cfg.n_heads)));
-        }
-        let output = if content.tensor_infos.contains_key("output.weight") { Some(to_weight(get("output.weight")?)?) } else { None };
+        let cfg = gguf_config(md, &arch, embed.rows, has("rope_freqs.weight")).map_err(|e| WorkerError::Model(format!("{}: {e}", path.display())))?;
+        let rope_freqs = if has("rope_freqs.weight") { Some(to_vec(get("rope_freqs.weight")?)?) } else { None };
+        let output = if has("output.weight") { Some(to_weight(get("output.weight")?)?) } else { None };
         let norm = to_vec(get("output_norm.weight")?)?;
-        let mut layers = Vec::with_capacity(n_layers);
-        for i in 0..n_layers {
+        let mut layers = Vec::with_capacity(cfg.n_layers);
+        for i in 0..cfg.n_layers {
             let p = |s: &str| format!("blk.{i}.{s}.weight");
-            let wq = to_weight(get(&p("attn_q"))?)?;
-            let wk = to_weight(get(&p("attn_k"))?)?;
-            let wv = to_weight(get(&p("attn_v"))?)?;
-            let wg = to_weight(get(&p("ffn_gate"))?)?;
-            let wu = to_weight(get(&p("ffn_up"))?)?;
             let bias = |s: &str| format!("blk.{i}.{s}.bias");
-            let bqkv = if content.tensor_infos.contains_key(&bias("attn_q")) {
-                let mut b = to_vec(get(&bias("attn_q"))?)?;
-                b.extend(to_vec(get(&bias("attn_k"))?)?);
-                b.extend(to_vec(get(&bias("attn_v"))?)?);
+            let (wq, wk, wv) = (to_weight(get(&p("attn_q"))?)?, to_weight(get(&p("attn_k"))?)?, to_weight(get(&p("attn_v"))?)?);
+            let bqkv = if has(&bias("attn_q")) {
+                let b = [to_vec(get(&bias("attn_q"))?)?, to_vec(get(&bias("attn_k"))?)?, to_vec(get(&bias("attn_v"))?)?].concat();
                 if b.len() != wq.rows + wk.rows + wv.rows {
                     return Err(WorkerError::Model(format!("layer {i}: Q/K/V biases have {} values for {} rows", b.len(), wq.rows + wk.rows + wv.rows)));
                 }
@@ -83,19 +131,28 @@ impl Model {
             } else {
                 None
             };
+            let qk_norm = if cfg.qk_norm { Some((to_vec(get(&p("attn_q_norm"))?)?, to_vec(get(&p("attn_k_norm"))?)?)) } else { None };
+            let (post_attn_norm, post_ffn_norm) = if cfg.post_norms {
+                (Some(to_vec(get(&p("post_attention_norm"))?)?), Some(to_vec(get(&p("post_ffw_norm"))?)?))
+            } else {
+                (None, None)
+            };
             layers.push(Layer {
                 attn_norm: to_vec(get(&p("attn_norm"))?)?,
                 wqkv: stack(&[&wq, &wk, &wv]),
                 bqkv,
+                qk_norm,
                 wo: to_weight(get(&p("attn_output"))?)?,
+                post_attn_norm,
                 ffn_norm: to_vec(get(&p("ffn_norm"))?)?,
-                wgate_up: stack(&[&wg, &wu]),
+                wgate_up: stack(&[&to_weight(get(&p("ffn_gate"))?)?, &to_weight(get(&p("ffn_up"))?)?]),
                 wdown: to_weight(get(&p("ffn_down"))?)?,
+                post_ffn_norm,
             });
-            progress(i + 1, n_layers);
+            progress(i + 1, cfg.n_layers);
         }
         let md = content.metadata.clone();
-        Ok((Self::assemble(cfg, embed, output, norm, layers, threads)?, md))
+        Ok((Self::assemble(cfg, embed, output, norm, layers, rope_freqs.as_deref(), threads)?, md))
     }
 
     /// Loads a Hugging Face checkpoint: a directory with `config.json` and `*.safetensors`
@@ -108,19 +165,26 @@ impl Model {
         let dim = need("hidden_size")?;
         let n_heads = need("num_attention_heads")?;
         let vocab_size = need("vocab_size")?;
+        let arch = cfg_json.get("model_type").and_then(|v| v.as_str()).unwrap_or("llama").to_string();
+        if !["llama", "qwen2"].contains(&arch.as_str()) {
+            return Err(WorkerError::Model(format!("{}: safetensors model_type {arch:?} is not supported (llama, qwen2; other architectures load from GGUF)", dir.display())));
+        }
+        let head_dim = gu("head_dim").unwrap_or(dim / n_heads);
         let cfg = ModelConfig {
-            arch: cfg_json.get("model_type").and_then(|v| v.as_str()).unwrap_or("llama").to_string(),
+            arch,
             n_layers: need("num_hidden_layers")?,
             dim,
             ffn_dim: need("intermediate_size")?,
             n_heads,
             n_kv_heads: gu("num_key_value_heads").unwrap_or(n_heads),
-            head_dim: gu("head_dim").unwrap_or(dim / n_heads),
+            head_dim,
             vocab_size,
             rope_base: cfg_json.get("rope_theta").and_then(|v| v.as_f64()).unwrap_or(10000.0) as f32,
             rms_eps: cfg_json.get("rms_norm_eps").and_then(|v| v.as_f64()).unwrap_or(1e-5) as f32,
             context_length: gu("max_position_embeddings").unwrap_or(4096),
             rope_style: RopeStyle::HalfSplit,
+            attn_scale: 1.0 / (head_dim as f32).sqrt(),
+            ..ModelConfig::default()
         };
         let mut files: Vec<_> = std::fs::read_dir(dir)?
             .filter_map(|e| e.ok().map(|e| e.path()))
@@ -163,14 +227,17 @@ impl Model {
                 attn_norm: dense_vec(&take(&p("input_layernorm"))?)?,
                 wqkv: stack(&[&wq, &wk, &wv]),
                 bqkv,
+                qk_norm: None,
                 wo: dense_weight(&take(&p("self_attn.o_proj"))?)?,
+                post_attn_norm: None,
                 ffn_norm: dense_vec(&take(&p("post_attention_layernorm"))?)?,
                 wgate_up: stack(&[&wg, &wu]),
                 wdown: dense_weight(&take(&p("mlp.down_proj"))?)?,
+                post_ffn_norm: None,
             });
             progress(i + 1, cfg.n_layers);
         }
-        Ok((Self::assemble(cfg, embed, output, norm, layers, threads)?, cfg_json))
+        Ok((Self::assemble(cfg, embed, output, norm, layers, None, threads)?, cfg_json))
     }
 
 }
@@ -236,6 +303,24 @@ mod tests {
     use candle_core::Module;
     use zerolayer_kernels::pool::ThreadPool;
     use zerolayer_kernels::quant::{matmul, MatmulScratch};
+
+    /// A GGUF of an architecture this engine does not run is refused at load, naming the file,
+    /// the architecture found and those supported.
+    #[test]
+    fn an_unknown_architecture_is_refused_naming_file_and_choices() {
+        let path = std::env::temp_dir().join(format!("zl-phi3-{}.gguf", std::process::id()));
+        let t = QTensor::quantize(&Tensor::zeros((4, 32), DType::F32, &Device::Cpu).unwrap(), GgmlDType::F32).unwrap();
+        let arch = gguf_file::Value::String("phi3".into());
+        let mut f = std::fs::File::create(&path).unwrap();
+        gguf_file::write(&mut f, &[("general.architecture", &arch)], &[("token_embd.weight", &t)]).unwrap();
+        drop(f);
+        let e = match Model::from_gguf(&path, 1, |_, _| {}) {
+            Ok(_) => panic!("phi3 loaded"),
+            Err(e) => e.to_string(),
+        };
+        let _ = std::fs::remove_file(&path);
+        assert!(e.contains(&path.display().to_string()) && e.contains("\"phi3\"") && e.contains("llama, qwen2, qwen3, gemma3"), "{e}");
+    }
 
     /// Our view of candle's block formats agrees with candle's own dequantization and matmul.
     #[test]

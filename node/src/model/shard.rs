@@ -102,10 +102,15 @@ impl Model {
                 attn_norm: l.attn_norm.clone(),
                 wqkv: stack(&l.wqkv, &[q_rows.clone(), k_rows.clone(), v_rows.clone()]),
                 bqkv: l.bqkv.as_ref().map(|b| [&b[q_rows.clone()], &b[k_rows.clone()], &b[v_rows.clone()]].concat()),
+                // Per-head norms are the same for every head; post-norms act on whole rows
+                // after the group's sum.
+                qk_norm: l.qk_norm.clone(),
                 wo: l.wo.slice(0..d, q_rows.clone()),
+                post_attn_norm: l.post_attn_norm.clone(),
                 ffn_norm: l.ffn_norm.clone(),
                 wgate_up: stack(&l.wgate_up, &[plan.ffn.clone(), scaled(&plan.ffn, 1, f)]),
                 wdown: l.wdown.slice(0..d, plan.ffn.clone()),
+                post_ffn_norm: l.post_ffn_norm.clone(),
             })
             .collect();
         super::pack_layers(&mut layers);
@@ -119,6 +124,7 @@ impl Model {
             norm: self.norm.clone(),
             output: self.output.clone(),
             rope: self.rope.clone(),
+            rope_local: self.rope_local.clone(),
             pool: ThreadPool::new(threads.max(1)),
             group: Box::new(Solo),
             rank: plan.rank,
@@ -162,6 +168,7 @@ mod tests {
             rms_eps: 1e-5,
             context_length: 64,
             rope_style: RopeStyle::Interleaved,
+            ..ModelConfig::default()
         }
     }
 

@@ -1,0 +1,122 @@
+//! Gemma 3 (`gemma3` architecture: sliding-window layers, GeGLU, QK norm, pre- and post-norms,
+//! embedding scaling, a SentencePiece vocabulary with byte fallback) on Gemma 3 270M Q4_K_M,
+//! against llama.cpp itself (`tests/fixtures/gemma3-270m.json`, made by
+//! `scripts/gen-gemma-fixtures` with llama-cpp-python 0.3.36 on the same file).
+
+use zerolayer_common::{Job, SamplingParams, SeqEvent, WorkerConfig};
+use zerolayer_worker::engine::Engine;
+use zerolayer_worker::loader::{load, load_frontend};
+use zerolayer_common::config::KvDtype;
+use zerolayer_worker::model::{Activation, ForwardItem, KvCache};
+use zerolayer_tests::*;
+
+fn fixture() -> serde_json::Value {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/gemma3-270m.json");
+    let raw = std::fs::read_to_string(path).expect("tests/fixtures/gemma3-270m.json (made by scripts/gen-gemma-fixtures)");
+    serde_json::from_str(&raw).unwrap()
+}
+
+fn ids_of(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+}
+
+/// The SentencePiece vocabulary encodes llama.cpp's ids on hard strings (spaces, digits,
+/// accents, CJK, emoji, bytes with no piece, control and user-defined tokens), and decodes them
+/// back to the text.
+#[test]
+fn the_sentencepiece_tokenizer_equals_llama_cpp() {
+    let (tok, _, _) = load_frontend(&gemma_model_path()).expect("the Gemma 3 front end");
+    assert_eq!((tok.bos_token, tok.add_bos), (Some(2), true));
+    assert!(tok.is_end_token(1) && tok.is_end_token(tok.token_to_id("<end_of_turn>").unwrap()));
+    let fx = fixture();
+    let cases = fx["tokenizer"].as_array().unwrap();
+    assert!(cases.len() >= 15);
+    for c in cases {
+        let text = c["text"].as_str().unwrap();
+        let ids = tok.encode(text).unwrap();
+        assert_eq!(ids, ids_of(&c["ids"]), "encoding {text:?}");
+        if tok.special_in(text).is_none() {
+            assert_eq!(tok.decode(&ids).unwrap(), text, "decoding {text:?}");
+        }
+    }
+    for g in fx["greedy"].as_array().unwrap() {
+        let mut ids = vec![2];
+        ids.extend(tok.encode(g["prompt"].as_str().unwrap()).unwrap());
+        assert_eq!(ids, ids_of(&g["prompt_ids"]), "the prompt {:?}", g["prompt"]);
+    }
+}
+
+fn greedy(n: u32) -> SamplingParams {
+    SamplingParams { max_tokens: n, temperature: 0.0, ignore_eos: true, ..Default::default() }
+}
+
+/// The architecture is read from the file: 18 layers, 4 query heads of 256 over 1 KV head (an
+/// attention width of 1024 on a 640-wide model), local layers with a 512-token window, 5 in 6.
+#[test]
+fn gemma3_loads_with_its_architecture() {
+    let l = load(&gemma_model_path(), None, 2, |_, _| {}).expect("load Gemma 3 270M");
+    let c = &l.model.cfg;
+    assert_eq!((c.arch.as_str(), c.n_layers, c.dim, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_dim), ("gemma3", 18, 640, 4, 1, 256, 2048));
+    assert_eq!((c.context_length, c.rope_base, c.rope_base_local, c.vocab_size, c.sliding_window), (32768, 1e6, 1e4, 262144, 512));
+    assert_eq!((c.activation, c.qk_norm, c.post_norms, c.embed_scale), (Activation::GeluTanh, true, true, 640f32.sqrt()));
+    let local: Vec<bool> = (0..c.n_layers).map(|i| c.window_of(i) > 0).collect();
+    assert_eq!(local.iter().filter(|&&l| !l).count(), 3);
+    assert!(!local[5] && !local[11] && !local[17] && local[0] && local[4] && local[6]);
+}
+
+/// Our forward pass against llama.cpp's (f32 KV cache, no flash attention) on 8 prompts, two
+/// longer than the 512-token sliding window (632 and 1733 tokens):
+/// - after each prompt, the same most likely token, and the ten largest logits within 0.75 of
+///   llama.cpp's (our int8 activation blocks round differently from ggml's; Gemma 3 is
+///   sensitive: llama.cpp's own logits move by ~0.3 between its f16 and f32 KV caches);
+/// - 32 greedy tokens equal to llama.cpp's on at least 3 of the 8 (one of them longer than the
+///   window); the others part at near-ties (BENCHMARKS.md and the issue note record which);
+/// - all 8 at once, with a 64-token step budget so prompts prefill in chunks beside the others'
+///   decodes, give each prompt's tokens alone (batch invariance).
+#[test]
+fn gemma3_forward_follows_llama_cpp_and_is_batch_invariant() {
+    let _g = heavy();
+    let fx = fixture();
+    let runs = fx["greedy"].as_array().unwrap();
+    assert_eq!(runs.len(), 8);
+    let l = load(&gemma_model_path(), None, 2, |_, _| {}).expect("load Gemma 3 270M");
+    let mut model = l.model;
+    for (i, r) in runs.iter().enumerate() {
+        let prompt = ids_of(&r["prompt_ids"]);
+        let mut cache = KvCache::new(model.shard_cfg(), 16, KvDtype::F32, prompt.len() / 16 + 2);
+        let table: Vec<u32> = (0..(prompt.len() / 16 + 2) as u32).collect();
+        let logits = model.forward(&mut cache, &[ForwardItem { tokens: &prompt, start_pos: 0, block_table: &table, want_logits: true }]).unwrap().remove(0);
+        let top = r["top_logits"].as_array().unwrap();
+        let ours = (0..logits.len()).max_by(|&a, &b| logits[a].total_cmp(&logits[b])).unwrap();
+        assert_eq!(ours as u64, top[0][0].as_u64().unwrap(), "prompt {i} ({} tokens): the most likely next token", prompt.len());
+        for t in top {
+            let (id, want) = (t[0].as_u64().unwrap() as usize, t[1].as_f64().unwrap() as f32);
+            assert!((logits[id] - want).abs() < 0.75, "prompt {i} ({} tokens): logit of {id} is {} where llama.cpp's is {want}", prompt.len(), logits[id]);
+        }
+    }
+    let cfg = WorkerConfig { block_size: 16, kv_cache_mb: 256, max_batch_tokens: 512, ..engine_cfg() };
+    let mut engine = Engine::new(model, l.tokenizer.clone(), &cfg).unwrap();
+    let (mut alone, mut whole) = (Vec::new(), Vec::new());
+    for (i, r) in runs.iter().enumerate() {
+        let (prompt, want) = (ids_of(&r["prompt_ids"]), ids_of(&r["output_ids"]));
+        engine.add(i as u64, Job::new(prompt.clone(), greedy(32))).unwrap();
+        let got = run_all(&mut engine).remove(&(i as u64)).unwrap().0;
+        let agree = got.iter().zip(&want).take_while(|(a, b)| a == b).count();
+        eprintln!("prompt {i} ({} tokens): {agree} of 32 greedy tokens as llama.cpp's", prompt.len());
+        if agree == 32 {
+            whole.push(prompt.len());
+        }
+        alone.push(got);
+    }
+    assert!(whole.len() >= 3 && whole.iter().any(|&n| n > 512), "llama.cpp's 32 tokens on only {whole:?}-token prompts");
+    let cfg = WorkerConfig { max_batch_tokens: 64, ..cfg };
+    let mut engine = Engine::new(load(&gemma_model_path(), None, 2, |_, _| {}).unwrap().model, l.tokenizer.clone(), &cfg).unwrap();
+    for (i, r) in runs.iter().enumerate() {
+        engine.add(10 + i as u64, Job::new(ids_of(&r["prompt_ids"]), greedy(32))).unwrap();
+    }
+    let out = run_all(&mut engine);
+    for (i, want) in alone.iter().enumerate() {
+        assert_eq!(&out[&(10 + i as u64)].0, want, "prompt {i} in the batch of 8");
+        assert!(matches!(out[&(10 + i as u64)].2, SeqEvent::Finished { .. }));
+    }
+}
