@@ -98,6 +98,9 @@ pub struct ChatTemplate {
     bos_token: String,
     eos_token: String,
     supports_tools: bool,
+    /// Whether the model brought its own template (a base model has none; ChatML stands in
+    /// only where a caller renders anyway).
+    own: bool,
 }
 
 fn src_mentions_tools(source: Option<&str>) -> bool {
@@ -127,7 +130,13 @@ impl ChatTemplate {
         let src = source.unwrap_or(CHATML_TEMPLATE).to_string();
         env.add_template_owned("chat", src).map_err(|e| WorkerError::Template(e.to_string()))?;
         let supports_tools = src_mentions_tools(source);
-        Ok(ChatTemplate { env, bos_token: bos_token.into(), eos_token: eos_token.into(), supports_tools })
+        Ok(ChatTemplate { env, bos_token: bos_token.into(), eos_token: eos_token.into(), supports_tools, own: source.is_some() })
+    }
+
+    /// Whether the model's file holds a chat template (an instruct model). Chat requests to a
+    /// model without one are refused: it was never taught turns.
+    pub fn is_own(&self) -> bool {
+        self.own
     }
 
     /// Whether the template renders a `tools` list (the model was taught to call functions).

@@ -134,6 +134,7 @@ async fn no_new_work_while_draining() {
         parallel_tool_calls: true,
         format: None,
         breakpoints: vec![],
+        raw: None,
     };
     let open = zerolayer_coordinator::auth::Caller::Open;
     let admitted = coordinator.admit(&open, true).ok().expect("admitted: the refusal is placement's (no worker takes work)");

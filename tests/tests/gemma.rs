@@ -120,3 +120,58 @@ fn gemma3_forward_follows_llama_cpp_and_is_batch_invariant() {
         assert!(matches!(out[&(10 + i as u64)].2, SeqEvent::Finished { .. }));
     }
 }
+
+/// Gemma 3 270M served over HTTP under its own name: `/v1/completions` (a string prompt gets
+/// BOS, as llama.cpp's server gives it; token ids go in as they are) continues prompts as
+/// llama.cpp does, streamed or not; a chat request to this base model is a 400 that points to
+/// `/v1/completions`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completions_serve_the_base_model() {
+    let _g = heavy();
+    let fx = fixture();
+    let s = TestServer::start(|c| {
+        c.model = zerolayer_common::config::ModelSection { path: gemma_model_path(), ..Default::default() };
+    })
+    .await;
+    let http = http_client(300);
+    let models: serde_json::Value = http.get(s.url("/v1/models")).send().await.unwrap().json().await.unwrap();
+    assert_eq!(models["data"][0]["id"], "gemma-3-270m", "{models}");
+    // Prompts where our 32 greedy tokens are llama.cpp's (one longer than the sliding window).
+    let runs: Vec<&serde_json::Value> = fx["greedy"].as_array().unwrap().iter().filter(|r| {
+        let p = r["prompt"].as_str().unwrap();
+        p.starts_with("Question") || p.ends_with("Chapter 19.")
+    }).collect();
+    assert_eq!(runs.len(), 2);
+    for r in runs {
+        let prompt = r["prompt"].as_str().unwrap();
+        let want = r["output_text"].as_str().unwrap();
+        let body = serde_json::json!({"model": "gemma-3-270m", "prompt": prompt, "max_tokens": 32, "temperature": 0, "ignore_eos": true});
+        let resp = http.post(s.url("/v1/completions")).json(&body).send().await.unwrap();
+        assert_eq!(resp.status(), 200);
+        let v: serde_json::Value = resp.json().await.unwrap();
+        assert_eq!(v["object"], "text_completion");
+        assert_eq!(v["choices"][0]["finish_reason"], "length");
+        assert_eq!(v["usage"]["prompt_tokens"].as_u64().unwrap() as usize, r["prompt_ids"].as_array().unwrap().len(), "BOS and the prompt");
+        let text = v["choices"][0]["text"].as_str().unwrap();
+        // The same tokens as ids, streamed.
+        let ids = r["prompt_ids"].clone();
+        let body = serde_json::json!({"model": "gemma-3-270m", "prompt": ids, "max_tokens": 32, "temperature": 0, "ignore_eos": true, "stream": true, "stream_options": {"include_usage": true}});
+        let raw = http.post(s.url("/v1/completions")).json(&body).send().await.unwrap().text().await.unwrap();
+        let events: Vec<&str> = raw.lines().filter_map(|l| l.strip_prefix("data: ")).collect();
+        assert_eq!(events.last(), Some(&"[DONE]"), "{raw}");
+        let chunks: Vec<serde_json::Value> = events[..events.len() - 1].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
+        let streamed: String = chunks.iter().filter_map(|c| c["choices"].get(0)).filter_map(|c| c["text"].as_str()).collect();
+        assert_eq!(streamed, text, "streamed and whole");
+        assert_eq!(chunks.last().unwrap()["usage"]["completion_tokens"], 32);
+        assert_eq!(text, want, "the continuation of {:?}", &prompt[prompt.len().saturating_sub(40)..]);
+    }
+    let chat = serde_json::json!({"model": "gemma-3-270m", "messages": [{"role": "user", "content": "Hi"}]});
+    let resp = http.post(s.url("/v1/chat/completions")).json(&chat).send().await.unwrap();
+    assert_eq!(resp.status(), 400);
+    let v: serde_json::Value = resp.json().await.unwrap();
+    assert!(v["error"]["message"].as_str().unwrap().contains("/v1/completions"), "{v}");
+    let bad = serde_json::json!({"model": "gemma-3-270m", "prompt": [999999999u64]});
+    let resp = http.post(s.url("/v1/completions")).json(&bad).send().await.unwrap();
+    assert_eq!(resp.status(), 400);
+    s.stop().await.unwrap();
+}

@@ -170,6 +170,7 @@ mod tests {
             parallel_tool_calls: true,
             format: None,
             breakpoints: vec![],
+            raw: None,
         }
     }
 

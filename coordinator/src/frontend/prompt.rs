@@ -14,7 +14,7 @@ use zerolayer_worker::chat::{ChatMessage, ChatTemplate};
 use zerolayer_worker::tokenizer::Tokenizer;
 
 use crate::error::ApiError;
-use crate::frontend::request::{GenerationRequest, Role};
+use crate::frontend::request::{GenerationRequest, RawPrompt, Role};
 
 /// Markers around what clients wrote (private-use characters; a request holding them is simply
 /// not marked).
@@ -136,6 +136,30 @@ impl GenerationRequest {
     }
 }
 
+/// A `/v1/completions` prompt's token ids: text tokenized as llama.cpp's server does (its BOS
+/// first where the vocabulary asks for one, special-token strings read as their tokens: the
+/// client writes the whole prompt, so there is no turn to forge), or ids as they are, each
+/// checked against the vocabulary. An empty prompt is refused.
+pub fn raw_ids(raw: &RawPrompt, tokenizer: &Tokenizer) -> Result<Vec<u32>, ApiError> {
+    let ids = match raw {
+        RawPrompt::Text(text) => {
+            let mut ids: Vec<u32> = tokenizer.bos_token.filter(|_| tokenizer.add_bos).into_iter().collect();
+            ids.extend(tokenizer.encode(text).map_err(|e| ApiError::invalid(format!("prompt: {e}")))?);
+            ids
+        }
+        RawPrompt::Ids(ids) => {
+            if let Some(&bad) = ids.iter().find(|&&t| t as usize >= tokenizer.vocab_size()) {
+                return Err(ApiError::invalid(format!("prompt: token id {bad} is outside the vocabulary of {}", tokenizer.vocab_size())));
+            }
+            ids.clone()
+        }
+    };
+    if ids.is_empty() {
+        return Err(ApiError::invalid("prompt: must not be empty"));
+    }
+    Ok(ids)
+}
+
 /// The prompt's token ids. What the client wrote is text: a special-token string in it never
 /// becomes a control token (unless `special_tokens_in_content`, the model's opt-out), so no one
 /// can close a turn and open one of their choosing.
@@ -178,6 +202,7 @@ mod tests {
             parallel_tool_calls: true,
             format: None,
             breakpoints: vec![],
+            raw: None,
         }
     }
 

@@ -140,6 +140,18 @@ pub struct GenerationRequest {
     /// Where the client put `cache_control` breakpoints (Anthropic only): usage reports the
     /// prompt up to the last of them that was not read from the cache as written to it.
     pub breakpoints: Vec<Breakpoint>,
+    /// A raw prompt (`/v1/completions`), tokenized as the client wrote it, with no chat
+    /// template: how base models are used. `system` and `turns` are then empty.
+    pub raw: Option<RawPrompt>,
+}
+
+/// A `/v1/completions` prompt: text (tokenized with the model's BOS where its vocabulary asks
+/// for one, special-token strings read as their tokens, as llama.cpp's server does), or token
+/// ids as they are.
+#[derive(Clone, Debug, PartialEq)]
+pub enum RawPrompt {
+    Text(String),
+    Ids(Vec<u32>),
 }
 
 impl GenerationRequest {
@@ -169,7 +181,11 @@ impl GenerationRequest {
     /// Bytes of conversation text (system and turns): what any rendering of the prompt holds at
     /// least, for the length check that runs before the template.
     pub fn text_bytes(&self) -> usize {
-        self.system.as_ref().map_or(0, String::len) + self.turns.iter().map(|t| t.text.len()).sum::<usize>()
+        let raw = match &self.raw {
+            Some(RawPrompt::Text(t)) => t.len(),
+            _ => 0,
+        };
+        raw + self.system.as_ref().map_or(0, String::len) + self.turns.iter().map(|t| t.text.len()).sum::<usize>()
     }
 }
 

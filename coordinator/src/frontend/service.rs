@@ -212,7 +212,14 @@ impl Frontend {
     /// The prompt's token ids (`prompt::prompt_ids`: what the client wrote stays text).
     pub fn prompt_ids(&self, req: &GenerationRequest) -> Result<Vec<u32>, ApiError> {
         let m = self.model_of(req)?;
-        crate::frontend::prompt::prompt_ids(req, &m.template, &m.tokenizer, m.special_tokens_in_content)
+        match &req.raw {
+            Some(raw) => crate::frontend::prompt::raw_ids(raw, &m.tokenizer),
+            None if !m.template.is_own() => Err(ApiError::invalid(format!(
+                "model {} has no chat template (a base model): send its prompt to /v1/completions",
+                m.info.id
+            ))),
+            None => crate::frontend::prompt::prompt_ids(req, &m.template, &m.tokenizer, m.special_tokens_in_content),
+        }
     }
 
     /// Sets the grammar the reply is held to (`tool_choice`, the output format: see

@@ -30,6 +30,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/models", get(models::list))
         .route("/v1/models/{id}", get(models::get))
         .route("/v1/chat/completions", post(openai::response::chat_completions))
+        .route("/v1/completions", post(openai::completions::completions))
         .route_layer(middleware::from_fn_with_state(state.clone(), api_guard));
     let admin = Router::new()
         .route("/admin/status", get(admin::status))

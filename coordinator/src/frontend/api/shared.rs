@@ -15,6 +15,8 @@ use axum::response::{IntoResponse, Response};
 use serde_json::Value;
 use zerolayer_common::{SeqEvent, StopReason, Usage};
 
+use crate::auth::Caller;
+use crate::frontend::request::GenerationRequest;
 use crate::frontend::service::{Accepted, Frontend};
 use crate::error::ApiError;
 use crate::metrics;
@@ -93,6 +95,43 @@ pub fn failed(reason: Option<&str>) -> ApiError {
         Some(e) => ApiError::Internal(format!("generation failed: {e}")),
         None => ApiError::Internal("the worker ended the sequence without a result".into()),
     }
+}
+
+/// A generation request started at a worker: its sequence, the model name and `stream` the
+/// client sent, and what the API kept of its request (`extra`).
+pub struct Started<T> {
+    pub acc: Accepted,
+    pub model: String,
+    pub stream: bool,
+    pub extra: T,
+}
+
+/// The OpenAI handlers' common path: admit the caller; off the runtime, `parse` the body (the
+/// request, and what the API keeps of it), find its model (a 404 in OpenAI's words), check its
+/// length, tokenize its prompt and build its grammar; then place and start it.
+pub async fn admit_and_start<T: Send + 'static>(
+    c: &AppState,
+    caller: &Caller,
+    request_id: &str,
+    parse: impl FnOnce(&Frontend) -> Result<(GenerationRequest, T), ApiError> + Send + 'static,
+) -> Result<Started<T>, ApiError> {
+    let admitted = c.admit(caller, true)?;
+    let c2 = c.clone();
+    let (req, ids, extra) = c
+        .prepare(move || {
+            let (mut req, extra) = parse(&c2)?;
+            if c2.served(&req.model).is_none() {
+                return Err(ApiError::NotFound(format!("The model `{}` does not exist", req.model)));
+            }
+            c2.check_length(&req)?;
+            let ids = c2.prompt_ids(&req)?;
+            c2.constrain(&mut req)?;
+            Ok((req, ids, extra))
+        })
+        .await??;
+    let (model, stream) = (req.model.clone(), req.stream);
+    let acc = c.start(admitted, caller, req, ids, vec![], request_id).await?;
+    Ok(Started { acc, model, stream, extra })
 }
 
 /// What a response waits for next.

@@ -1,7 +1,10 @@
-//! The OpenAI Chat Completions API: [`request`] parses and validates a body into the neutral
-//! [`GenerationRequest`](crate::frontend::request::GenerationRequest); [`response`] holds the handler,
-//! the completion JSON and the `chat.completion.chunk` stream (ending in `data: [DONE]`).
+//! The OpenAI APIs: [`request`] parses and validates a Chat Completions body into the neutral
+//! [`GenerationRequest`](crate::frontend::request::GenerationRequest); [`response`] holds its
+//! handler, the completion JSON and the `chat.completion.chunk` stream (ending in
+//! `data: [DONE]`); [`completions`] is the legacy Completions API (a raw prompt, for base
+//! models).
 
+pub mod completions;
 pub mod request;
 pub mod response;
 

@@ -18,7 +18,7 @@ pub struct ChatRequest {
     pub include_usage: bool,
 }
 
-fn bad<T>(m: impl Into<String>) -> Result<T, ApiError> {
+pub(super) fn bad<T>(m: impl Into<String>) -> Result<T, ApiError> {
     Err(ApiError::invalid(m))
 }
 
@@ -198,15 +198,26 @@ fn flag(obj: &serde_json::Map<String, Value>, key: &str, default: bool) -> Resul
     }
 }
 
-/// Parses and validates a Chat Completions request body.
-pub fn parse(body: &Value) -> Result<ChatRequest, ApiError> {
-    let Some(obj) = body.as_object() else { return bad("request body must be a JSON object") };
-    let model = match obj.get("model") {
-        Some(Value::String(s)) if !s.is_empty() => s.clone(),
-        Some(_) => return bad("model: expected a non-empty string"),
-        None => return bad("model: Field required"),
-    };
-    let (system, turns) = parse_messages(obj.get("messages"))?;
+/// The `model` field.
+pub(super) fn model_name(obj: &serde_json::Map<String, Value>) -> Result<String, ApiError> {
+    match obj.get("model") {
+        Some(Value::String(s)) if !s.is_empty() => Ok(s.clone()),
+        Some(_) => bad("model: expected a non-empty string"),
+        None => bad("model: Field required"),
+    }
+}
+
+/// What Chat Completions and Completions share: sampling, stopping, the length and streaming.
+pub(super) struct Sampling {
+    pub max_tokens: Option<u32>,
+    pub params: SamplingParams,
+    pub stream: bool,
+    /// `stream_options.include_usage`: a last chunk carries the usage.
+    pub include_usage: bool,
+}
+
+/// The fields of [`Sampling`] (and `n`, which must be 1).
+pub(super) fn sampling(obj: &serde_json::Map<String, Value>) -> Result<Sampling, ApiError> {
     let int = |k: &str| -> Result<Option<u64>, ApiError> {
         match obj.get(k) {
             None | Some(Value::Null) => Ok(None),
@@ -241,6 +252,17 @@ pub fn parse(body: &Value) -> Result<ChatRequest, ApiError> {
             return bad("n: only n = 1 is supported");
         }
     }
+    // `ignore_eos` is vLLM's extension: keep generating past end tokens (benchmarks).
+    let params = SamplingParams { temperature, top_k: None, top_p, seed, max_tokens: 0, stop_sequences: stop, ignore_eos, grammar: None };
+    Ok(Sampling { max_tokens, params, stream, include_usage })
+}
+
+/// Parses and validates a Chat Completions request body.
+pub fn parse(body: &Value) -> Result<ChatRequest, ApiError> {
+    let Some(obj) = body.as_object() else { return bad("request body must be a JSON object") };
+    let model = model_name(obj)?;
+    let (system, turns) = parse_messages(obj.get("messages"))?;
+    let Sampling { max_tokens, params, stream, include_usage } = sampling(obj)?;
     let tools = parse_tools(obj.get("tools"))?;
     let tool_choice = parse_tool_choice(obj.get("tool_choice"), &tools)?;
     let parallel_tool_calls = flag(obj, "parallel_tool_calls", true)?;
@@ -248,9 +270,7 @@ pub fn parse(body: &Value) -> Result<ChatRequest, ApiError> {
         None | Some(Value::Null) => None,
         Some(rf) => response_format(rf)?,
     };
-    // `ignore_eos` is vLLM's extension: keep generating past end tokens (benchmarks).
-    let params = SamplingParams { temperature, top_k: None, top_p, seed, max_tokens: 0, stop_sequences: stop, ignore_eos, grammar: None };
-    Ok(ChatRequest { generation: GenerationRequest { model, system, turns, max_tokens, params, stream, tools, tool_choice, parallel_tool_calls, format, breakpoints: vec![] }, include_usage })
+    Ok(ChatRequest { generation: GenerationRequest { model, system, turns, max_tokens, params, stream, tools, tool_choice, parallel_tool_calls, format, breakpoints: vec![], raw: None }, include_usage })
 }
 
 /// `response_format`: `text` (free), `json_object` (any JSON object), or `json_schema`

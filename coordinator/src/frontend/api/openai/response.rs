@@ -11,11 +11,11 @@ use axum::{Extension, Json};
 use serde_json::{json, Value};
 use zerolayer_common::{SeqEvent, StopReason, Usage};
 
-use super::request::{self, ChatRequest};
+use super::request;
 use crate::frontend::api::shared::{self, collect, failed, finish, json_body, new_id, shut_down, AppState, Following, Next, RequestId, SseStep};
 use crate::auth::Caller;
 use crate::clock::unix_now;
-use crate::frontend::service::{Accepted, Frontend};
+use crate::frontend::service::Accepted;
 use crate::error::ApiError;
 use crate::frontend::tools::{split_calls, CallParser, Calls, Piece};
 
@@ -54,21 +54,12 @@ fn message(calls: &Calls, text: String) -> (Value, usize) {
     (m, calls)
 }
 
-fn usage_json(u: &Usage) -> Value {
+pub(super) fn usage_json(u: &Usage) -> Value {
     json!({
         "prompt_tokens": u.prompt_tokens(), "completion_tokens": u.output_tokens,
         "total_tokens": u.prompt_tokens() + u.output_tokens,
         "prompt_tokens_details": {"cached_tokens": u.prompt_tokens_cached},
     })
-}
-
-fn parse(c: &Frontend, body: Result<Bytes, BytesRejection>) -> Result<ChatRequest, ApiError> {
-    let v = json_body(body, c.config.server.max_body_bytes)?;
-    let req = request::parse(&v)?;
-    if c.served(&req.generation.model).is_none() {
-        return Err(ApiError::NotFound(format!("The model `{}` does not exist", req.generation.model)));
-    }
-    Ok(req)
 }
 
 pub async fn chat_completions(
@@ -77,23 +68,12 @@ pub async fn chat_completions(
     Extension(caller): Extension<Caller>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    let started = async {
-        let admitted = c.admit(&caller, true)?;
-        let c2 = c.clone();
-        let (req, ids) = c
-            .prepare(move || {
-                let mut req = parse(&c2, body)?;
-                c2.check_length(&req.generation)?;
-                let ids = c2.prompt_ids(&req.generation)?;
-                c2.constrain(&mut req.generation)?;
-                Ok::<_, ApiError>((req, ids))
-            })
-            .await??;
-        let (model, stream, offered) = (req.generation.model.clone(), req.generation.stream, req.generation.calls());
-        let acc = c.start(admitted, &caller, req.generation, ids, vec![], &rid.0).await?;
-        Ok::<_, ApiError>((acc, model, stream, offered, req.include_usage))
-    };
-    let (acc, model, stream, offered, include_usage) = match started.await {
+    let started = shared::admit_and_start(&c, &caller, &rid.0, move |c| {
+        let req = request::parse(&json_body(body, c.config.server.max_body_bytes)?)?;
+        let extra = (req.generation.calls(), req.include_usage);
+        Ok((req.generation, extra))
+    });
+    let shared::Started { acc, model, stream, extra: (offered, include_usage) } = match started.await {
         Ok(a) => a,
         Err(e) => return finish(&c, "chat_completions", e.into_openai(), None),
     };
