@@ -67,10 +67,12 @@ fn gemma3_loads_with_its_architecture() {
 /// Our forward pass against llama.cpp's (f32 KV cache, no flash attention) on 8 prompts, two
 /// longer than the 512-token sliding window (632 and 1733 tokens):
 /// - after each prompt, the same most likely token, and the ten largest logits within 0.75 of
-///   llama.cpp's (our int8 activation blocks round differently from ggml's; Gemma 3 is
-///   sensitive: llama.cpp's own logits move by ~0.3 between its f16 and f32 KV caches);
-/// - 32 greedy tokens equal to llama.cpp's on at least 3 of the 8 (one of them longer than the
-///   window); the others part at near-ties (BENCHMARKS.md and the issue note record which);
+///   llama.cpp's;
+/// - over 32 greedy tokens per prompt, at least as close to llama.cpp's as llama.cpp is to itself
+///   with its default f16 KV cache (the fixture holds both runs): as many tokens agree before
+///   the first difference, summed over the prompts, and as many prompts agree on all 32. Gemma 3
+///   is that sensitive: a change of KV precision alone parts llama.cpp from itself at near-ties;
+///   our int8 activation blocks round differently from ggml's, which parts us the same way;
 /// - all 8 at once, with a 64-token step budget so prompts prefill in chunks beside the others'
 ///   decodes, give each prompt's tokens alone (batch invariance).
 #[test]
@@ -96,19 +98,23 @@ fn gemma3_forward_follows_llama_cpp_and_is_batch_invariant() {
     }
     let cfg = WorkerConfig { block_size: 16, kv_cache_mb: 256, max_batch_tokens: 512, ..engine_cfg() };
     let mut engine = Engine::new(model, l.tokenizer.clone(), &cfg).unwrap();
-    let (mut alone, mut whole) = (Vec::new(), Vec::new());
+    let agree = |a: &[u32], b: &[u32]| a.iter().zip(b).take_while(|(x, y)| x == y).count();
+    let (mut alone, mut ours, mut llama_f16) = (Vec::new(), Vec::new(), Vec::new());
     for (i, r) in runs.iter().enumerate() {
         let (prompt, want) = (ids_of(&r["prompt_ids"]), ids_of(&r["output_ids"]));
         engine.add(i as u64, Job::new(prompt.clone(), greedy(32))).unwrap();
         let got = run_all(&mut engine).remove(&(i as u64)).unwrap().0;
-        let agree = got.iter().zip(&want).take_while(|(a, b)| a == b).count();
-        eprintln!("prompt {i} ({} tokens): {agree} of 32 greedy tokens as llama.cpp's", prompt.len());
-        if agree == 32 {
-            whole.push(prompt.len());
-        }
+        ours.push(agree(&got, &want));
+        llama_f16.push(agree(&ids_of(&r["f16_kv_output_ids"]), &want));
+        eprintln!("prompt {i} ({} tokens): {} of 32 greedy tokens as llama.cpp's (its f16-KV run: {})", prompt.len(), ours[i], llama_f16[i]);
         alone.push(got);
     }
-    assert!(whole.len() >= 3 && whole.iter().any(|&n| n > 512), "llama.cpp's 32 tokens on only {whole:?}-token prompts");
+    let whole = |v: &[usize]| v.iter().filter(|&&n| n == 32).count();
+    let sum = |v: &[usize]| v.iter().sum::<usize>();
+    assert!(
+        sum(&ours) >= sum(&llama_f16) && whole(&ours) >= whole(&llama_f16),
+        "tokens agreeing with llama.cpp's f32 run: ours {ours:?}, its own f16-KV run {llama_f16:?}"
+    );
     let cfg = WorkerConfig { max_batch_tokens: 64, ..cfg };
     let mut engine = Engine::new(load(&gemma_model_path(), None, 2, |_, _| {}).unwrap().model, l.tokenizer.clone(), &cfg).unwrap();
     for (i, r) in runs.iter().enumerate() {
