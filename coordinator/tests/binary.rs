@@ -17,6 +17,12 @@ fn model_path() -> std::path::PathBuf {
 /// one ready line, which carries the bound address. Returns the process, that line and the
 /// node's base URL.
 fn start(cmd: &mut Command) -> (std::process::Child, String, String) {
+    let (child, line, url, _) = start_with_logs(cmd);
+    (child, line, url)
+}
+
+/// [`start`], and the log lines that follow the ready line.
+fn start_with_logs(cmd: &mut Command) -> (std::process::Child, String, String, std::sync::mpsc::Receiver<String>) {
     let mut child = cmd
         .env("RUST_LOG", "info")
         .env("NO_COLOR", "1")
@@ -36,7 +42,7 @@ fn start(cmd: &mut Command) -> (std::process::Child, String, String) {
         let line = rx.recv_timeout(deadline.saturating_duration_since(Instant::now())).expect("zerolayer logs its ready line");
         if let Some(i) = line.find("zerolayer ready:") {
             let url = line[i..].split_whitespace().find(|w| w.starts_with("http://")).expect("address in the ready line").to_string();
-            return (child, line, url);
+            return (child, line, url, rx);
         }
     }
 }
@@ -212,16 +218,93 @@ async fn up_serves_each_model_file_under_its_own_name() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// The cluster.toml the Kubernetes manifests ship is a valid config of three nodes addressed by
-/// their pods' DNS names.
+/// The flags of the field: `--host`/`--port`, `--model` with `--served-model-name`,
+/// `--api-key` (required from then on, as `x-api-key` or a bearer token), `--threads`,
+/// `--kv-cache-mb` and `--log-format json` (JSON lines; each request's carry its id and the
+/// node). `zerolayer config` shows what the flags set; a typo in a config key stops startup,
+/// naming the key and the nearest known one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn up_takes_the_flags_of_the_field() {
+    let dir = std::env::temp_dir().join(format!("zerolayer-bin-flags-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+    let flags = ["--host", "127.0.0.1", "--port", &port, "--served-model-name", "m", "--api-key", "secret-key-1", "--threads", "2", "--kv-cache-mb", "96"];
+    let shown = Command::new(env!("CARGO_BIN_EXE_zerolayer")).arg("config").args(flags).arg("--model").arg(model_path()).current_dir(&dir).output().unwrap();
+    let shown = String::from_utf8_lossy(&shown.stdout).to_string();
+    for line in [
+        format!("nodes[0].http = \"127.0.0.1:{port}\"    # --host"),
+        "nodes[0].workers[0].kv_cache_mb = 96    # --kv-cache-mb".to_string(),
+        "nodes[0].workers[0].threads = 2    # --threads".to_string(),
+        "model.id = \"m\"    # --model".to_string(),
+        "auth.api_keys = (set, hidden)    # --api-key".to_string(),
+        "server.max_inflight = 256    # default".to_string(),
+    ] {
+        assert!(shown.lines().any(|l| l == line), "`zerolayer config` shows {line:?}:\n{shown}");
+    }
+    assert!(!shown.contains("secret-key-1"), "keys are never printed");
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_zerolayer"));
+    cmd.args(["--log-format", "json", "up"]).args(flags).arg("--model").arg(model_path()).current_dir(&dir);
+    let (mut child, ready, base, logs) = start_with_logs(&mut cmd);
+    assert_eq!(base, format!("http://127.0.0.1:{port}"), "{ready}");
+    let ready: serde_json::Value = serde_json::from_str(&ready).expect("a JSON log line");
+    assert!(ready["fields"]["message"].as_str().unwrap().contains("serving m on"), "{ready}");
+    let c = reqwest::Client::builder().timeout(Duration::from_secs(120)).build().unwrap();
+    let body = serde_json::json!({"model": "m", "max_tokens": 2, "temperature": 0, "messages": [{"role": "user", "content": "Hi"}]});
+    let ask = |key: Option<&str>| {
+        let r = c.post(format!("{base}/v1/messages")).json(&body);
+        match key {
+            Some(k) => r.bearer_auth(k),
+            None => r,
+        }
+        .send()
+    };
+    assert_eq!(ask(None).await.unwrap().status(), 401, "--api-key makes a key required");
+    assert_eq!(ask(Some("secret-key-2")).await.unwrap().status(), 401);
+    let ok = ask(Some("secret-key-1")).await.unwrap();
+    assert_eq!(ok.status(), 200);
+    let rid = ok.headers()["request-id"].to_str().unwrap().to_string();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let access = loop {
+        let line = logs.recv_timeout(deadline.saturating_duration_since(Instant::now())).expect("an access line for the request");
+        let v: serde_json::Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("every log line is JSON ({e}): {line}"));
+        if v["span"]["request_id"] == rid.as_str() && v["fields"]["message"] == "served" {
+            break v;
+        }
+    };
+    assert_eq!((access["span"]["node"].as_str(), access["fields"]["status"].as_u64()), (Some("n1"), Some(200)), "{access}");
+    Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap();
+    let t0 = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        assert!(t0.elapsed() < Duration::from_secs(60), "exits after SIGTERM");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let short = Command::new(env!("CARGO_BIN_EXE_zerolayer")).current_dir(&dir).args(["up", "--api-key", "short"]).output().unwrap();
+    assert!(!short.status.success() && String::from_utf8_lossy(&short.stderr).contains("at least 8 characters"));
+    // A typo in a config key stops startup, naming the key and its likely meaning.
+    let cfg = dir.join("cluster.toml");
+    std::fs::write(&cfg, "[[nodes]]\nid = \"n1\"\n[[nodes.workers]]\nid = \"cpu0\"\nkv_cach_mb = 64\n").unwrap();
+    let bad = Command::new(env!("CARGO_BIN_EXE_zerolayer")).args(["up", "--config"]).arg(&cfg).output().unwrap();
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert!(!bad.status.success() && err.contains("nodes[0].workers[0].kv_cach_mb") && err.contains("did you mean `kv_cache_mb`"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The cluster.toml each Kubernetes manifest ships is a valid config of nodes addressed by
+/// their pods' DNS names; the GPU variant's workers are `cuda:0`.
 #[test]
-fn the_kubernetes_config_is_valid() {
-    let manifest = std::fs::read_to_string(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/kubernetes/zerolayer.yaml")).unwrap();
-    let start = manifest.find("cluster.toml: |\n").expect("the ConfigMap holds cluster.toml") + "cluster.toml: |\n".len();
-    let toml: String = manifest[start..].lines().take_while(|l| l.starts_with("    ") || l.is_empty()).map(|l| format!("{}\n", l.strip_prefix("    ").unwrap_or(l))).collect();
-    let cfg = zerolayer_common::ClusterConfig::from_toml(&toml).expect("parses");
-    cfg.validate().expect("valid");
-    let ids: Vec<&str> = cfg.nodes.iter().map(|n| n.id.as_str()).collect();
+fn the_kubernetes_configs_are_valid() {
+    let read = |file: &str| {
+        let manifest = std::fs::read_to_string(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/kubernetes").join(file)).unwrap();
+        let start = manifest.find("cluster.toml: |\n").expect("the ConfigMap holds cluster.toml") + "cluster.toml: |\n".len();
+        let toml: String = manifest[start..].lines().take_while(|l| l.starts_with("    ") || l.is_empty()).map(|l| format!("{}\n", l.strip_prefix("    ").unwrap_or(l))).collect();
+        zerolayer_common::ClusterConfig::from_toml(&toml).unwrap_or_else(|e| panic!("{file}: {e}"))
+    };
+    let cpu = read("zerolayer.yaml");
+    let ids: Vec<&str> = cpu.nodes.iter().map(|n| n.id.as_str()).collect();
     assert_eq!(ids, ["zerolayer-0", "zerolayer-1", "zerolayer-2"]);
-    assert!(cfg.nodes.iter().all(|n| n.quic.as_deref().is_some_and(|q| q.ends_with(".zerolayer-peers:7080"))));
+    assert!(cpu.nodes.iter().all(|n| n.quic.as_deref().is_some_and(|q| q.ends_with(".zerolayer-peers:7080"))));
+    assert!(cpu.nodes.iter().flat_map(|n| &n.workers).all(|w| w.threads == 4 && w.gpu() == Ok(None)));
+    let gpu = read("zerolayer-gpu.yaml");
+    assert_eq!(gpu.nodes.len(), 2);
+    assert!(gpu.nodes.iter().flat_map(|n| &n.workers).all(|w| w.gpu() == Ok(Some(0))), "one cuda:0 worker per pod");
 }

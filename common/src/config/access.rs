@@ -30,16 +30,22 @@ pub struct AuthSection {
 pub struct KeyConfig {
     /// 1 to 64 ASCII letters, digits, `-`, `_` or `.`.
     pub name: String,
+/// The key clients send (`x-api-key` or `Authorization: Bearer`).
     pub key: String,
     /// This key's share of running slots and KV when keys compete (equal by default).
     pub weight: f64,
     /// Whether this key may send `ignore_eos` (keep generating past end tokens; benchmarks).
     /// Off for every key unless the operator turns it on; an open (keyless) node allows it.
     pub allow_ignore_eos: bool,
+    /// This key's limits; each unset one is `[limits]`'s.
     pub requests_per_minute: Option<u32>,
+    /// Input plus output tokens per minute.
     pub tokens_per_minute: Option<u32>,
+    /// Prompt tokens per minute.
     pub input_tokens_per_minute: Option<u32>,
+    /// Output tokens per minute.
     pub output_tokens_per_minute: Option<u32>,
+    /// Requests in flight across the cluster.
     pub max_concurrent_requests: Option<u32>,
 }
 
@@ -64,9 +70,11 @@ impl Default for KeyConfig {
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(default)]
 pub struct LimitsSection {
+    /// Requests per minute, per key.
     pub requests_per_minute: u32,
     /// Input plus output tokens per minute.
     pub tokens_per_minute: u32,
+    /// Prompt tokens per minute.
     pub input_tokens_per_minute: u32,
     /// Output tokens per minute: charged as they are generated; a key with none left gets 429
     /// before its next request starts.

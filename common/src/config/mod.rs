@@ -9,6 +9,7 @@ use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
 mod access;
+pub mod keys;
 mod validate;
 mod worker;
 pub use access::{AuthSection, KeyConfig, LimitsSection, Tenant, TenantLimits};
@@ -109,6 +110,7 @@ pub enum PlacementPolicy {
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(default)]
 pub struct PlacementConfig {
+    /// `cache_aware` (the cost below), `least_loaded` or `round_robin`.
     pub policy: PlacementPolicy,
     /// Weight of each prompt block the worker would have to compute.
     pub overlap_weight: f64,
@@ -122,6 +124,7 @@ pub struct PlacementConfig {
     pub fragmentation_weight: f64,
     /// Penalty per unit of memory use above `memory_soft_limit` (fraction of the limit).
     pub memory_weight: f64,
+    /// The fraction of a worker's memory limit above which `memory_weight` applies.
     pub memory_soft_limit: f64,
     /// Workers above this fraction of their memory limit are skipped.
     pub memory_high_water: f64,
@@ -130,6 +133,7 @@ pub struct PlacementConfig {
     /// Imbalance guard: when max load − min load > abs and max load > rel × min load
     /// (load = running + waiting sequences), pick the least loaded worker.
     pub balance_abs_threshold: u32,
+    /// The relative half of the imbalance guard (see `balance_abs_threshold`).
     pub balance_rel_threshold: f64,
 }
 
@@ -166,6 +170,7 @@ pub struct ModelSection {
     pub id: String,
     /// Other names accepted for the same model.
     pub aliases: Vec<String>,
+    /// The name `/v1/models` shows (empty: the id).
     pub display_name: String,
     /// Whether special-token strings that clients write (`<|im_start|>` in a message) become
     /// control tokens. Off (the default): what clients write is text, and only the chat
@@ -248,11 +253,13 @@ impl Default for ServerSection {
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(default)]
 pub struct NodeConfig {
+    /// The node's id: unique in the cluster, named by its certificate (letters, digits, '-').
     pub id: String,
     /// HTTP listen address; port 0 picks one.
     pub http: String,
     /// QUIC address for peers (gossip and forwarded requests). Absent on a single-node cluster.
     pub quic: Option<String>,
+    /// Its workers, one per device (`[[nodes.workers]]`).
     pub workers: Vec<WorkerConfig>,
 }
 
@@ -279,16 +286,19 @@ impl Default for ClusterConfig {
 
 impl ClusterConfig {
     /// Loads defaults, then `path` (if given and present), then `ZEROLAYER_*` env, then validates.
-    /// Relative model paths are resolved against the config file's directory.
+    /// Relative model paths are resolved against the config file's directory. A key the
+    /// config does not have, in the file or the environment, is an error naming it.
     pub fn load(path: Option<&Path>) -> Result<Self, ConfigError> {
         let mut fig = Figment::from(Serialized::defaults(ClusterConfig::default()));
         if let Some(p) = path {
             if !p.exists() {
                 return Err(ConfigError::Invalid(format!("config file {} does not exist", p.display())));
             }
+            refuse_unknown_keys(&parsed(Toml::file(p))?, &p.display().to_string())?;
             fig = fig.merge(Toml::file(p));
         }
-        fig = fig.merge(Env::prefixed("ZEROLAYER_").split("__"));
+        refuse_unknown_keys(&env_value()?, "the environment")?;
+        fig = fig.merge(env());
         let mut cfg: ClusterConfig = fig.extract().map_err(Box::new)?;
         if let Some(dir) = path.and_then(|p| p.parent()) {
             cfg.resolve_paths(dir);
@@ -300,11 +310,24 @@ impl ClusterConfig {
 
     /// Parses a TOML string over the defaults (no env), for tests.
     pub fn from_toml(s: &str) -> Result<Self, ConfigError> {
+        refuse_unknown_keys(&parsed(Toml::string(s))?, "the config")?;
         let mut cfg: ClusterConfig =
             Figment::from(Serialized::defaults(ClusterConfig::default())).merge(Toml::string(s)).extract().map_err(Box::new)?;
         cfg.forget_default_names();
         cfg.validate()?;
         Ok(cfg)
+    }
+
+    /// Every leaf of this (effective) config, with its value and its source: `cli` names the
+    /// keys that command-line flags set (key prefix, flag), then the environment, the file at
+    /// `path`, or the default (`zerolayer config`).
+    pub fn explain(&self, path: Option<&Path>, cli: &[(String, String)]) -> Result<Vec<(String, String, String)>, ConfigError> {
+        let file = match path {
+            Some(p) if p.exists() => Some((p.display().to_string(), parsed(Toml::file(p))?)),
+            _ => None,
+        };
+        let effective = serde_json::to_value(self).map_err(|e| ConfigError::Invalid(e.to_string()))?;
+        Ok(keys::sources(&effective, file.as_ref().map(|(n, v)| (n.as_str(), v)), &env_value()?, cli))
     }
 
     /// A `[model]` that loads another file than the default's does not keep the default's id,
@@ -397,147 +420,35 @@ impl ClusterConfig {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn model_names_become_ids() {
-        assert_eq!(model_slug("Gemma 3 270m"), "gemma-3-270m");
-        assert_eq!(model_slug("Qwen2.5 Coder 0.5B Instruct AWQ"), "qwen2.5-coder-0.5b-instruct-awq");
-        assert_eq!(model_slug("  Llama-3.2-1B-Instruct.Q4_K_M "), "llama-3.2-1b-instruct.q4_k_m");
-        assert_eq!(model_slug("Mistral 7B (v0.3) / Instruct!"), "mistral-7b-v0.3-instruct");
-        assert_eq!(model_slug("日本語"), "");
-        assert_eq!(model_slug(&"a".repeat(100)).len(), 64);
-        assert_eq!(model_slug(&format!("{} b", "a".repeat(63))), "a".repeat(63));
-    }
-
-    #[test]
-    fn several_models_each_worker_names_one() {
-        let c = ClusterConfig::from_toml(
-            r#"
-            [[models]]
-            path = "models/qwen.gguf"
-            id = "qwen"
-            aliases = ["Qwen2.5-Coder"]
-            [[nodes]]
-            id = "a"
-            [[nodes.workers]]
-            id = "cpu0"
-            [[nodes.workers]]
-            id = "cpu1"
-            model = "qwen"
-            "#,
-        )
-        .unwrap();
-        let ids: Vec<&str> = c.all_models().map(|m| m.id.as_str()).collect();
-        assert_eq!(ids, ["smollm2-135m-instruct", "qwen"]);
-        assert_eq!(c.model_of(&c.nodes[0].workers[0]).id, "smollm2-135m-instruct");
-        assert_eq!(c.model_of(&c.nodes[0].workers[1]).id, "qwen");
-        let base = "[[models]]\npath='q.gguf'\nid='qwen'\n[[nodes]]\nid='a'\n[[nodes.workers]]\nid='cpu0'\n";
-        // An entry inherits nothing from the default model: no aliases, its id as its name.
-        let plain = ClusterConfig::from_toml(base).unwrap();
-        assert_eq!((plain.models[0].aliases.len(), plain.models[0].shown_name()), (0, "qwen"));
-        assert_eq!(plain.model.aliases, ["SmolLM2-135M-Instruct"]);
-        // A [model] naming another model keeps none of the default's names.
-        let other = ClusterConfig::from_toml("[model]\npath='q.gguf'\nid='qwen'\n").unwrap();
-        assert_eq!((other.model.aliases.len(), other.model.shown_name()), (0, "qwen"));
-        assert!(ClusterConfig::from_toml(&format!("{base}model='llama'\n")).is_err(), "a worker names a model that is not configured");
-        assert!(ClusterConfig::from_toml(&base.replace("id='qwen'", "id='smollm2-135m-instruct'")).is_err(), "two models share an id");
-        assert!(ClusterConfig::from_toml(&base.replace("id='qwen'", "id='SmolLM2-135M-Instruct'")).is_err(), "an id is another's alias");
-        assert!(ClusterConfig::from_toml(&base.replace("id='qwen'", "id='q w'")).is_err(), "a model id with a space");
-        // A model without an id is named by its file at startup; until then nothing refers to it.
-        let mut unnamed = ClusterConfig::from_toml(&base.replace("id='qwen'\n", "")).unwrap();
-        assert_eq!(unnamed.models[0].id, "");
-        unnamed.name_models(|p| Ok(model_slug(&p.file_stem().unwrap().to_string_lossy()))).unwrap();
-        assert_eq!(unnamed.models[0].id, "q");
-        let mut twins = ClusterConfig::from_toml(&base.replace("id='qwen'\n", "")).unwrap();
-        let err = twins.name_models(|_| Ok("smollm2-135m-instruct".into())).unwrap_err().to_string();
-        assert!(err.contains("used twice"), "two files of one name: {err}");
-        // A [model] on another file forgets the default's id too: the file names it.
-        let moved = ClusterConfig::from_toml("[model]\npath='other.gguf'\n").unwrap();
-        assert_eq!((moved.model.id.as_str(), moved.model.aliases.len()), ("", 0));
-        assert!(ClusterConfig::from_toml(&format!("{base}tensor_parallel=0\n")).unwrap_err().to_string().contains("tensor_parallel"));
-        assert_eq!(ClusterConfig::from_toml(&format!("{base}tensor_parallel=2\n")).unwrap().nodes[0].workers[0].tensor_parallel, 2);
-        // A GPU is named `cuda:N`; anything else is refused, saying what is accepted. (Whether the
-        // build and the machine can drive it is the node's to check at startup.)
-        assert_eq!(ClusterConfig::from_toml(&format!("{base}device='cuda:1'\n")).unwrap().nodes[0].workers[0].gpu(), Ok(Some(1)));
-        let bad_dev = ClusterConfig::from_toml(&format!("{base}device='gpu0'\n")).unwrap_err().to_string();
-        assert!(bad_dev.contains("unknown device") && bad_dev.contains("cuda:N"), "{bad_dev}");
-        assert_eq!(ClusterConfig::from_toml(&format!("{base}device='cuda:2'\ntensor_parallel=2\n")).unwrap().nodes[0].workers[0].tensor_parallel, 2);
-        assert!(ClusterConfig::from_toml(&format!("{base}kv_cache_mb=0\n")).is_err(), "a CPU cache needs a size");
-        // A group across nodes: one node per rank, this one first, the others configured nodes.
-        let two = "[cluster]\ntls_dir='t'\n[[nodes]]\nid='a'\nquic='127.0.0.1:1'\n[[nodes.workers]]\nid='w'\ntensor_parallel=2\nRANKS\n[[nodes]]\nid='b'\nquic='127.0.0.1:2'\n[[nodes.workers]]\nid='w'\n";
-        let ok = ClusterConfig::from_toml(&two.replace("RANKS", "rank_nodes=['a','b']")).unwrap();
-        assert_eq!(ok.nodes[0].workers[0].rank_nodes, ["a", "b"]);
-        assert!(ok.nodes[1].workers[0].rank_nodes.is_empty(), "by default every rank is local");
-        assert!(ClusterConfig::from_toml(&two.replace("RANKS", "rank_nodes=['a','b']\ndevice='cuda:0'")).is_ok(), "GPU ranks across nodes");
-        for (ranks, why) in [
-            ("rank_nodes=['a']", "one node per rank"),
-            ("rank_nodes=['b','a']", "rank 0 is this node"),
-            ("rank_nodes=['a','a']", "a remote rank on this node"),
-            ("rank_nodes=['a','c']", "no such node"),
-            ("rank_nodes=['a','b']\ndevice='cuda:0'\nkv_cache_mb=0", "a GPU group across nodes sizes its cache alike on every node"),
-        ] {
-            let e = ClusterConfig::from_toml(&two.replace("RANKS", ranks)).unwrap_err().to_string();
-            assert!(e.contains("rank_nodes"), "{why}: {e}");
-        }
-        assert!(ClusterConfig::from_toml(&format!("{base}device='cuda:0'\nkv_cache_mb=0\n")).is_ok(), "a GPU cache may take a share of free memory");
-    }
-
-    #[test]
-    fn kv_dtype_is_f32_unless_set_and_the_same_for_every_worker() {
-        let one = "[[nodes]]\nid='a'\n[[nodes.workers]]\nid='cpu0'\nKV\n";
-        assert_eq!(ClusterConfig::from_toml(&one.replace("KV", "")).unwrap().nodes[0].workers[0].kv_dtype, KvDtype::F32);
-        let half = ClusterConfig::from_toml(&one.replace("KV", "kv_dtype='f16'")).unwrap();
-        assert_eq!((half.nodes[0].workers[0].kv_dtype, half.nodes[0].workers[0].kv_dtype.bytes()), (KvDtype::F16, 2));
-        let e = ClusterConfig::from_toml(&one.replace("KV", "kv_dtype='bf16'")).unwrap_err().to_string();
-        assert!(e.contains("bf16") && e.contains("f16") && e.contains("f32"), "an unknown element names the known ones: {e}");
-        let e = ClusterConfig::from_toml(&one.replace("KV", "kv_dtype='f16'\ndevice='cuda:0'")).unwrap_err().to_string();
-        assert!(e.contains("kv_dtype f16 runs on the CPU only"), "{e}");
-        let mixed = "[[nodes]]\nid='a'\n[[nodes.workers]]\nid='cpu0'\nkv_dtype='f16'\n[[nodes.workers]]\nid='cpu1'\n";
-        let e = ClusterConfig::from_toml(mixed).unwrap_err().to_string();
-        assert!(e.contains("same kv_dtype"), "{e}");
-    }
-
-    #[test]
-    fn toml_overrides_defaults() {
-        let c = ClusterConfig::from_toml(
-            r#"
-            [model]
-            id = "m"
-            [[nodes]]
-            id = "a"
-            http = "127.0.0.1:0"
-            [[nodes.workers]]
-            id = "cpu0"
-            kv_cache_mb = 64
-            "#,
-        )
-        .unwrap();
-        assert_eq!(c.model.id, "m");
-        assert_eq!(c.nodes[0].workers[0].kv_cache_mb, 64);
-        assert_eq!(c.nodes[0].workers[0].block_size, 4);
-        assert!(ClusterConfig::from_toml("[[nodes]]\nid='a'\n[[nodes]]\nid='a'\n").is_err());
-        assert_eq!(c.placement.policy, PlacementPolicy::CacheAware);
-        // Several nodes need QUIC addresses and TLS material.
-        assert!(ClusterConfig::from_toml("[[nodes]]\nid='a'\n[[nodes]]\nid='b'\n").is_err());
-        let three = ClusterConfig::from_toml(
-            r#"
-            [cluster]
-            tls_dir = "certs"
-            [placement]
-            policy = "round_robin"
-            [[nodes]]
-            id = "a"
-            quic = "127.0.0.1:7001"
-            [[nodes]]
-            id = "b"
-            quic = "127.0.0.1:7002"
-            "#,
-        )
-        .unwrap();
-        assert_eq!(three.placement.policy, PlacementPolicy::RoundRobin);
-        assert!(ClusterConfig::from_toml("[[nodes]]\nid='a'\nquic='127.0.0.1:1'\n").is_err(), "no tls_dir");
-    }
+/// The `ZEROLAYER_<SECTION>__<KEY>` variables (other `ZEROLAYER_*` names are the CLI's).
+fn env() -> Env {
+    Env::prefixed("ZEROLAYER_").split("__")
 }
+
+/// What one source holds, as a tree.
+fn parsed(p: impl figment::Provider) -> Result<serde_json::Value, ConfigError> {
+    Ok(Figment::from(p).extract().map_err(Box::new)?)
+}
+
+/// The config sections of the environment.
+fn env_value() -> Result<serde_json::Value, ConfigError> {
+    let mut v = parsed(env())?;
+    if let serde_json::Value::Object(m) = &mut v {
+        m.retain(|k, _| keys::SECTIONS.contains(&k.as_str()));
+    }
+    Ok(v)
+}
+
+/// A key the config does not have is a typo until shown otherwise: refuse it, naming it, its
+/// source, and the nearest known key.
+fn refuse_unknown_keys(given: &serde_json::Value, source: &str) -> Result<(), ConfigError> {
+    let unknown = keys::unknown_keys(given, &keys::known());
+    if unknown.is_empty() {
+        return Ok(());
+    }
+    let list: Vec<String> = unknown.iter().map(|u| u.to_string()).collect();
+    Err(ConfigError::Invalid(format!("{} in {source}", list.join("; "))))
+}
+
+#[cfg(test)]
+mod tests;

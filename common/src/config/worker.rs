@@ -7,6 +7,7 @@ use serde::{Deserialize, Serialize};
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(default)]
 pub struct WorkerConfig {
+    /// The worker's id, unique within its node.
     pub id: String,
     /// The id of the model it loads (`[model]`'s when absent).
     pub model: Option<String>,

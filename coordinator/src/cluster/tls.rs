@@ -23,6 +23,33 @@ pub const SERVER_NAME: &str = "zerolayer.cluster";
 /// ALPN protocol id of zerolayer's inter-node QUIC.
 pub const ALPN: &[u8] = b"zerolayer/1";
 
+/// How long node certificates last unless `cluster init --days` says otherwise; a new CA
+/// lasts ten times as long.
+pub const DEFAULT_DAYS: u32 = 365;
+
+/// The civil date (year, month, day) of day `z` since 1970-01-01 (Howard Hinnant's algorithm).
+fn civil_from_days(z: i64) -> (i32, u8, u8) {
+    let z = z + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = (doy - (153 * mp + 2) / 5 + 1) as u8;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u8;
+    let y = (yoe + era * 400 + i64::from(m <= 2)) as i32;
+    (y, m, d)
+}
+
+/// Valid from yesterday (clocks differ) for `days` days from today.
+fn set_lifetime(p: &mut CertificateParams, days: u32) {
+    let today = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs() / 86_400).unwrap_or(0) as i64;
+    let (y, m, d) = civil_from_days(today - 1);
+    p.not_before = rcgen::date_time_ymd(y, m, d);
+    let (y, m, d) = civil_from_days(today + i64::from(days));
+    p.not_after = rcgen::date_time_ymd(y, m, d);
+}
+
 fn ca_params() -> anyhow::Result<CertificateParams> {
     let mut p = CertificateParams::new(Vec::<String>::new())?;
     p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
@@ -37,6 +64,14 @@ fn ca_params() -> anyhow::Result<CertificateParams> {
 /// and certificate). Private keys are created with mode 0600 from the start. Returns the files
 /// written.
 pub fn init(out: &Path, nodes: &[String], force: bool) -> anyhow::Result<Vec<PathBuf>> {
+    init_valid_for(out, nodes, force, DEFAULT_DAYS)
+}
+
+/// [`init`] with node certificates valid for `days` days (a new CA for `10 × days`).
+pub fn init_valid_for(out: &Path, nodes: &[String], force: bool, days: u32) -> anyhow::Result<Vec<PathBuf>> {
+    if days == 0 {
+        bail!("--days must be at least 1");
+    }
     if nodes.is_empty() {
         bail!("name at least one node (--nodes n1,n2,n3)");
     }
@@ -58,7 +93,9 @@ pub fn init(out: &Path, nodes: &[String], force: bool) -> anyhow::Result<Vec<Pat
         KeyPair::from_pem(&std::fs::read_to_string(&ca_key_path)?).context("reading ca.key")?
     } else {
         let k = KeyPair::generate()?;
-        let cert = ca_params()?.self_signed(&k)?;
+        let mut params = ca_params()?;
+        set_lifetime(&mut params, days.saturating_mul(10));
+        let cert = params.self_signed(&k)?;
         write_private(&ca_key_path, &k.serialize_pem())?;
         std::fs::write(out.join("ca.pem"), cert.pem())?;
         written.push(out.join("ca.pem"));
@@ -71,6 +108,7 @@ pub fn init(out: &Path, nodes: &[String], force: bool) -> anyhow::Result<Vec<Pat
         p.distinguished_name.push(DnType::CommonName, n.as_str());
         p.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth];
         p.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+        set_lifetime(&mut p, days);
         let key = KeyPair::generate()?;
         let cert = p.signed_by(&key, &issuer)?;
         std::fs::write(out.join(format!("{n}.pem")), cert.pem())?;
@@ -114,16 +152,28 @@ impl Clone for TlsMaterial {
 }
 
 impl TlsMaterial {
-    /// Reads `ca.pem`, `<node>.pem` and `<node>.key` from `dir`.
+    /// Reads `ca.pem`, `<node>.pem` and `<node>.key` from `dir` (what `cluster init` writes),
+    /// or, where `<node>.pem` is absent and `tls.crt` present, the layout of a Kubernetes TLS
+    /// secret and cert-manager's CSI driver: `ca.crt`, `tls.crt`, `tls.key`, issued per pod.
+    /// That certificate must name `node`, since peers will hold this node to that name.
     pub fn load(dir: &Path, node: &str) -> anyhow::Result<Self> {
-        let ca_path = dir.join("ca.pem");
+        let per_pod = !dir.join(format!("{node}.pem")).exists() && dir.join("tls.crt").exists();
+        let (ca_file, cert_file, key_file) = if per_pod {
+            ("ca.crt".to_string(), "tls.crt".to_string(), "tls.key".to_string())
+        } else {
+            ("ca.pem".to_string(), format!("{node}.pem"), format!("{node}.key"))
+        };
+        let ca_path = dir.join(ca_file);
         let ca = CertificateDer::from_pem_file(&ca_path).with_context(|| format!("reading {}", ca_path.display()))?;
-        let cert_path = dir.join(format!("{node}.pem"));
+        let cert_path = dir.join(cert_file);
         let chain = CertificateDer::pem_file_iter(&cert_path)
             .with_context(|| format!("reading {} (run `zerolayer cluster init`)", cert_path.display()))?
             .collect::<Result<Vec<_>, _>>()?;
-        let key_path = dir.join(format!("{node}.key"));
+        let key_path = dir.join(key_file);
         let key = PrivateKeyDer::from_pem_file(&key_path).with_context(|| format!("reading {}", key_path.display()))?;
+        if per_pod && !chain.first().is_some_and(|c| super::identity::cert_names(c, node)) {
+            bail!("{} does not name node {node:?}: issue it with the node id as a DNS name", cert_path.display());
+        }
         Ok(TlsMaterial { ca, chain, key })
     }
 }
@@ -195,6 +245,7 @@ pub fn endpoint(socket: std::net::UdpSocket, m: &TlsMaterial, idle_timeout: Dura
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rustls::pki_types::UnixTime;
 
     #[test]
     fn keys_are_private_and_never_overwritten_without_force() {
@@ -216,6 +267,34 @@ mod tests {
         init(&dir, &["n1".into()], true).unwrap();
         assert_ne!(std::fs::read(dir.join("n1.key")).unwrap(), before);
         assert_eq!(std::fs::read(dir.join("ca.key")).unwrap(), ca, "the CA key is reused");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn certificates_last_the_days_asked() {
+        assert_eq!(civil_from_days(0), (1970, 1, 1));
+        assert_eq!(civil_from_days(19_723), (2024, 1, 1));
+        assert_eq!(civil_from_days(19_782), (2024, 2, 29));
+        let dir = std::env::temp_dir().join(format!("zl-tls-days-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        init_valid_for(&dir, &["n1".into()], false, 30).unwrap();
+        let m = TlsMaterial::load(&dir, "n1").unwrap();
+        let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(roots(&m.ca).unwrap(), provider()).build().unwrap();
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
+        let valid_at = |days: u64| verifier.verify_client_cert(&m.chain[0], &[], UnixTime::since_unix_epoch(Duration::from_secs(now + days * 86_400))).is_ok();
+        assert!(valid_at(0) && valid_at(29), "valid now and for the days asked");
+        assert!(!valid_at(32), "and not past them");
+        assert!(init_valid_for(&dir, &["n2".into()], false, 0).is_err());
+        // cert-manager's layout (a pod's own tls.crt, tls.key and ca.crt) loads when it names
+        // the node, and is refused for any other node.
+        let pod = dir.join("pod");
+        std::fs::create_dir_all(&pod).unwrap();
+        for (from, to) in [("ca.pem", "ca.crt"), ("n1.pem", "tls.crt"), ("n1.key", "tls.key")] {
+            std::fs::copy(dir.join(from), pod.join(to)).unwrap();
+        }
+        assert_eq!(TlsMaterial::load(&pod, "n1").unwrap().chain, m.chain);
+        let e = TlsMaterial::load(&pod, "n2").err().unwrap().to_string();
+        assert!(e.contains("does not name node \"n2\""), "{e}");
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -18,6 +18,7 @@ use axum::response::Response;
 use axum::routing::{get, post};
 use axum::{Extension, Router};
 use axum::http::HeaderValue;
+use tracing::Instrument;
 
 use crate::error::ApiError;
 use shared::{finish, new_id, AppState, RequestId};
@@ -45,22 +46,35 @@ pub fn router(state: AppState) -> Router {
         .route("/metrics", get(admin::prometheus))
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(limit))
-        .layer(middleware::from_fn(request_id_layer))
+        .layer(middleware::from_fn_with_state(state.clone(), request_id_layer))
         .with_state(state)
 }
 
-async fn request_id_layer(mut req: Request, next: Next) -> Response {
+/// Gives each request its id, runs it inside a `request` span (`request_id`, `node`: every
+/// log line it causes carries them), and logs one access line when the answer starts. Probes
+/// and scrapes (`/health`, `/ready`, `/metrics`) log theirs at debug.
+async fn request_id_layer(State(c): State<AppState>, mut req: Request, next: Next) -> Response {
     let id = new_id("req_");
     req.extensions_mut().insert(RequestId(id.clone()));
-    let mut resp = next.run(req).await;
+    let span = tracing::info_span!("request", request_id = %id, node = %c.node_id);
+    let (method, path) = (req.method().clone(), req.uri().path().to_string());
+    let started = std::time::Instant::now();
+    let mut resp = next.run(req).instrument(span.clone()).await;
+    let (status, ms) = (resp.status().as_u16(), started.elapsed().as_millis() as u64);
+    span.in_scope(|| match path.as_str() {
+        "/health" | "/ready" | "/metrics" => tracing::debug!(%method, %path, status, ms, "served"),
+        _ => tracing::info!(%method, %path, status, ms, "served"),
+    });
     if let Ok(v) = HeaderValue::from_str(&id) {
         resp.headers_mut().insert("request-id", v);
     }
     resp
 }
 
+/// Whether errors take OpenAI's shape (its endpoints) rather than Anthropic's.
 fn is_openai(req: &Request) -> bool {
-    req.uri().path().starts_with("/v1/chat/")
+    let path = req.uri().path();
+    path.starts_with("/v1/chat/") || path == "/v1/completions"
 }
 
 /// Authenticates API calls; adds the key's rate-limit headers to every answer. (Each handler
