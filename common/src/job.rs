@@ -29,13 +29,16 @@ pub struct Job {
     /// Tokens a worker that is gone already generated and the client already has: the sequence
     /// continues after them. Empty for a new sequence.
     pub resume: Vec<u32>,
+    /// The root of its prefix cache names ([`crate::scope_root`] of its cache scope; 0 for
+    /// the unscoped namespace): it sees only the cached prefixes of its own scope.
+    pub cache_root: u64,
 }
 
 impl Job {
     /// A job for `prompt` with `params`, for the default tenant, with no pins, no model name
     /// and no request id (engine-level callers: tests and benchmarks).
     pub fn new(prompt: Vec<u32>, params: SamplingParams) -> Job {
-        Job { request_id: String::new(), model: String::new(), prompt, params, share: Share::default(), pins: Vec::new(), resume: Vec::new() }
+        Job { request_id: String::new(), model: String::new(), prompt, params, share: Share::default(), pins: Vec::new(), resume: Vec::new(), cache_root: 0 }
     }
 
     /// This job continuing after `generated`, the tokens its client already has.
@@ -47,6 +50,12 @@ impl Job {
     /// This job for the tenant `share` names.
     pub fn shared(mut self, share: Share) -> Job {
         self.share = share;
+        self
+    }
+
+    /// This job in the cache scope whose names start at `root`.
+    pub fn scoped(mut self, root: u64) -> Job {
+        self.cache_root = root;
         self
     }
 

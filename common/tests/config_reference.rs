@@ -5,7 +5,7 @@
 use std::path::Path;
 
 use serde_json::Value;
-use zerolayer_common::config::keys;
+use zerolayer_common::config::{element_shape, known_keys};
 
 /// Each table of the config: its heading, the struct that holds it, and the file defining it.
 const TABLES: [(&str, &str, &str); 9] = [
@@ -45,17 +45,17 @@ fn fields(src: &str, name: &str) -> Vec<(String, String)> {
 
 /// The defaults of the table `heading` as JSON.
 fn defaults(heading: &str) -> Value {
-    let known = keys::known();
+    let known = known_keys();
     match heading {
         "[model] and [[models]]" => known["model"].clone(),
         "[server]" => known["server"].clone(),
         "[auth]" => known["auth"].clone(),
-        "[[auth.keys]]" => keys::element("auth.keys").unwrap(),
+        "[[auth.keys]]" => element_shape("auth.keys").unwrap(),
         "[limits]" => known["limits"].clone(),
         "[cluster]" => known["cluster"].clone(),
         "[placement]" => known["placement"].clone(),
-        "[[nodes]]" => keys::element("nodes").unwrap(),
-        _ => keys::element("nodes.workers").unwrap(),
+        "[[nodes]]" => element_shape("nodes").unwrap(),
+        _ => element_shape("nodes.workers").unwrap(),
     }
 }
 
@@ -98,7 +98,7 @@ fn the_config_reference_is_current() {
     let have = std::fs::read_to_string(&path).unwrap_or_default();
     assert!(have == want, "docs/config-reference.md is stale: run ZEROLAYER_BLESS=1 cargo test -p zerolayer-common --test config_reference");
     // Every key the config knows is in it.
-    for (section, v) in keys::known().as_object().unwrap() {
+    for (section, v) in known_keys().as_object().unwrap() {
         if let Value::Object(m) = v {
             for k in m.keys() {
                 assert!(want.contains(&format!("| `{k}` |")), "{section}.{k} is documented");

@@ -113,6 +113,7 @@ impl Node {
         let ctx = OrchestratorContext { node_id: node_id.to_string(), cluster: cluster.clone(), dispatch: dispatch.clone(), workers: workers.clone() };
         let (orchestrator, _) = ractor::Actor::spawn(None, Orchestrator, ctx).await.map_err(|e| anyhow::anyhow!("starting the node's orchestrator actor: {e}"))?;
         let node_id = node_id.to_string();
+        let cache_secret = cache_secret(&config);
         let frontend = Arc::new(Frontend {
             node_id,
             config,
@@ -125,6 +126,7 @@ impl Node {
             dispatch,
             orchestrator,
             recent: Default::default(),
+            cache_secret,
         });
         Ok(Node { frontend, hard_stop_tx })
     }
@@ -171,5 +173,16 @@ impl Node {
             w.handle.shutdown().await;
         }
         Ok(())
+    }
+}
+
+/// The secret every node of the cluster derives from the cluster CA's certificate (which clients
+/// never see): the key of the prefix cache's scope roots. A node without TLS (a lone node) draws
+/// a random one: its cache lives only as long as the process.
+fn cache_secret(config: &zerolayer_common::ClusterConfig) -> [u8; 32] {
+    let ca = config.cluster.tls_dir.as_ref().and_then(|d| std::fs::read(d.join("ca.pem")).or_else(|_| std::fs::read(d.join("ca.crt"))).ok());
+    match ca {
+        Some(pem) => zerolayer_common::cluster_secret(&pem),
+        None => rand::random(),
     }
 }

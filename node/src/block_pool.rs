@@ -47,10 +47,24 @@ enum Place {
     Used,
 }
 
+/// What a full block holds, by name: the chained hash of its prefix, the hash before it (its
+/// chain's root for a first block) and its own tokens. A lookup reuses a cached block only when
+/// all three are equal, so a hash collision (forged or by chance) cannot hand a request KV
+/// computed for other tokens: with each block's parent and tokens equal, the whole prefix is.
+#[derive(Clone, Copy, Debug)]
+pub struct BlockName<'a> {
+    pub hash: u64,
+    pub parent: u64,
+    pub tokens: &'a [u32],
+}
+
 pub struct BlockPool {
     block_size: usize,
     refcount: Vec<u32>,
     hash: Vec<Option<u64>>,
+    /// Per cached block: the parent hash and the tokens it was registered with.
+    parent: Vec<u64>,
+    tokens: Vec<u32>,
     place: Vec<Place>,
     free: FreeBlocks,
     // Intrusive doubly linked LRU list of cached, unreferenced blocks.
@@ -83,6 +97,8 @@ impl BlockPool {
             block_size,
             refcount: vec![0; num_blocks],
             hash: vec![None; num_blocks],
+            parent: vec![0; num_blocks],
+            tokens: vec![0; num_blocks * block_size],
             place: vec![Place::Free; num_blocks],
             free: FreeBlocks::new(num_blocks, zerolayer_kernels::attention::run_group(block_size)),
             prev: vec![NIL; num_blocks],
@@ -296,9 +312,13 @@ impl BlockPool {
         h
     }
 
-    /// The cached block holding the prefix named by `hash`, if any.
-    pub fn lookup(&self, hash: u64) -> Option<BlockId> {
-        self.cached.get(&hash).copied()
+    /// The cached block holding the prefix `name` names, if any: its hash, parent and tokens
+    /// all equal.
+    pub fn lookup(&self, name: BlockName<'_>) -> Option<BlockId> {
+        let b = *self.cached.get(&name.hash)?;
+        let i = b as usize;
+        let bs = self.block_size;
+        (self.parent[i] == name.parent && self.tokens[i * bs..(i + 1) * bs] == *name.tokens).then_some(b)
     }
 
     /// Takes a reference to a block (a cached prefix block being reused).
@@ -341,9 +361,11 @@ impl BlockPool {
     /// Registers a full, computed block under `hash`. If another block already holds that
     /// prefix, nothing changes (this one stays private and is freed normally). Returns whether
     /// the block is now the cached holder of `hash`.
-    pub fn register(&mut self, b: BlockId, hash: u64) -> bool {
+    pub fn register(&mut self, b: BlockId, name: BlockName<'_>) -> bool {
         let i = b as usize;
+        let hash = name.hash;
         debug_assert_eq!(self.place[i], Place::Used);
+        assert_eq!(name.tokens.len(), self.block_size, "a block name holds one block of tokens");
         if let Some(h) = self.hash[i] {
             return h == hash;
         }
@@ -352,6 +374,9 @@ impl BlockPool {
         }
         self.cached.insert(hash, b);
         self.hash[i] = Some(hash);
+        self.parent[i] = name.parent;
+        let bs = self.block_size;
+        self.tokens[i * bs..(i + 1) * bs].copy_from_slice(name.tokens);
         self.push_event(KvEvent::Stored { hashes: vec![hash] });
         true
     }

@@ -212,7 +212,7 @@ impl Engine {
     /// prefixes cached for their TTLs (each pin, or a later request's, refreshes them) inside
     /// the pinned share of the KV; its `share` names the tenant for the scheduler's fair sharing.
     pub fn add(&mut self, id: SeqId, job: Job) -> Result<()> {
-        let Job { prompt, params, share, pins, resume: generated, .. } = job;
+        let Job { prompt, params, share, pins, resume: generated, cache_root, .. } = job;
         if let Some(why) = &self.unavailable {
             return Err(WorkerError::Unavailable(why.clone()));
         }
@@ -247,7 +247,7 @@ impl Engine {
             self.pending.push((id, SeqEvent::Finished { reason, usage }));
             return Ok(());
         }
-        self.sched.add(id, Entry { tokens, prompt_len, max_tokens: st.params.max_tokens as usize, share })?;
+        self.sched.add(id, Entry { tokens, prompt_len, max_tokens: st.params.max_tokens as usize, share, cache_root })?;
         self.states.insert(id, st);
         Ok(())
     }

@@ -23,7 +23,9 @@ pub struct Export {
     pub generated: Vec<u32>,
     /// The sampler's seed (one was drawn if the request had none).
     pub seed: u64,
-    /// Chained hashes of the computed full blocks, in order.
+    /// The root of its chain (its cache scope: the resumed job carries it too).
+    pub cache_root: u64,
+    /// Chained hashes of the computed full blocks, in order, from `cache_root`.
     pub block_hashes: Vec<u64>,
     /// `block_hashes.len() × block_bytes` bytes of KV.
     pub kv: Vec<u8>,
@@ -31,12 +33,32 @@ pub struct Export {
     pub block_size: usize,
 }
 
+impl Export {
+    /// Its blocks as an import into another worker of this process, without the bytes of the
+    /// blocks `known` says the target caches already.
+    pub fn to_import(&self, known: impl Fn(u64) -> bool) -> KvImport {
+        let n = self.block_hashes.len();
+        let blocks = self
+            .block_hashes
+            .iter()
+            .enumerate()
+            .map(|(i, &h)| (h, (!known(h)).then(|| self.kv[i * self.block_bytes..(i + 1) * self.block_bytes].to_vec())))
+            .collect();
+        let tokens = self.prompt.iter().chain(&self.generated).copied().take(n * self.block_size).collect();
+        KvImport { block_size: self.block_size, block_bytes: self.block_bytes, cache_root: self.cache_root, tokens, blocks }
+    }
+}
+
 /// Blocks for a worker's prefix cache, in chain order. A block without bytes is one the target
-/// is believed to cache already.
+/// is believed to cache already. `tokens` are the tokens the blocks hold (block `i` holds
+/// `tokens[i × block_size ..][..block_size]`), and the chain starts at `cache_root`: each
+/// block is named by its hash, its parent and its tokens, as the target's own would be.
 #[derive(Debug, Default)]
 pub struct KvImport {
     pub block_size: usize,
     pub block_bytes: usize,
+    pub cache_root: u64,
+    pub tokens: Vec<u32>,
     pub blocks: Vec<(u64, Option<Vec<u8>>)>,
 }
 

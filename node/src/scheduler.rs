@@ -32,7 +32,7 @@ use std::collections::{HashMap, VecDeque};
 
 use zerolayer_common::{chain_hash, Share};
 
-use crate::block_pool::{BlockId, BlockPool};
+use crate::block_pool::{BlockId, BlockName, BlockPool};
 use crate::error::{WorkerError, Result};
 use crate::step_time::Outlook;
 
@@ -59,19 +59,21 @@ pub struct SchedulerConfig {
 
 /// A sequence to queue: its tokens (the prompt's `prompt_len`, then any output it already
 /// generated elsewhere), the most tokens it may generate in all (that output included), and
-/// the tenant it runs for (fair sharing: [`fair`]).
+/// the tenant it runs for (fair sharing: [`fair`]), and the root of its cache names (its
+/// cache scope: it reuses only blocks cached under the same root).
 #[derive(Clone, Debug)]
 pub struct Entry {
     pub tokens: Vec<u32>,
     pub prompt_len: usize,
     pub max_tokens: usize,
     pub share: Share,
+    pub cache_root: u64,
 }
 
 impl Entry {
     /// A new sequence of `prompt` for the default tenant.
     pub fn new(prompt: Vec<u32>, max_tokens: usize) -> Entry {
-        Entry { prompt_len: prompt.len(), tokens: prompt, max_tokens, share: Share::default() }
+        Entry { prompt_len: prompt.len(), tokens: prompt, max_tokens, share: Share::default(), cache_root: 0 }
     }
 
     /// This entry, whose last tokens after the first `prompt_len` were generated elsewhere.
@@ -83,6 +85,12 @@ impl Entry {
     /// This entry for the tenant `share` names.
     pub fn shared(mut self, share: Share) -> Entry {
         self.share = share;
+        self
+    }
+
+    /// This entry in the cache scope whose names start at `root`.
+    pub fn scoped(mut self, root: u64) -> Entry {
+        self.cache_root = root;
         self
     }
 }
@@ -98,8 +106,10 @@ pub struct Sequence {
     /// Tokens whose K/V are in the cache.
     pub num_computed: usize,
     pub blocks: Vec<BlockId>,
-    /// Chained hashes of the full blocks of `tokens` computed so far.
+    /// Chained hashes of the full blocks of `tokens` computed so far, from `cache_root`.
     hashes: Vec<u64>,
+    /// The root of its chain: its cache scope's.
+    pub cache_root: u64,
     /// Leading blocks already registered in (or taken from) the prefix cache.
     num_registered: usize,
     /// Prompt tokens served from the prefix cache at first admission.
@@ -115,6 +125,11 @@ pub struct Sequence {
 }
 
 impl Sequence {
+    /// The name of its full block `j` (hashed already): hash, parent, tokens.
+    fn name(&self, j: usize, bs: usize) -> BlockName<'_> {
+        BlockName { hash: self.hashes[j], parent: if j == 0 { self.cache_root } else { self.hashes[j - 1] }, tokens: &self.tokens[j * bs..(j + 1) * bs] }
+    }
+
     pub fn generated(&self) -> usize {
         self.tokens.len() - self.prompt_len
     }
@@ -223,8 +238,8 @@ impl Scheduler {
 
     /// The cached block holding the prefix named `hash`, pinned (not evictable) until
     /// [`Self::unpin`]; for a KV import that skips blocks the pool already has.
-    pub fn pin_cached(&mut self, hash: u64) -> Option<BlockId> {
-        let b = self.pool.lookup(hash)?;
+    pub fn pin_cached(&mut self, name: BlockName<'_>) -> Option<BlockId> {
+        let b = self.pool.lookup(name)?;
         self.pool.acquire(b);
         Some(b)
     }
@@ -241,8 +256,8 @@ impl Scheduler {
 
     /// The imported block `b` now holds the prefix `hash`: it joins the prefix cache (evictable,
     /// most recently used) and a `Stored` KV event announces it.
-    pub fn commit_import(&mut self, b: BlockId, hash: u64) {
-        self.pool.register(b, hash);
+    pub fn commit_import(&mut self, b: BlockId, name: BlockName<'_>) {
+        self.pool.register(b, name);
         self.pool.release(b);
     }
 
@@ -257,7 +272,7 @@ impl Scheduler {
 
     /// Queues a sequence. Refuses one that could never fit alone, or a full queue.
     pub fn add(&mut self, id: SeqId, entry: Entry) -> Result<()> {
-        let Entry { tokens: prompt, prompt_len, max_tokens, share } = entry;
+        let Entry { tokens: prompt, prompt_len, max_tokens, share, cache_root } = entry;
         if prompt_len == 0 || prompt.len() < prompt_len {
             return Err(WorkerError::Invalid("empty prompt".into()));
         }
@@ -289,6 +304,7 @@ impl Scheduler {
                 num_computed: 0,
                 blocks: vec![],
                 hashes: vec![],
+                cache_root,
                 num_registered: 0,
                 cached_prompt_tokens: 0,
                 started: false,
@@ -384,7 +400,7 @@ impl Scheduler {
             let full = s.num_computed / bs;
             while s.num_registered < full {
                 let j = s.num_registered;
-                self.pool.register(s.blocks[j], s.hashes[j]);
+                self.pool.register(s.blocks[j], s.name(j, bs));
                 s.num_registered += 1;
             }
         }
@@ -434,7 +450,7 @@ fn extend_hashes(s: &mut Sequence, bs: usize) {
     let full = s.tokens.len() / bs;
     while s.hashes.len() < full {
         let j = s.hashes.len();
-        let parent = if j == 0 { 0 } else { s.hashes[j - 1] };
+        let parent = if j == 0 { s.cache_root } else { s.hashes[j - 1] };
         s.hashes.push(chain_hash(parent, &s.tokens[j * bs..(j + 1) * bs]));
     }
 }

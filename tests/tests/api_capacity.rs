@@ -135,6 +135,7 @@ async fn no_new_work_while_draining() {
         format: None,
         breakpoints: vec![],
         raw: None,
+        cache_salt: None,
     };
     let open = zerolayer_coordinator::auth::Caller::Open;
     let admitted = coordinator.admit(&open, true).ok().expect("admitted: the refusal is placement's (no worker takes work)");

@@ -157,3 +157,55 @@ async fn a_pinned_prefix_survives_a_flood_that_evicts_an_unpinned_one() {
     assert!(b["cache_read_input_tokens"].as_u64().unwrap() < 16, "the unpinned prefix was evicted under LRU (only shared scaffolding is read): {b}");
     s.stop().await.unwrap();
 }
+
+/// Tenants share only what an operator says: a named key's prefixes (the default scope, `key`)
+/// are read from the cache by that key alone, so another key sending the very same prompt reads
+/// none of it (and cannot learn that it was sent); keys with `cache_scope = "shared"` share;
+/// a request's `cache_salt` isolates within a scope; cache-miss diagnostics find only the same
+/// scope's messages.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cache_scopes_keep_tenants_apart() {
+    use zerolayer_common::config::{CacheScope, KeyConfig};
+    let _g = heavy();
+    let key = |name: &str, scope| KeyConfig { name: name.into(), key: format!("sk-{name}-0123456789"), cache_scope: scope, ..Default::default() };
+    let s = TestServer::start(|c| {
+        c.auth.keys = vec![key("alice", CacheScope::Key), key("bob", CacheScope::Key), key("carol", CacheScope::Shared), key("dave", CacheScope::Shared)];
+    })
+    .await;
+    let c = http_client(120);
+    let system = format!("You are the archivist of the northern library. {}", "Catalogue every scroll twice. ".repeat(20));
+    let ask = |who: &str, extra: Value| {
+        let mut b = json!({"model": MODEL, "max_tokens": 1, "temperature": 0, "system": system, "messages": [{"role": "user", "content": "Which scroll?"}]});
+        b.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        let req = c.post(s.url("/v1/messages")).header("x-api-key", format!("sk-{who}-0123456789")).json(&b);
+        async move {
+            let r = req.send().await.unwrap();
+            let status = r.status().as_u16();
+            (status, r.json::<Value>().await.unwrap())
+        }
+    };
+    let read = |v: &Value| v["usage"]["cache_read_input_tokens"].as_u64().unwrap();
+    let (st, first) = ask("alice", json!({})).await;
+    assert_eq!((st, read(&first)), (200, 0), "{first}");
+    let (_, again) = ask("alice", json!({})).await;
+    assert!(read(&again) > 100, "a key reads its own prefix from the cache: {again}");
+    let (_, bob) = ask("bob", json!({})).await;
+    assert_eq!(read(&bob), 0, "another key with the default scope reads nothing of alice's prefix: {bob}");
+    let (_, carol) = ask("carol", json!({})).await;
+    assert_eq!(read(&carol), 0, "the shared scope is not alice's: {carol}");
+    let (_, dave) = ask("dave", json!({})).await;
+    assert!(read(&dave) > 100, "keys of the shared scope share: {dave}");
+    let (_, salted) = ask("dave", json!({"cache_salt": "project-x"})).await;
+    assert_eq!(read(&salted), 0, "a salt isolates within the scope: {salted}");
+    let (_, salted_again) = ask("carol", json!({"cache_salt": "project-x"})).await;
+    assert!(read(&salted_again) > 100, "the same salt in the same scope shares: {salted_again}");
+    let (st, bad) = ask("carol", json!({"cache_salt": 7})).await;
+    assert_eq!((st, bad["error"]["type"].as_str()), (400, Some("invalid_request_error")), "{bad}");
+    // Diagnostics: alice's message is found by alice, and by no one else.
+    let id = first["id"].as_str().unwrap();
+    let (_, own) = ask("alice", json!({"diagnostics": {"previous_message_id": id}})).await;
+    assert_eq!(own["diagnostics"], json!({"cache_miss_reason": null}), "{own}");
+    let (_, other) = ask("bob", json!({"diagnostics": {"previous_message_id": id}})).await;
+    assert_eq!(other["diagnostics"]["cache_miss_reason"]["type"], "previous_message_not_found", "{other}");
+    s.stop().await.unwrap();
+}

@@ -18,7 +18,6 @@ use zerolayer_worker::backend::{self, Backend};
 use zerolayer_common::WorkerConfig;
 use zerolayer_worker::engine::Engine;
 use zerolayer_worker::loader::{load, Loaded};
-use zerolayer_worker::migrate::KvImport;
 use zerolayer_worker::model::ForwardItem;
 use zerolayer_worker::sampler::{argmax, top_margin};
 use zerolayer_tests::*;
@@ -220,11 +219,7 @@ fn move_between_engines(kv_dtype: KvDtype, other: KvDtype) {
     assert_eq!(export.generated, got);
     let blocks = export.block_hashes.len();
     assert!(blocks >= 2, "full blocks travel");
-    let import = || KvImport {
-        block_size: export.block_size,
-        block_bytes: export.block_bytes,
-        blocks: export.block_hashes.iter().zip(export.kv.chunks(export.block_bytes)).map(|(h, b)| (*h, Some(b.to_vec()))).collect(),
-    };
+    let import = || export.to_import(|_| false);
     // A cache of the other element type has blocks of another size: refused, nothing written.
     let l = load_model(false);
     let wrong_cfg = WorkerConfig { kv_dtype: other, ..ecfg.clone() };

@@ -24,6 +24,18 @@ pub struct AuthSection {
     pub keys: Vec<KeyConfig>,
 }
 
+/// Whose cached prefixes a key's requests see (`[[auth.keys]] cache_scope`).
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum CacheScope {
+    /// The key's own prefixes only (the default for a named key).
+    #[default]
+    Key,
+    /// One namespace shared by every key of this scope (the unnamed `api_keys` and an open
+    /// node are in it).
+    Shared,
+}
+
 /// One named key (`[[auth.keys]]`). Unset limits fall back to `[limits]`.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(default)]
@@ -37,6 +49,11 @@ pub struct KeyConfig {
     /// Whether this key may send `ignore_eos` (keep generating past end tokens; benchmarks).
     /// Off for every key unless the operator turns it on; an open (keyless) node allows it.
     pub allow_ignore_eos: bool,
+    /// Whose cached prompt prefixes this key's requests see: `"key"` (its own only: no other
+    /// key can read them, or learn by timing or `cache_read_input_tokens` that it sent them) or
+    /// `"shared"` (one namespace with every other key of the shared scope). A request's
+    /// `cache_salt` narrows either further.
+    pub cache_scope: CacheScope,
     /// This key's limits; each unset one is `[limits]`'s.
     pub requests_per_minute: Option<u32>,
     /// Input plus output tokens per minute.
@@ -56,6 +73,7 @@ impl Default for KeyConfig {
             key: String::new(),
             weight: 1.0,
             allow_ignore_eos: false,
+            cache_scope: CacheScope::Key,
             requests_per_minute: None,
             tokens_per_minute: None,
             input_tokens_per_minute: None,
@@ -118,7 +136,23 @@ pub struct Tenant {
     pub key: String,
     pub weight: f64,
     pub allow_ignore_eos: bool,
+    pub cache_scope: CacheScope,
     pub limits: TenantLimits,
+}
+
+impl Tenant {
+    /// The name of the cache namespace this tenant's requests run in, narrowed by a request's
+    /// `cache_salt`: its own (`key:<name>`) or the shared one.
+    pub fn cache_scope_name(&self, salt: Option<&str>) -> String {
+        let base = match self.cache_scope {
+            CacheScope::Key => format!("key:{}", self.name),
+            CacheScope::Shared => "shared".to_string(),
+        };
+        match salt {
+            Some(s) => format!("{base}\0salt:{s}"),
+            None => base,
+        }
+    }
 }
 
 /// A tenant name from `[[auth.keys]]`.
@@ -162,7 +196,7 @@ pub fn tenants(auth: &AuthSection, limits: &LimitsSection) -> Result<Vec<Tenant>
         .unnamed_keys()?
         .into_iter()
         .enumerate()
-        .map(|(i, key)| Tenant { name: format!("key#{i}"), key, weight: 1.0, allow_ignore_eos: false, limits: base })
+        .map(|(i, key)| Tenant { name: format!("key#{i}"), key, weight: 1.0, allow_ignore_eos: false, cache_scope: CacheScope::Shared, limits: base })
         .collect();
     for k in &auth.keys {
         let or = |v: Option<u32>, d: u32| v.unwrap_or(d);
@@ -171,6 +205,7 @@ pub fn tenants(auth: &AuthSection, limits: &LimitsSection) -> Result<Vec<Tenant>
             key: k.key.clone(),
             weight: k.weight,
             allow_ignore_eos: k.allow_ignore_eos,
+            cache_scope: k.cache_scope,
             limits: TenantLimits {
                 requests_per_minute: or(k.requests_per_minute, base.requests_per_minute),
                 tokens_per_minute: or(k.tokens_per_minute, base.tokens_per_minute),

@@ -12,7 +12,7 @@ mod access;
 pub mod keys;
 mod validate;
 mod worker;
-pub use access::{AuthSection, KeyConfig, LimitsSection, Tenant, TenantLimits};
+pub use access::{AuthSection, CacheScope, KeyConfig, LimitsSection, Tenant, TenantLimits};
 pub use worker::{KvDtype, WorkerConfig};
 
 #[derive(Debug, thiserror::Error)]
@@ -439,10 +439,32 @@ fn env_value() -> Result<serde_json::Value, ConfigError> {
     Ok(v)
 }
 
+fn shape(v: impl Serialize) -> serde_json::Value {
+    serde_json::to_value(v).expect("config structs serialize")
+}
+
+/// The known keys of a whole config: the defaults' own tree (the structs are the one list of
+/// keys, so this cannot go stale).
+pub fn known_keys() -> serde_json::Value {
+    shape(ClusterConfig::default())
+}
+
+/// The shape of one element of the config's array at `path` (dotted, without indices): its
+/// element's defaults.
+pub fn element_shape(path: &str) -> Option<serde_json::Value> {
+    Some(match path {
+        "models" => shape(ModelSection::default()),
+        "nodes" => shape(NodeConfig::default()),
+        "nodes.workers" => shape(WorkerConfig::default()),
+        "auth.keys" => shape(KeyConfig::default()),
+        _ => return None,
+    })
+}
+
 /// A key the config does not have is a typo until shown otherwise: refuse it, naming it, its
 /// source, and the nearest known key.
 fn refuse_unknown_keys(given: &serde_json::Value, source: &str) -> Result<(), ConfigError> {
-    let unknown = keys::unknown_keys(given, &keys::known());
+    let unknown = keys::unknown_keys(given, &known_keys(), &element_shape);
     if unknown.is_empty() {
         return Ok(());
     }

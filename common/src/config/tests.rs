@@ -162,3 +162,14 @@ fn an_unknown_key_fails_with_its_name_and_a_suggestion() {
     assert_eq!(source("nodes[0].http"), "--port");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn every_typo_is_named_with_the_nearest_key() {
+    let given = serde_json::json!({
+        "nodes": [{"id": "a", "workers": [{"id": "w", "kv_cach_mb": 64}]}],
+        "auth": {"keys": [{"name": "n", "key": "k", "wieght": 2.0}]},
+    });
+    let shown: Vec<String> = keys::unknown_keys(&given, &known_keys(), &element_shape).iter().map(|u| u.to_string()).collect();
+    assert_eq!(shown, ["unknown key `auth.keys[0].wieght` (did you mean `weight`?)", "unknown key `nodes[0].workers[0].kv_cach_mb` (did you mean `kv_cache_mb`?)"]);
+    assert!(keys::unknown_keys(&known_keys(), &known_keys(), &element_shape).is_empty(), "the defaults are all known");
+}

@@ -64,6 +64,8 @@ pub struct ImportHeader {
     pub block_bytes: u64,
     /// The tokens the blocks hold (the chain hashes are checked against them).
     pub tokens: Vec<u32>,
+    /// The root the chain starts from (its sequence's cache scope).
+    pub cache_root: u64,
     pub blocks: Vec<BlockHeader>,
 }
 
@@ -138,6 +140,7 @@ mod tests {
             share: Share::of("team-a", 2.0),
             resume: vec![5, 6],
             pins: vec![CachePin { tokens: 640, ttl_secs: 300 }],
+            cache_root: 0x1234_5678_9abc_def1,
         };
         let s = Submit { origin_node: "a".into(), worker: "cpu0".into(), job };
         let f = encode_open(&Open::Submit(s.clone())).unwrap();
@@ -151,6 +154,7 @@ mod tests {
             block_size: 4,
             block_bytes: 1024,
             tokens: (0..8).collect(),
+            cache_root: 9,
             blocks: vec![BlockHeader { hash: 1, checksum: 2, sent: false }, BlockHeader { hash: 3, checksum: 4, sent: true }],
         };
         assert_eq!(h.payload_bytes(), 1024);

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use zerolayer_common::wire::{self, BlockHeader, ImportHeader, Open, Reply};
-use zerolayer_common::{block_hashes, checksum};
+use zerolayer_common::{block_hashes_from, checksum};
 use zerolayer_worker::migrate::{Export, KvImport};
 
 use super::frames::{read_frame, write_reply};
@@ -56,6 +56,7 @@ pub fn header(request_id: &str, origin_node: &str, worker: &str, export: &Export
         block_size: export.block_size as u32,
         block_bytes: export.block_bytes as u64,
         tokens,
+        cache_root: export.cache_root,
         blocks,
     }
 }
@@ -105,7 +106,7 @@ fn check(cluster: &Cluster, h: &ImportHeader) -> Result<(), String> {
     if h.tokens.len() < h.blocks.len() * bs {
         return Err(format!("{} tokens for {} blocks of {bs}", h.tokens.len(), h.blocks.len()));
     }
-    let chain = block_hashes(&h.tokens[..h.blocks.len() * bs], bs);
+    let chain = block_hashes_from(h.cache_root, &h.tokens[..h.blocks.len() * bs], bs);
     if chain.iter().zip(&h.blocks).any(|(a, b)| *a != b.hash) {
         return Err("the block hashes are not the chain of the tokens sent".into());
     }
@@ -117,7 +118,9 @@ fn check(cluster: &Cluster, h: &ImportHeader) -> Result<(), String> {
 /// fails, and that block's index if one did.
 async fn read_blocks<R: tokio::io::AsyncRead + Unpin>(h: &ImportHeader, recv: &mut R) -> std::io::Result<(KvImport, Option<usize>)> {
     use tokio::io::AsyncReadExt;
-    let mut import = KvImport { block_size: h.block_size as usize, block_bytes: h.block_bytes as usize, blocks: Vec::with_capacity(h.blocks.len()) };
+    let bs = h.block_size as usize;
+    let tokens = h.tokens[..(h.blocks.len() * bs).min(h.tokens.len())].to_vec();
+    let mut import = KvImport { block_size: bs, block_bytes: h.block_bytes as usize, cache_root: h.cache_root, tokens, blocks: Vec::with_capacity(h.blocks.len()) };
     let mut bad = None;
     for (i, b) in h.blocks.iter().enumerate() {
         if !b.sent {
@@ -182,11 +185,13 @@ mod tests {
     async fn a_block_that_fails_its_checksum_ends_the_chain_there() {
         let block_bytes = 8;
         let tokens: Vec<u32> = (0..12).collect();
-        let export = Export { prompt: tokens.clone(), generated: vec![], seed: 1, block_hashes: block_hashes(&tokens, 4), kv: (0..24u8).collect(), block_bytes, block_size: 4 };
+        let root = 0x77;
+        let export = Export { prompt: tokens.clone(), generated: vec![], seed: 1, cache_root: root, block_hashes: block_hashes_from(root, &tokens, 4), kv: (0..24u8).collect(), block_bytes, block_size: 4 };
         let h = header("r", "a", "cpu0", &export, &HashSet::new());
         let (import, bad) = read_blocks(&h, &mut &export.kv[..]).await.unwrap();
         assert_eq!((import.blocks.len(), bad), (3, None), "intact blocks all arrive");
         assert_eq!(import.blocks[1], (h.blocks[1].hash, Some(export.kv[8..16].to_vec())));
+        assert_eq!((import.cache_root, import.tokens.len()), (root, 12), "the chain's root and tokens travel with it");
         let mut damaged = export.kv.clone();
         damaged[9] ^= 1;
         let mut stream = &damaged[..];

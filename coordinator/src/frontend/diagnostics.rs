@@ -40,9 +40,21 @@ pub struct Fingerprint {
     /// Chained hashes of the prompt's full blocks.
     blocks: Vec<u64>,
     tokens: usize,
+    /// The cache scope it ran in: a diagnosis compares only prompts of one scope.
+    scope: String,
 }
 
 impl Fingerprint {
+    /// This fingerprint, of a prompt that ran in cache scope `scope`.
+    pub fn in_scope(mut self, scope: &str) -> Self {
+        self.scope = scope.to_string();
+        self
+    }
+
+    pub fn scope(&self) -> &str {
+        &self.scope
+    }
+
     pub fn of(req: &GenerationRequest, model: &str, prompt: &[u32]) -> Self {
         let tools = hash_of(req.offered_tools().iter().map(|t| (&t.name, &t.description, t.parameters.to_string(), t.deferred)).collect::<Vec<_>>());
         let system = hash_of(&req.system);
@@ -60,7 +72,7 @@ impl Fingerprint {
                 chain
             })
             .collect();
-        Fingerprint { model: model.to_string(), tools, system, messages, blocks, tokens: prompt.len() }
+        Fingerprint { model: model.to_string(), tools, system, messages, blocks, tokens: prompt.len(), scope: String::new() }
     }
 }
 
@@ -171,6 +183,7 @@ mod tests {
             format: None,
             breakpoints: vec![],
             raw: None,
+            cache_salt: None,
         }
     }
 

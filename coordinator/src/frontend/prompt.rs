@@ -203,6 +203,7 @@ mod tests {
             format: None,
             breakpoints: vec![],
             raw: None,
+            cache_salt: None,
         }
     }
 

@@ -143,6 +143,18 @@ pub struct GenerationRequest {
     /// A raw prompt (`/v1/completions`), tokenized as the client wrote it, with no chat
     /// template: how base models are used. `system` and `turns` are then empty.
     pub raw: Option<RawPrompt>,
+    /// vLLM's `cache_salt`: the request sees only cached prefixes computed under the same salt
+    /// (within its key's cache scope).
+    pub cache_salt: Option<String>,
+}
+
+/// `cache_salt` (vLLM's field): absent or null, or a string of 1 to 256 characters.
+pub fn parse_cache_salt(v: Option<&serde_json::Value>) -> Result<Option<String>, crate::error::ApiError> {
+    match v {
+        None | Some(serde_json::Value::Null) => Ok(None),
+        Some(serde_json::Value::String(s)) if !s.is_empty() && s.chars().count() <= 256 => Ok(Some(s.clone())),
+        Some(_) => Err(crate::error::ApiError::invalid("cache_salt: expected a string of 1 to 256 characters")),
+    }
 }
 
 /// A `/v1/completions` prompt: text (tokenized with the model's BOS where its vocabulary asks

@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use ractor::ActorRef;
 use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
-use zerolayer_common::{CachePin, ClusterConfig, Job, Share, WorkerSignals};
+use zerolayer_common::{scope_root, CachePin, ClusterConfig, Job, Share, WorkerSignals};
 use zerolayer_worker::chat::ChatTemplate;
 use zerolayer_worker::tokenizer::Tokenizer;
 
@@ -95,6 +95,9 @@ pub struct Frontend {
     pub orchestrator: ActorRef<OrchestratorMsg>,
     /// Recent responses' prompt fingerprints, for cache-miss diagnostics (bounded).
     pub recent: Mutex<Recent>,
+    /// The cluster's secret for cache scope roots (`zerolayer_common::scope_root`): derived from
+    /// the cluster CA's certificate, so every node agrees; a random one on a node without TLS.
+    pub cache_secret: [u8; 32],
 }
 
 /// A coordinator's admission state: the in-flight cap, and the preparation pool's slots.
@@ -253,7 +256,9 @@ impl Frontend {
         }
         let started_at = Instant::now();
         let model = self.model_of(&req)?.info.clone();
-        let fingerprint = Arc::new(Fingerprint::of(&req, &model.id, &ids));
+        let tenant = self.guard.tenant(caller);
+        let scope = tenant.cache_scope_name(req.cache_salt.as_deref());
+        let fingerprint = Arc::new(Fingerprint::of(&req, &model.id, &ids).in_scope(&scope));
         let mut params = req.params;
         params.max_tokens = resolve_max_tokens(req.max_tokens, ids.len(), model.context_length)?;
         if params.temperature > 0.0 {
@@ -262,9 +267,8 @@ impl Frontend {
         }
         ticket.charge_input(ids.len() as u64, true).map_err(crate::auth::rate_limited)?;
         let prompt_tokens = ids.len();
-        let tenant = self.guard.tenant(caller);
         let pins = breakpoints.iter().map(|&(tokens, ttl)| CachePin { tokens: tokens as u32, ttl_secs: ttl.secs() }).collect();
-        let job = Job { request_id: request_id.to_string(), model: model.id, prompt: ids, params, share: Share::of(&tenant.name, tenant.weight), pins, resume: Vec::new() };
+        let job = Job { request_id: request_id.to_string(), model: model.id, prompt: ids, params, share: Share::of(&tenant.name, tenant.weight), pins, resume: Vec::new(), cache_root: scope_root(&self.cache_secret, &scope) };
         let placed = self.dispatch.submit(&job, &[], None).await?;
         let served_by = placed.served_by();
         Ok(Accepted { stream: LiveSequence::new(self.dispatch.clone(), job, placed), prompt_tokens, served_by, started_at, fingerprint, ticket, breakpoints, _permit: permit })
@@ -279,9 +283,10 @@ impl Frontend {
     /// earlier message named). Counted by reason, and logged at debug with where they part.
     pub fn diagnose(&self, previous: Option<&str>, fp: &Fingerprint) -> Option<Diagnosis> {
         let prev = self.recent.lock().unwrap_or_else(|e| e.into_inner()).get(previous?);
+        // Only the same cache scope's messages are found: one tenant learns nothing of another's.
         let d = match prev {
-            Some(prev) => diagnostics::diagnose(&prev, fp),
-            None => Diagnosis::PreviousNotFound,
+            Some(prev) if prev.scope() == fp.scope() => diagnostics::diagnose(&prev, fp),
+            _ => Diagnosis::PreviousNotFound,
         };
         let reason = match d {
             Diagnosis::NoMiss => "none",

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use zerolayer_common::wire::Submit;
-use zerolayer_common::{block_hashes, ClusterConfig, Job, SeqEvent};
+use zerolayer_common::{block_hashes_from, ClusterConfig, Job, SeqEvent};
 use zerolayer_worker::SeqStream;
 
 use crate::cluster::forward::{self, ForwardError, RemoteStream};
@@ -102,11 +102,11 @@ impl Dispatcher {
         view
     }
 
-    /// Where a sequence of `model` holding `tokens` (prompt and output so far) would go now,
-    /// among the workers serving that model on nodes not in `exclude`: for a drain, which moves
-    /// each sequence's KV there.
-    pub fn target(&self, model: &str, tokens: &[u32], max_tokens: usize, exclude: &[String]) -> Option<Target> {
-        let summary = RequestSummary { block_hashes: block_hashes(tokens, self.block_size), prompt_tokens: tokens.len(), max_tokens };
+    /// Where a sequence of `model` holding `tokens` (prompt and output so far; its cache names
+    /// from `cache_root`) would go now, among the workers serving that model on nodes not in
+    /// `exclude`: for a drain, which moves each sequence's KV there.
+    pub fn target(&self, model: &str, tokens: &[u32], cache_root: u64, max_tokens: usize, exclude: &[String]) -> Option<Target> {
+        let summary = RequestSummary { block_hashes: block_hashes_from(cache_root, tokens, self.block_size), prompt_tokens: tokens.len(), max_tokens };
         let mut view = self.view();
         view.workers.retain(|w| !exclude.contains(&w.node) && w.model == model);
         match placement::place(&view, &summary, &self.config.placement, self.rr.fetch_add(1, Ordering::Relaxed)) {
@@ -123,7 +123,7 @@ impl Dispatcher {
     /// moved the sequence's KV to).
     pub async fn submit(&self, job: &Job, exclude: &[String], prefer: Option<(&str, &str)>) -> Result<Placed, ApiError> {
         let tokens = job.tokens();
-        let summary = RequestSummary { block_hashes: block_hashes(&tokens, self.block_size), prompt_tokens: tokens.len(), max_tokens: job.remaining_tokens() };
+        let summary = RequestSummary { block_hashes: block_hashes_from(job.cache_root, &tokens, self.block_size), prompt_tokens: tokens.len(), max_tokens: job.remaining_tokens() };
         let mut view = self.view();
         view.workers.retain(|w| !exclude.contains(&w.node) && w.model == job.model);
         let mut order: Vec<(usize, usize)> = Vec::new(); // (view index, cached blocks)

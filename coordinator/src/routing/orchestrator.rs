@@ -33,7 +33,7 @@ use serde::Serialize;
 use zerolayer_common::StopReason;
 use futures::StreamExt;
 use zerolayer_worker::actor::Handover;
-use zerolayer_worker::migrate::{Export, KvImport};
+use zerolayer_worker::migrate::Export;
 use zerolayer_worker::scheduler::SeqId;
 
 use crate::cluster::{migrate, Cluster, LocalWorker};
@@ -187,7 +187,7 @@ async fn drain(ctx: OrchestratorContext, report: Arc<Mutex<DrainReport>>) {
         for w in &ctx.workers {
             let ids = w.handle.sequences().await.unwrap_or_default();
             left += ids.len();
-            if ids.is_empty() || ctx.dispatch.target(&w.model, &[0], 1, &[ctx.node_id.clone()]).is_none() {
+            if ids.is_empty() || ctx.dispatch.target(&w.model, &[0], 0, 1, &[ctx.node_id.clone()]).is_none() {
                 continue; // nothing here, or nowhere to go: they finish here
             }
             // Their full blocks ahead, while they run; then all at one step boundary, and (a few
@@ -233,7 +233,7 @@ async fn precopy(ctx: &OrchestratorContext, w: &LocalWorker, ids: Vec<SeqId>) ->
     futures::stream::iter(copies.into_iter().filter(|(_, ex)| !ex.block_hashes.is_empty()).map(|(id, ex)| async move {
         let t0 = Instant::now();
         let tokens: Vec<u32> = ex.prompt.iter().chain(&ex.generated).copied().collect();
-        let target = ctx.dispatch.target(&w.model, &tokens, ex.generated.len().max(1), std::slice::from_ref(&ctx.node_id))?;
+        let target = ctx.dispatch.target(&w.model, &tokens, ex.cache_root, ex.generated.len().max(1), std::slice::from_ref(&ctx.node_id))?;
         let request_id = format!("precopy-{}-{}-{id}", ctx.node_id, w.id);
         match transfer(ctx, &target, &ex, &HashSet::new(), &request_id).await {
             Ok(t) => {
@@ -258,13 +258,8 @@ async fn precopy(ctx: &OrchestratorContext, w: &LocalWorker, ids: Vec<SeqId>) ->
 async fn transfer(ctx: &OrchestratorContext, target: &Target, ex: &Export, known: &HashSet<u64>, request_id: &str) -> anyhow::Result<migrate::Transferred> {
     if target.local {
         let Some(tw) = ctx.cluster.local_worker(&target.worker) else { anyhow::bail!("local worker {} vanished", target.worker) };
-        let blocks = ex
-            .block_hashes
-            .iter()
-            .enumerate()
-            .map(|(i, &h)| (h, (!known.contains(&h)).then(|| ex.kv[i * ex.block_bytes..(i + 1) * ex.block_bytes].to_vec())))
-            .collect();
-        let r = tw.handle.import(KvImport { block_size: ex.block_size, block_bytes: ex.block_bytes, blocks }).await.map_err(|e| anyhow::anyhow!("{e}"))?;
+        let imp = ex.to_import(|h| known.contains(&h));
+        let r = tw.handle.import(imp).await.map_err(|e| anyhow::anyhow!("{e}"))?;
         return Ok(migrate::Transferred { blocks: r.usable() as u32, bytes: 0 });
     }
     let addr = ctx.cluster.peer_addr(&target.node).ok_or_else(|| anyhow::anyhow!("node {} is unreachable", target.node))?;
@@ -283,7 +278,7 @@ async fn move_one(ctx: &OrchestratorContext, w: &LocalWorker, handover: Handover
     let remaining = ex.generated.len().max(1);
     let target = match pre {
         Some(p) => Some(p.target.clone()),
-        None => ctx.dispatch.target(&w.model, &tokens, remaining, &exclude),
+        None => ctx.dispatch.target(&w.model, &tokens, ex.cache_root, remaining, &exclude),
     };
     let Some(target) = target else {
         handover.finish(StopReason::Lost(format!("node {} drains and no worker could take the sequence", ctx.node_id))).await;

@@ -4,23 +4,52 @@
 use super::*;
 use proptest::prelude::*;
 
+/// Tokens standing for hash `h` (a test's blocks are named by their hash alone).
+fn toks(h: u64, bs: usize) -> Vec<u32> {
+    vec![h as u32; bs]
+}
+
+impl BlockPool {
+    fn register_h(&mut self, b: BlockId, h: u64) -> bool {
+        let t = toks(h, self.block_size);
+        self.register(b, BlockName { hash: h, parent: 0, tokens: &t })
+    }
+    fn lookup_h(&self, h: u64) -> Option<BlockId> {
+        self.lookup(BlockName { hash: h, parent: 0, tokens: &toks(h, self.block_size) })
+    }
+}
+
+/// A colliding name (the same hash for other tokens, or under another parent) finds nothing:
+/// a forged or chance collision cannot hand a request KV computed for other tokens.
+#[test]
+fn a_colliding_name_reuses_nothing() {
+    let mut p = BlockPool::new(2, 4);
+    let a = p.allocate().unwrap();
+    assert!(p.register(a, BlockName { hash: 42, parent: 7, tokens: &[1, 2, 3, 4] }));
+    p.release(a);
+    assert_eq!(p.lookup(BlockName { hash: 42, parent: 7, tokens: &[1, 2, 3, 4] }), Some(a), "the same prefix is reused");
+    assert_eq!(p.lookup(BlockName { hash: 42, parent: 7, tokens: &[1, 2, 3, 5] }), None, "other tokens under the same hash");
+    assert_eq!(p.lookup(BlockName { hash: 42, parent: 8, tokens: &[1, 2, 3, 4] }), None, "another parent under the same hash");
+    p.check_invariants();
+}
+
 #[test]
 fn cached_blocks_survive_release_until_evicted_lru_first() {
     let mut p = BlockPool::new(3, 16);
     let a = p.allocate().unwrap();
     let b = p.allocate().unwrap();
-    assert!(p.register(a, 11));
-    assert!(p.register(b, 22));
+    assert!(p.register_h(a, 11));
+    assert!(p.register_h(b, 22));
     p.release(a);
     p.release(b);
     assert_eq!(p.num_free(), 3);
-    assert_eq!(p.lookup(11), Some(a));
+    assert_eq!(p.lookup_h(11), Some(a));
     // Reuse b: it leaves the LRU list.
     p.acquire(b);
     let c = p.allocate().unwrap(); // the plain free block
     let d = p.allocate().unwrap(); // evicts a (the only LRU entry)
     assert_eq!(d, a);
-    assert_eq!(p.lookup(11), None);
+    assert_eq!(p.lookup_h(11), None);
     assert!(p.allocate().is_none());
     let (ev, overflow) = p.drain_events();
     assert!(!overflow);
@@ -37,7 +66,7 @@ fn a_pinned_block_outlives_lru_pressure_until_its_pin_expires() {
     p.set_max_pinned(1);
     let a = p.allocate().unwrap();
     assert!(!p.pin(a, 100), "an uncached block cannot be pinned");
-    assert!(p.register(a, 7));
+    assert!(p.register_h(a, 7));
     assert!(p.pin(a, 100));
     p.release(a);
     assert_eq!(p.num_free(), 3, "a pinned block is not free");
@@ -46,13 +75,13 @@ fn a_pinned_block_outlives_lru_pressure_until_its_pin_expires() {
         let bs: Vec<_> = (0..3).map(|_| p.allocate().unwrap()).collect();
         assert!(p.allocate().is_none(), "the pinned block is never handed out");
         for (k, &b) in bs.iter().enumerate() {
-            p.register(b, 1000 + round * 10 + k as u64);
+            p.register_h(b, 1000 + round * 10 + k as u64);
             assert!(!p.pin(b, 100), "the pinned share (1 block) is full");
             p.release(b);
         }
         p.check_invariants();
     }
-    assert_eq!(p.lookup(7), Some(a));
+    assert_eq!(p.lookup_h(7), Some(a));
     // A hit refreshes the pin: reused and pinned again until 200.
     p.acquire(a);
     assert!(p.pin(a, 200));
@@ -71,7 +100,7 @@ fn a_pinned_block_outlives_lru_pressure_until_its_pin_expires() {
     p.check_invariants();
     // Unpinned, it is evictable like any other (the LRU's newest, so evicted last).
     let all: Vec<_> = (0..4).map(|_| p.allocate().unwrap()).collect();
-    assert!(all.contains(&a) && p.lookup(7).is_none());
+    assert!(all.contains(&a) && p.lookup_h(7).is_none());
     p.check_invariants();
 }
 
@@ -132,10 +161,10 @@ proptest! {
                 }
                 Op::Register(i, h) if !held.is_empty() => {
                     let b = held[i % held.len()];
-                    p.register(b, h as u64 + 1);
+                    p.register_h(b, h as u64 + 1);
                 }
                 Op::Reuse(h) => {
-                    if let Some(b) = p.lookup(h as u64 + 1) {
+                    if let Some(b) = p.lookup_h(h as u64 + 1) {
                         p.acquire(b);
                         held.push(b);
                     }
@@ -171,7 +200,7 @@ fn run_waves(p: &mut BlockPool, waves: usize, seqs: usize, len: usize) -> Vec<f6
             for t in tables.iter_mut() {
                 let b = p.allocate_after(t.last().copied()).expect("room for the wave");
                 hash += 1;
-                p.register(b, hash);
+                p.register_h(b, hash);
                 t.push(b);
             }
         }
@@ -217,7 +246,7 @@ fn a_group_with_a_referenced_block_is_not_evicted_whole() {
     let blocks: Vec<_> = (0..32).map(|_| p.allocate().unwrap()).collect();
     assert_eq!(blocks, (0..32).collect::<Vec<_>>());
     for &b in &blocks {
-        assert!(p.register(b, 100 + b as u64));
+        assert!(p.register_h(b, 100 + b as u64));
     }
     for &b in blocks.iter().filter(|&&b| b != 3) {
         p.release(b);
@@ -225,8 +254,8 @@ fn a_group_with_a_referenced_block_is_not_evicted_whole() {
     p.drain_events();
     assert_eq!(p.allocate_after(None), Some(16), "group 1 is freed whole and started");
     assert_eq!(p.allocate_after(Some(16)), Some(17), "and the sequence continues in it");
-    assert!((16..32).all(|b| p.lookup(100 + b).is_none()), "group 1's cached blocks are evicted");
-    assert!((0..16).all(|b| p.lookup(100 + b) == Some(b as BlockId)), "group 0's are kept");
+    assert!((16..32).all(|b| p.lookup_h(100 + b).is_none()), "group 1's cached blocks are evicted");
+    assert!((0..16).all(|b| p.lookup_h(100 + b) == Some(b as BlockId)), "group 0's are kept");
     let (events, _) = p.drain_events();
     assert_eq!(events, vec![KvEvent::Evicted { hashes: (116..132).collect() }]);
     p.check_invariants();
@@ -234,8 +263,8 @@ fn a_group_with_a_referenced_block_is_not_evicted_whole() {
     // cached blocks one at a time, the least recently used first.
     let more: Vec<_> = (0..14).map(|_| p.allocate_after(None).unwrap()).collect();
     assert!(more.iter().all(|&b| (18..32).contains(&b)), "group 1's free blocks: {more:?}");
-    assert!((0..16).all(|b| p.lookup(100 + b).is_some()), "nothing evicted while they last");
+    assert!((0..16).all(|b| p.lookup_h(100 + b).is_some()), "nothing evicted while they last");
     assert_eq!(p.allocate_after(None), Some(0));
-    assert_eq!(p.lookup(100), None);
+    assert_eq!(p.lookup_h(100), None);
     p.check_invariants();
 }

@@ -3,6 +3,7 @@
 //! cache). [`crate::migrate`] holds what travels.
 
 use super::Engine;
+use crate::block_pool::BlockName;
 use crate::error::{Result, WorkerError};
 use crate::migrate::{Export, ImportReport, KvImport};
 use crate::scheduler::SeqId;
@@ -26,7 +27,7 @@ impl Engine {
         let s = self.sched.get(id)?;
         let bs = self.sched.config().block_size;
         let full = s.num_computed / bs;
-        let mut block_hashes = zerolayer_common::block_hashes(&s.tokens[..full * bs], bs);
+        let mut block_hashes = zerolayer_common::block_hashes_from(s.cache_root, &s.tokens[..full * bs], bs);
         let block_bytes = self.backend.kv().block_bytes;
         let mut kv = Vec::with_capacity(full * block_bytes);
         for (i, &b) in s.blocks[..full].iter().enumerate() {
@@ -38,7 +39,7 @@ impl Engine {
             }
         }
         let (prompt, generated) = (s.tokens[..s.prompt_len].to_vec(), s.tokens[s.prompt_len..].to_vec());
-        Some(Export { prompt, generated, seed: st.sampler.seed(), block_hashes, kv, block_bytes, block_size: bs })
+        Some(Export { prompt, generated, seed: st.sampler.seed(), cache_root: s.cache_root, block_hashes, kv, block_bytes, block_size: bs })
     }
 
     /// Writes the blocks of `imp` this worker does not cache into its prefix cache, in chain
@@ -55,12 +56,17 @@ impl Engine {
                 block_bytes
             )));
         }
+        if imp.tokens.len() < imp.blocks.len() * bs {
+            return Err(WorkerError::Invalid(format!("KV import of {} blocks with {} tokens", imp.blocks.len(), imp.tokens.len())));
+        }
         let mut report = ImportReport::default();
         let mut pinned = Vec::new();
         // The chain's block before the current one, whichever way it got here.
         let mut prev = None;
         for (i, (hash, bytes)) in imp.blocks.iter().enumerate() {
-            if let Some(b) = self.sched.pin_cached(*hash) {
+            let parent = if i == 0 { imp.cache_root } else { imp.blocks[i - 1].0 };
+            let name = BlockName { hash: *hash, parent, tokens: &imp.tokens[i * bs..(i + 1) * bs] };
+            if let Some(b) = self.sched.pin_cached(name) {
                 pinned.push(b);
                 report.already_cached += 1;
                 prev = Some(b);
@@ -84,7 +90,7 @@ impl Engine {
                 report.skipped = imp.blocks.len() - i;
                 break;
             }
-            self.sched.commit_import(b, *hash);
+            self.sched.commit_import(b, name);
             report.imported += 1;
             prev = Some(b);
         }

@@ -14,8 +14,8 @@ impl Scheduler {
         }
         let n = (tokens / self.cfg.block_size).min(s.hashes.len());
         let mut pinned = 0;
-        for &h in &s.hashes[..n] {
-            if let Some(b) = self.pool.lookup(h) {
+        for j in 0..n {
+            if let Some(b) = self.pool.lookup(s.name(j, self.cfg.block_size)) {
                 pinned += usize::from(self.pool.pin(b, until));
             }
         }

@@ -138,8 +138,8 @@ impl Scheduler {
         // Reuse cached full blocks, but always compute at least the last token.
         let max_match = (s.tokens.len() - 1) / bs;
         let mut matched: Vec<BlockId> = Vec::new();
-        for &h in s.hashes.iter().take(max_match) {
-            match self.pool.lookup(h) {
+        for j in 0..max_match.min(s.hashes.len()) {
+            match self.pool.lookup(s.name(j, bs)) {
                 Some(b) => matched.push(b),
                 None => break,
             }

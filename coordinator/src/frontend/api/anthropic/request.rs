@@ -90,6 +90,7 @@ pub fn parse(body: &Value, endpoint: Endpoint) -> Result<MessagesRequest, ApiErr
         k => bad(format!("output_config.{k}: Extra inputs are not permitted")),
     })?;
     let diagnostics = parse_diagnostics(obj.get("diagnostics"))?;
+    let cache_salt = crate::frontend::request::parse_cache_salt(obj.get("cache_salt"))?;
 
     let context_management = match obj.get("context_management") {
         None | Some(Value::Null) => false,
@@ -101,7 +102,7 @@ pub fn parse(body: &Value, endpoint: Endpoint) -> Result<MessagesRequest, ApiErr
 
     let params = SamplingParams { temperature, top_k, top_p, seed: None, max_tokens: 0, stop_sequences, ignore_eos: false, grammar: None };
     Ok(MessagesRequest {
-        generation: GenerationRequest { model, system, turns, max_tokens, params, stream, tools, tool_choice, parallel_tool_calls, format, breakpoints, raw: None },
+        generation: GenerationRequest { model, system, turns, max_tokens, params, stream, tools, tool_choice, parallel_tool_calls, format, breakpoints, raw: None, cache_salt },
         diagnostics,
         context_management,
     })
@@ -114,7 +115,7 @@ fn check_fields(obj: &serde_json::Map<String, Value>) -> Result<(), ApiError> {
             k.as_str(),
             "model" | "max_tokens" | "messages" | "system" | "stop_sequences" | "temperature" | "top_p" | "top_k" | "stream"
                 | "tools" | "tool_choice" | "metadata" | "cache_control" | "output_config" | "diagnostics" | "thinking"
-                | "context_management"
+                | "context_management" | "cache_salt"
         ) || IGNORED.contains(&k.as_str());
         if !known {
             return bad(format!("{k}: Extra inputs are not permitted"));

@@ -85,6 +85,7 @@ pub fn parse(body: &Value) -> Result<CompletionRequest, ApiError> {
         format: None,
         breakpoints: vec![],
         raw: Some(raw),
+        cache_salt: crate::frontend::request::parse_cache_salt(obj.get("cache_salt"))?,
     };
     Ok(CompletionRequest { generation, include_usage })
 }

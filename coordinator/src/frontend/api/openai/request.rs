@@ -270,7 +270,11 @@ pub fn parse(body: &Value) -> Result<ChatRequest, ApiError> {
         None | Some(Value::Null) => None,
         Some(rf) => response_format(rf)?,
     };
-    Ok(ChatRequest { generation: GenerationRequest { model, system, turns, max_tokens, params, stream, tools, tool_choice, parallel_tool_calls, format, breakpoints: vec![], raw: None }, include_usage })
+    let cache_salt = crate::frontend::request::parse_cache_salt(obj.get("cache_salt"))?;
+    Ok(ChatRequest {
+        generation: GenerationRequest { model, system, turns, max_tokens, params, stream, tools, tool_choice, parallel_tool_calls, format, breakpoints: vec![], raw: None, cache_salt },
+        include_usage,
+    })
 }
 
 /// `response_format`: `text` (free), `json_object` (any JSON object), or `json_schema`
