@@ -16,7 +16,8 @@ use zerolayer_worker::tokenizer::Tokenizer;
 use zerolayer_worker::WorkerHandle;
 
 use crate::cluster::{Cluster, LocalWorker};
-use crate::frontend::service::{Admission, Frontend, ModelInfo, Served};
+use crate::frontend::pipeline::{ModelInfo, Served};
+use crate::frontend::service::{Admission, Frontend};
 use crate::routing::dispatch::Dispatcher;
 use crate::routing::orchestrator::{Orchestrator, OrchestratorContext};
 use crate::view::NodeState;
@@ -113,7 +114,9 @@ impl Node {
         let ctx = OrchestratorContext { node_id: node_id.to_string(), cluster: cluster.clone(), dispatch: dispatch.clone(), workers: workers.clone() };
         let (orchestrator, _) = ractor::Actor::spawn(None, Orchestrator, ctx).await.map_err(|e| anyhow::anyhow!("starting the node's orchestrator actor: {e}"))?;
         let node_id = node_id.to_string();
-        let cache_secret = cache_secret(&config);
+        // The secret under which cache scopes are named: the cluster CA's (every node derives
+        // the same one), or this process's own without a cluster.
+        let cache_secret = cluster.cache_secret().unwrap_or_else(rand::random);
         let frontend = Arc::new(Frontend {
             node_id,
             config,
@@ -176,13 +179,3 @@ impl Node {
     }
 }
 
-/// The secret every node of the cluster derives from the cluster CA's certificate (which clients
-/// never see): the key of the prefix cache's scope roots. A node without TLS (a lone node) draws
-/// a random one: its cache lives only as long as the process.
-fn cache_secret(config: &zerolayer_common::ClusterConfig) -> [u8; 32] {
-    let ca = config.cluster.tls_dir.as_ref().and_then(|d| std::fs::read(d.join("ca.pem")).or_else(|_| std::fs::read(d.join("ca.crt"))).ok());
-    match ca {
-        Some(pem) => zerolayer_common::cluster_secret(&pem),
-        None => rand::random(),
-    }
-}

@@ -22,7 +22,7 @@ mod tensor_parallel;
 pub use cpu::Cpu;
 #[cfg(feature = "gpu")]
 pub use cuda::{group as cuda_group, Cuda};
-pub use step::{Backend, KvGeometry};
+pub use step::{Backend, KvGeometry, Shape};
 pub use tensor_parallel::TensorParallel;
 
 use zerolayer_common::config::KvDtype;

@@ -34,18 +34,22 @@ pub struct Export {
 }
 
 impl Export {
+    /// The tokens its blocks hold: block `i` holds `block_tokens()[i × block_size ..][..block_size]`.
+    pub fn block_tokens(&self) -> Vec<u32> {
+        let n = self.block_hashes.len();
+        self.prompt.iter().chain(&self.generated).copied().take(n * self.block_size).collect()
+    }
+
+    /// Block `i`'s bytes.
+    pub fn block(&self, i: usize) -> &[u8] {
+        &self.kv[i * self.block_bytes..(i + 1) * self.block_bytes]
+    }
+
     /// Its blocks as an import into another worker of this process, without the bytes of the
     /// blocks `known` says the target caches already.
     pub fn to_import(&self, known: impl Fn(u64) -> bool) -> KvImport {
-        let n = self.block_hashes.len();
-        let blocks = self
-            .block_hashes
-            .iter()
-            .enumerate()
-            .map(|(i, &h)| (h, (!known(h)).then(|| self.kv[i * self.block_bytes..(i + 1) * self.block_bytes].to_vec())))
-            .collect();
-        let tokens = self.prompt.iter().chain(&self.generated).copied().take(n * self.block_size).collect();
-        KvImport { block_size: self.block_size, block_bytes: self.block_bytes, cache_root: self.cache_root, tokens, blocks }
+        let blocks = self.block_hashes.iter().enumerate().map(|(i, &h)| (h, (!known(h)).then(|| self.block(i).to_vec()))).collect();
+        KvImport { block_size: self.block_size, block_bytes: self.block_bytes, cache_root: self.cache_root, tokens: self.block_tokens(), blocks }
     }
 }
 

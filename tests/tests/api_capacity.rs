@@ -122,25 +122,13 @@ async fn no_new_work_while_draining() {
         }
         Err(e) => assert!(e.is_connect(), "{e}"),
     }
-    let req = zerolayer_coordinator::frontend::request::GenerationRequest {
-        model: "smollm2-135m-instruct".into(),
-        system: None,
-        turns: vec![zerolayer_coordinator::frontend::request::Turn::new(zerolayer_coordinator::frontend::request::Role::User, "Hi")],
-        max_tokens: Some(1),
-        params: SamplingParams::greedy(1),
-        stream: false,
-        tools: vec![],
-        tool_choice: Default::default(),
-        parallel_tool_calls: true,
-        format: None,
-        breakpoints: vec![],
-        raw: None,
-        cache_salt: None,
-    };
+    use zerolayer_coordinator::frontend::request::{GenerationRequest, Role, Turn};
+    let mut req = GenerationRequest::chat("smollm2-135m-instruct", None, vec![Turn::new(Role::User, "Hi")]);
+    (req.max_tokens, req.params) = (Some(1), SamplingParams::greedy(1));
     let open = zerolayer_coordinator::auth::Caller::Open;
     let admitted = coordinator.admit(&open, true).ok().expect("admitted: the refusal is placement's (no worker takes work)");
-    let ids = coordinator.prompt_ids(&req).unwrap();
-    let refused = coordinator.start(admitted, &open, req, ids, vec![], "req_test").await.err().expect("refused while draining");
+    let prepared = coordinator.served(&req.model).unwrap().prepare(req, zerolayer_coordinator::frontend::pipeline::Purpose::Generate).unwrap();
+    let refused = coordinator.start(admitted, &open, prepared, "req_test").await.err().expect("refused while draining");
     assert_eq!(refused.status(), 529);
     gate.release();
     while let Some(chunk) = within(60, "the running stream finishes", stream.next()).await {

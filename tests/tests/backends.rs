@@ -7,10 +7,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use zerolayer_common::{Job, SamplingParams};
-use zerolayer_worker::backend::{Backend, Cpu, KvGeometry};
+use zerolayer_worker::backend::{Backend, Cpu, Shape};
 use zerolayer_common::WorkerConfig;
 use zerolayer_worker::engine::Engine;
-use zerolayer_worker::model::{ForwardItem, ModelConfig};
+use zerolayer_worker::model::ForwardItem;
 use zerolayer_worker::sampler::{argmax, select_top_k, Pick, Picked};
 use zerolayer_worker::Result;
 use zerolayer_tests::*;
@@ -26,14 +26,8 @@ struct Picking {
 }
 
 impl Backend for Picking {
-    fn config(&self) -> &ModelConfig {
-        self.inner.config()
-    }
-    fn weight_bytes(&self) -> usize {
-        self.inner.weight_bytes()
-    }
-    fn kv(&self) -> KvGeometry {
-        self.inner.kv()
+    fn shape(&self) -> Shape<'_> {
+        self.inner.shape()
     }
     fn forward_into(&mut self, items: &[ForwardItem<'_>], logits: &mut Vec<f32>) -> Result<usize> {
         self.inner.forward_into(items, logits)

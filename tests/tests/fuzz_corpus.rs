@@ -1,12 +1,14 @@
 //! A deterministic pass of the fuzz target's body over its corpus (`fuzz/corpus/request`) and
 //! over every crash regression (`fuzz/regressions`): no input may panic the front end.
 
+use zerolayer_coordinator::frontend::fuzzing;
 use zerolayer_worker::loader::load_frontend;
 use zerolayer_tests::model_path;
 
 #[test]
 fn fuzz_corpus_never_panics() {
-    let (tok, tmpl, _) = load_frontend(&model_path()).unwrap();
+    let (tok, tmpl, context) = load_frontend(&model_path()).unwrap();
+    let served = fuzzing::served(tok, tmpl, context);
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz");
     let mut n = 0;
     let mut ok = 0;
@@ -17,7 +19,7 @@ fn fuzz_corpus_never_panics() {
         files.sort();
         for f in files {
             let data = std::fs::read(&f).unwrap();
-            if zerolayer_coordinator::frontend::fuzzing::exercise(&data, &tok, &tmpl).is_ok() {
+            if fuzzing::exercise(&data, &served).is_ok() {
                 ok += 1;
             }
             n += 1;

@@ -127,10 +127,28 @@ pub fn sources(effective: &Value, file: Option<(&str, &Value)>, env: &Value, cli
         .collect()
 }
 
+/// Whether a leaf (as [`leaves`] names it) holds a secret that `zerolayer config` must not
+/// print: the API keys, the admin key, and each named key's `key` (its name and weight are not
+/// secret).
+pub fn is_secret(leaf: &str) -> bool {
+    let named_key = leaf.strip_prefix("auth.keys[").and_then(|r| r.split_once(']')).is_some_and(|(i, rest)| i.parse::<usize>().is_ok() && rest == ".key");
+    leaf == "auth.api_keys" || leaf == "auth.admin_key" || named_key
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn exactly_the_keys_are_secret() {
+        for leaf in ["auth.api_keys", "auth.admin_key", "auth.keys[0].key", "auth.keys[12].key"] {
+            assert!(is_secret(leaf), "{leaf}");
+        }
+        for leaf in ["auth.keys[0].name", "auth.keys[0].weight", "auth.keys[0].cache_scope", "auth.keys", "limits.max_tokens", "cluster.tls_dir", "auth.keys[x].key"] {
+            assert!(!is_secret(leaf), "{leaf}");
+        }
+    }
 
     #[test]
     fn a_typo_is_named_with_the_nearest_key() {

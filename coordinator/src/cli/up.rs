@@ -122,7 +122,7 @@ impl UpArgs {
         let path = self.config_path();
         println!("# node {node_id}; config {}", path.as_ref().map(|p| p.display().to_string()).unwrap_or_else(|| "(embedded default)".into()));
         for (key, value, source) in cfg.explain(path.as_deref(), &set)? {
-            let value = if key.ends_with("key") || key.ends_with("keys") || key.contains(".keys[") { redact(&value) } else { value };
+            let value = if zerolayer_common::config::keys::is_secret(&key) { redact(&value) } else { value };
             println!("{key} = {value}    # {source}");
         }
         Ok(())

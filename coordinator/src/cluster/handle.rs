@@ -124,6 +124,13 @@ fn code_state(c: u8) -> NodeState {
 }
 
 impl Cluster {
+    /// The secret every node of the cluster derives from the cluster CA's certificate (which
+    /// clients never see): the key of the prefix cache's scope roots
+    /// ([`zerolayer_common::scope_root`]). None without a cluster link: a lone node draws its own.
+    pub fn cache_secret(&self) -> Option<[u8; 32]> {
+        self.net.as_ref().map(|n| zerolayer_common::cluster_secret(&n.ca))
+    }
+
     /// The link's state before any task runs (see `start`).
     pub(super) fn new(node_id: &str, config: &ClusterConfig, workers: &[LocalWorker], http: String, net: Option<Net>, quota: Arc<Quota>) -> Cluster {
         Cluster {

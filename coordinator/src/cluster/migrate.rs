@@ -37,17 +37,12 @@ pub struct Transferred {
 
 /// The header for `export`'s blocks; blocks whose hash is in `target_cached` are not sent.
 pub fn header(request_id: &str, origin_node: &str, worker: &str, export: &Export, target_cached: &HashSet<u64>) -> ImportHeader {
-    let n = export.block_hashes.len();
-    let tokens: Vec<u32> = export.prompt.iter().chain(&export.generated).copied().take(n * export.block_size).collect();
+    let tokens = export.block_tokens();
     let blocks = export
         .block_hashes
         .iter()
         .enumerate()
-        .map(|(i, &hash)| BlockHeader {
-            hash,
-            checksum: checksum(&export.kv[i * export.block_bytes..(i + 1) * export.block_bytes]),
-            sent: !target_cached.contains(&hash),
-        })
+        .map(|(i, &hash)| BlockHeader { hash, checksum: checksum(export.block(i)), sent: !target_cached.contains(&hash) })
         .collect();
     ImportHeader {
         request_id: request_id.to_string(),
@@ -71,7 +66,7 @@ pub async fn send(cluster: &Cluster, node: &str, addr: SocketAddr, header: Impor
         let mut bytes = 0u64;
         for (i, b) in header.blocks.iter().enumerate() {
             if b.sent {
-                send.write_all(&export.kv[i * export.block_bytes..(i + 1) * export.block_bytes]).await?;
+                send.write_all(export.block(i)).await?;
                 bytes += export.block_bytes as u64;
             }
         }

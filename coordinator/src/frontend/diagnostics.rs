@@ -163,28 +163,14 @@ impl Recent {
 #[cfg(test)]
 mod tests {
     use serde_json::json;
-    use zerolayer_common::SamplingParams;
 
     use super::*;
     use crate::frontend::request::{Role, Turn};
-    use crate::frontend::tools::{Tool, ToolChoice};
+    use crate::frontend::tools::Tool;
 
     fn req(system: &str, turns: &[&str]) -> GenerationRequest {
-        GenerationRequest {
-            model: "m".into(),
-            system: Some(system.into()),
-            turns: turns.iter().enumerate().map(|(i, t)| Turn::new(if i % 2 == 0 { Role::User } else { Role::Assistant }, *t)).collect(),
-            max_tokens: None,
-            params: SamplingParams::default(),
-            stream: false,
-            tools: vec![],
-            tool_choice: ToolChoice::Auto,
-            parallel_tool_calls: true,
-            format: None,
-            breakpoints: vec![],
-            raw: None,
-            cache_salt: None,
-        }
+        let turns = turns.iter().enumerate().map(|(i, t)| Turn::new(if i % 2 == 0 { Role::User } else { Role::Assistant }, *t)).collect();
+        GenerationRequest::chat("m", Some(system), turns)
     }
 
     /// A stand-in prompt: the system text's bytes, then each turn's (one token a byte).

@@ -5,6 +5,9 @@
 //! - [`prompt`]: the request through the chat template, and where the client's words land;
 //!   [`caching`]: cache breakpoints in tokens, and the cache usage split; [`diagnostics`]: why a
 //!   prompt missed the cache;
+//! - [`pipeline`]: the served models, and the one path from a parsed request to the engine's
+//!   input (length, prompt tokens, grammar, cache breakpoints) that every API and the fuzz target
+//!   run;
 //! - [`service`]: the [`service::Frontend`] every handler calls (admission, preparation off the
 //!   runtime, then [`crate::routing`]);
 //! - [`api`]: the axum router, one folder per API; [`fuzzing`]: the front end as one function,
@@ -17,6 +20,7 @@ pub mod caching;
 pub mod constrain;
 pub mod diagnostics;
 pub mod fuzzing;
+pub mod pipeline;
 pub mod prompt;
 pub mod request;
 pub mod service;

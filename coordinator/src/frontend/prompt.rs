@@ -183,28 +183,13 @@ pub fn prompt_ids(req: &GenerationRequest, template: &ChatTemplate, tokenizer: &
 #[cfg(test)]
 mod tests {
     use serde_json::json;
-    use zerolayer_common::SamplingParams;
 
     use super::*;
     use crate::frontend::request::Turn;
     use crate::frontend::tools::{Tool, ToolCall, ToolChoice};
 
     fn request(turns: Vec<Turn>) -> GenerationRequest {
-        GenerationRequest {
-            model: "m".into(),
-            system: Some("Be brief.".into()),
-            turns,
-            max_tokens: None,
-            params: SamplingParams::default(),
-            stream: false,
-            tools: vec![],
-            tool_choice: ToolChoice::Auto,
-            parallel_tool_calls: true,
-            format: None,
-            breakpoints: vec![],
-            raw: None,
-            cache_salt: None,
-        }
+        GenerationRequest::chat("m", Some("Be brief."), turns)
     }
 
     #[test]

@@ -167,6 +167,26 @@ pub enum RawPrompt {
 }
 
 impl GenerationRequest {
+    /// A plain chat: `system` and `turns` for `model`, default sampling, no tools, no limit of
+    /// its own, not streamed.
+    pub fn chat(model: &str, system: Option<&str>, turns: Vec<Turn>) -> Self {
+        GenerationRequest {
+            model: model.into(),
+            system: system.map(Into::into),
+            turns,
+            max_tokens: None,
+            params: SamplingParams::default(),
+            stream: false,
+            tools: vec![],
+            tool_choice: ToolChoice::Auto,
+            parallel_tool_calls: true,
+            format: None,
+            breakpoints: vec![],
+            raw: None,
+            cache_salt: None,
+        }
+    }
+
     /// The tools the model is shown (none when `tool_choice` is `none`).
     pub fn offered_tools(&self) -> &[Tool] {
         match self.tool_choice {

@@ -13,8 +13,6 @@ use std::time::Instant;
 use ractor::ActorRef;
 use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 use zerolayer_common::{scope_root, CachePin, ClusterConfig, Job, Share, WorkerSignals};
-use zerolayer_worker::chat::ChatTemplate;
-use zerolayer_worker::tokenizer::Tokenizer;
 
 use crate::auth::{Caller, Guard};
 use crate::quota::Ticket;
@@ -23,35 +21,10 @@ use crate::frontend::diagnostics::{self, Diagnosis, Fingerprint, Recent};
 use crate::routing::dispatch::Dispatcher;
 use crate::routing::orchestrator::{OrchestratorMsg, DrainReport};
 use crate::error::ApiError;
-use crate::frontend::request::{resolve_max_tokens, CacheTtl, GenerationRequest};
+use crate::frontend::pipeline::{Prepared, Served};
+use crate::frontend::request::{resolve_max_tokens, CacheTtl};
 use crate::routing::resume::LiveSequence;
 use crate::view::NodeState;
-
-/// A model the cluster serves: its names and its context.
-#[derive(Clone, Debug)]
-pub struct ModelInfo {
-    pub id: String,
-    pub aliases: Vec<String>,
-    pub display_name: String,
-    pub created_unix: i64,
-    pub context_length: usize,
-}
-
-impl ModelInfo {
-    pub fn matches(&self, name: &str) -> bool {
-        self.id == name || self.aliases.iter().any(|a| a == name)
-    }
-}
-
-/// A model as this node's front end serves it: what it is, and the tokenizer and chat template
-/// that render and tokenize its prompts (this node renders prompts for every model in the
-/// cluster, whichever worker runs them).
-pub struct Served {
-    pub info: ModelInfo,
-    pub tokenizer: Arc<Tokenizer>,
-    pub template: Arc<ChatTemplate>,
-    pub special_tokens_in_content: bool,
-}
 
 /// A sequence accepted by a worker.
 pub struct Accepted {
@@ -171,10 +144,6 @@ impl Frontend {
         &self.models[0]
     }
 
-    fn model_of(&self, req: &GenerationRequest) -> Result<&Served, ApiError> {
-        self.served(&req.model).ok_or_else(|| ApiError::NotFound(format!("model: {}", req.model)))
-    }
-
     /// Lets a request in, before any work on its body: not shutting down, the key's limits
     /// (concurrency, and one request for a `generation`), then the node's in-flight cap.
     pub fn admit(&self, caller: &Caller, generation: bool) -> Result<Admitted, ApiError> {
@@ -198,64 +167,19 @@ impl Frontend {
         tokio::task::spawn_blocking(f).await.map_err(|e| ApiError::Internal(format!("preparing the request: {e}")))
     }
 
-    /// The length check that needs no tokenizer: a prompt whose text alone must be more tokens
-    /// than the context holds is refused before the template runs.
-    pub fn check_length(&self, req: &GenerationRequest) -> Result<(), ApiError> {
-        let m = self.model_of(req)?;
-        let at_least = m.tokenizer.min_tokens(req.text_bytes());
-        if at_least >= m.info.context_length {
-            return Err(ApiError::invalid(format!(
-                "prompt is too long: at least {at_least} tokens > {} maximum",
-                m.info.context_length.saturating_sub(1)
-            )));
-        }
-        Ok(())
-    }
-
-    /// The prompt's token ids (`prompt::prompt_ids`: what the client wrote stays text).
-    pub fn prompt_ids(&self, req: &GenerationRequest) -> Result<Vec<u32>, ApiError> {
-        let m = self.model_of(req)?;
-        match &req.raw {
-            Some(raw) => crate::frontend::prompt::raw_ids(raw, &m.tokenizer),
-            None if !m.template.is_own() => Err(ApiError::invalid(format!(
-                "model {} has no chat template (a base model): send its prompt to /v1/completions",
-                m.info.id
-            ))),
-            None => crate::frontend::prompt::prompt_ids(req, &m.template, &m.tokenizer, m.special_tokens_in_content),
-        }
-    }
-
-    /// Sets the grammar the reply is held to (`tool_choice`, the output format: see
-    /// [`crate::frontend::constrain`]) and checks that it compiles, so that a schema the engine cannot
-    /// enforce is the client's 400 before anything is placed. CPU work: runs in `prepare`.
-    pub fn constrain(&self, req: &mut GenerationRequest) -> Result<(), ApiError> {
-        req.params.grammar = req.grammar()?;
-        if let Some(g) = &req.params.grammar {
-            self.model_of(req)?.tokenizer.grammars()?.compile(g)?;
-        }
-        Ok(())
-    }
-
     /// Charges the prompt to the key, then places and submits it. A draining node still accepts
     /// requests (its workers are out of placement; other nodes' are not); only a node past its
     /// shutdown grace period refuses.
-    /// `breakpoints` are the prompt's `cache_control` positions (`caching::breakpoint_tokens`):
-    /// the worker pins each prefix for its TTL, and usage is split at them.
-    pub async fn start(
-        &self,
-        admitted: Admitted,
-        caller: &Caller,
-        req: GenerationRequest,
-        ids: Vec<u32>,
-        breakpoints: Vec<(usize, CacheTtl)>,
-        request_id: &str,
-    ) -> Result<Accepted, ApiError> {
+    /// The prepared request's `breakpoints` are its `cache_control` positions in tokens: the
+    /// worker pins each prefix for its TTL, and usage is split at them.
+    pub async fn start(&self, admitted: Admitted, caller: &Caller, prepared: Prepared, request_id: &str) -> Result<Accepted, ApiError> {
         let Admitted { ticket, permit } = admitted;
+        let Prepared { req, ids, breakpoints } = prepared;
         if req.params.ignore_eos && !self.guard.tenant(caller).allow_ignore_eos {
             return Err(ApiError::Permission("ignore_eos is not enabled for this API key (an operator option: allow_ignore_eos in [[auth.keys]])".into()));
         }
         let started_at = Instant::now();
-        let model = self.model_of(&req)?.info.clone();
+        let model = self.served(&req.model).ok_or_else(|| ApiError::NotFound(format!("model: {}", req.model)))?.info.clone();
         let tenant = self.guard.tenant(caller);
         let scope = tenant.cache_scope_name(req.cache_salt.as_deref());
         let fingerprint = Arc::new(Fingerprint::of(&req, &model.id, &ids).in_scope(&scope));

@@ -2,9 +2,9 @@
 
 use zerolayer_common::config::KvDtype;
 
-use super::step::{Backend, KvGeometry};
+use super::step::{Backend, KvGeometry, Shape};
 use crate::error::{Result, WorkerError};
-use crate::model::{ForwardItem, KvCache, Model, ModelConfig};
+use crate::model::{ForwardItem, KvCache, Model};
 
 /// The model and its KV cache in host memory.
 pub struct Cpu {
@@ -29,15 +29,10 @@ impl Cpu {
 }
 
 impl Backend for Cpu {
-    fn config(&self) -> &ModelConfig {
-        &self.model.cfg
-    }
-    fn weight_bytes(&self) -> usize {
-        self.model.weight_bytes()
-    }
-    fn kv(&self) -> KvGeometry {
+    fn shape(&self) -> Shape<'_> {
         let c = &self.cache;
-        KvGeometry { block_size: c.layout.block_size, num_blocks: c.num_blocks, dtype: c.dtype, block_bytes: c.block_bytes(), bytes: c.bytes() }
+        let kv = KvGeometry { block_size: c.layout.block_size, num_blocks: c.num_blocks, dtype: c.dtype, block_bytes: c.block_bytes(), bytes: c.bytes() };
+        Shape { config: &self.model.cfg, weight_bytes: self.model.weight_bytes(), kv }
     }
     fn forward_into(&mut self, items: &[ForwardItem<'_>], logits: &mut Vec<f32>) -> Result<usize> {
         self.model.forward_into(&mut self.cache, items, logits)

@@ -11,7 +11,7 @@
 use zerolayer_common::config::KvDtype;
 use zerolayer_kernels::cuda::{ActScratch, CudaSlice, DeviceMemory, DeviceWeight, Gpu, NcclGroup};
 
-use super::step::{step_rows, Backend, KvGeometry, StepRows};
+use super::step::{step_rows, Backend, KvGeometry, Shape, StepRows};
 use super::tensor_parallel::TensorParallel;
 use crate::model::shard::ShardPlan;
 use crate::error::{Result, WorkerError};
@@ -376,14 +376,8 @@ pub fn rank(model: &Model, plan: &ShardPlan, ordinal: usize, id: &[u8; 128], blo
 }
 
 impl Backend for Cuda {
-    fn config(&self) -> &ModelConfig {
-        &self.cfg
-    }
-    fn weight_bytes(&self) -> usize {
-        self.weight_bytes
-    }
-    fn kv(&self) -> KvGeometry {
-        self.geometry
+    fn shape(&self) -> Shape<'_> {
+        Shape { config: &self.cfg, weight_bytes: self.weight_bytes, kv: self.geometry }
     }
     fn forward_into(&mut self, items: &[ForwardItem<'_>], logits: &mut Vec<f32>) -> Result<usize> {
         // No greedy rows: every row's logits come back.

@@ -19,13 +19,29 @@ pub struct KvGeometry {
     pub bytes: usize,
 }
 
+/// What a backend holds, as the engine sizes its work by it.
+pub struct Shape<'a> {
+    /// The model's architecture.
+    pub config: &'a ModelConfig,
+    /// Bytes of weights it holds (all ranks together).
+    pub weight_bytes: usize,
+    pub kv: KvGeometry,
+}
+
 /// A device (or group of devices) that runs forward steps for one engine.
 pub trait Backend: Send {
+    fn shape(&self) -> Shape<'_>;
     /// The model's architecture.
-    fn config(&self) -> &ModelConfig;
+    fn config(&self) -> &ModelConfig {
+        self.shape().config
+    }
     /// Bytes of weights it holds (all ranks together).
-    fn weight_bytes(&self) -> usize;
-    fn kv(&self) -> KvGeometry;
+    fn weight_bytes(&self) -> usize {
+        self.shape().weight_bytes
+    }
+    fn kv(&self) -> KvGeometry {
+        self.shape().kv
+    }
     /// Runs one step: writes K/V for every token through the block tables, and writes the logits
     /// of the last token of every item with `want_logits` into `logits` (rows × vocabulary),
     /// returning the number of rows.

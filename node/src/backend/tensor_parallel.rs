@@ -16,7 +16,7 @@ use zerolayer_common::config::KvDtype;
 use zerolayer_kernels::collective::thread_group;
 
 use super::cpu::Cpu;
-use super::step::{Backend, KvGeometry};
+use super::step::{Backend, KvGeometry, Shape};
 use crate::error::{Result, WorkerError};
 use crate::sampler::{Pick, Picked};
 use crate::model::shard::ShardPlan;
@@ -201,14 +201,8 @@ impl TensorParallel {
 }
 
 impl Backend for TensorParallel {
-    fn config(&self) -> &ModelConfig {
-        &self.cfg
-    }
-    fn weight_bytes(&self) -> usize {
-        self.weight_bytes
-    }
-    fn kv(&self) -> KvGeometry {
-        self.geometry
+    fn shape(&self) -> Shape<'_> {
+        Shape { config: &self.cfg, weight_bytes: self.weight_bytes, kv: self.geometry }
     }
     fn forward_into(&mut self, items: &[ForwardItem<'_>], logits: &mut Vec<f32>) -> Result<usize> {
         self.step(items, |lead| lead.forward_into(items, logits))

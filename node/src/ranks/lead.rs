@@ -17,7 +17,7 @@ use zerolayer_common::config::WorkerConfig;
 use zerolayer_common::wire::rank::{RankItem, RankJoin, RankMsg};
 
 use super::{host, RankChannels, RankLink, StarLead};
-use crate::backend::{self, Backend, Cpu, KvGeometry, TensorParallel};
+use crate::backend::{self, Backend, Cpu, KvGeometry, Shape, TensorParallel};
 use crate::error::{Result as WResult, WorkerError};
 use crate::model::shard::ShardPlan;
 use crate::model::{ForwardItem, KvCache, Model, ModelConfig};
@@ -53,14 +53,8 @@ impl RemoteRank {
 }
 
 impl Backend for RemoteRank {
-    fn config(&self) -> &ModelConfig {
-        &self.cfg
-    }
-    fn weight_bytes(&self) -> usize {
-        self.weight_bytes
-    }
-    fn kv(&self) -> KvGeometry {
-        self.geometry
+    fn shape(&self) -> Shape<'_> {
+        Shape { config: &self.cfg, weight_bytes: self.weight_bytes, kv: self.geometry }
     }
     fn forward_into(&mut self, items: &[ForwardItem<'_>], _logits: &mut Vec<f32>) -> WResult<usize> {
         let (mut tokens, mut tables) = (Vec::new(), Vec::new());

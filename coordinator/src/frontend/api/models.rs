@@ -7,7 +7,7 @@ use serde_json::{json, Value};
 
 use super::shared::{AppState, RequestId};
 use crate::clock::rfc3339;
-use crate::frontend::service::ModelInfo;
+use crate::frontend::pipeline::ModelInfo;
 use crate::error::ApiError;
 
 fn model_json(m: &ModelInfo) -> Value {

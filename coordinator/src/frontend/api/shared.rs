@@ -16,6 +16,7 @@ use serde_json::Value;
 use zerolayer_common::{SeqEvent, StopReason, Usage};
 
 use crate::auth::Caller;
+use crate::frontend::pipeline::{Prepared, Purpose};
 use crate::frontend::request::GenerationRequest;
 use crate::frontend::service::{Accepted, Frontend};
 use crate::error::ApiError;
@@ -106,31 +107,37 @@ pub struct Started<T> {
     pub extra: T,
 }
 
-/// The OpenAI handlers' common path: admit the caller; off the runtime, `parse` the body (the
-/// request, and what the API keeps of it), find its model (a 404 in OpenAI's words), check its
-/// length, tokenize its prompt and build its grammar; then place and start it.
+/// Off the runtime, on the preparation pool: `parse` the body (the request, and what the API
+/// keeps of it), find its model (`not_found` words the 404 in the API's terms), and run the
+/// pipeline ([`crate::frontend::pipeline`]) for `purpose`.
+pub async fn prepare<T: Send + 'static>(
+    c: &AppState,
+    purpose: Purpose,
+    not_found: fn(&str) -> ApiError,
+    parse: impl FnOnce(&Frontend) -> Result<(GenerationRequest, T), ApiError> + Send + 'static,
+) -> Result<(Prepared, T), ApiError> {
+    let c2 = c.clone();
+    c.prepare(move || {
+        let (req, extra) = parse(&c2)?;
+        let served = c2.served(&req.model).ok_or_else(|| not_found(&req.model))?;
+        Ok((served.prepare(req, purpose)?, extra))
+    })
+    .await?
+}
+
+/// Every generation handler's path: admit the caller, [`prepare`] the request, then place and
+/// start it.
 pub async fn admit_and_start<T: Send + 'static>(
     c: &AppState,
     caller: &Caller,
     request_id: &str,
+    not_found: fn(&str) -> ApiError,
     parse: impl FnOnce(&Frontend) -> Result<(GenerationRequest, T), ApiError> + Send + 'static,
 ) -> Result<Started<T>, ApiError> {
     let admitted = c.admit(caller, true)?;
-    let c2 = c.clone();
-    let (req, ids, extra) = c
-        .prepare(move || {
-            let (mut req, extra) = parse(&c2)?;
-            if c2.served(&req.model).is_none() {
-                return Err(ApiError::NotFound(format!("The model `{}` does not exist", req.model)));
-            }
-            c2.check_length(&req)?;
-            let ids = c2.prompt_ids(&req)?;
-            c2.constrain(&mut req)?;
-            Ok((req, ids, extra))
-        })
-        .await??;
-    let (model, stream) = (req.model.clone(), req.stream);
-    let acc = c.start(admitted, caller, req, ids, vec![], request_id).await?;
+    let (prepared, extra) = prepare(c, Purpose::Generate, not_found, parse).await?;
+    let (model, stream) = (prepared.req.model.clone(), prepared.req.stream);
+    let acc = c.start(admitted, caller, prepared, request_id).await?;
     Ok(Started { acc, model, stream, extra })
 }
 

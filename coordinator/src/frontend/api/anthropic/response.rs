@@ -21,7 +21,8 @@ use crate::auth::Caller;
 use crate::frontend::caching;
 use crate::frontend::service::{Accepted, Frontend};
 use crate::frontend::diagnostics::Diagnosis;
-use crate::frontend::request::CacheTtl;
+use crate::frontend::pipeline::Purpose;
+use crate::frontend::request::{CacheTtl, GenerationRequest};
 use crate::error::ApiError;
 use crate::frontend::tools::{split_calls, CallParser, Calls, Piece};
 
@@ -36,41 +37,25 @@ fn check_headers(h: &HeaderMap) -> Result<(), ApiError> {
     Ok(())
 }
 
-/// Headers, body and model checked; the validated request.
-fn parse(c: &Frontend, headers: &HeaderMap, body: Result<Bytes, BytesRejection>, endpoint: Endpoint) -> Result<MessagesRequest, ApiError> {
-    check_headers(headers)?;
-    let v = json_body(body, c.config.server.max_body_bytes)?;
-    let req = request::parse(&v, endpoint)?;
-    if c.served(&req.generation.model).is_none() {
-        return Err(ApiError::NotFound(format!("model: {}", req.generation.model)));
-    }
-    Ok(req)
+/// The 404 for a model this cluster does not serve, in Anthropic's words.
+fn no_such_model(model: &str) -> ApiError {
+    ApiError::NotFound(format!("model: {model}"))
 }
 
-/// A request prepared on the pool: parsed, length-checked, its prompt's tokens, and (for a
-/// generation) where its cache breakpoints fall in them.
-type Prepared = (MessagesRequest, Vec<u32>, Vec<(usize, CacheTtl)>);
+/// What the Messages API keeps of its request past the pipeline.
+struct Kept {
+    offered: Calls,
+    diagnostics: Option<Option<String>>,
+    context_management: bool,
+}
 
-/// Parses, checks the length and renders the prompt, on the preparation pool.
-async fn prepare(c: &AppState, headers: HeaderMap, body: Result<Bytes, BytesRejection>, endpoint: Endpoint) -> Result<Prepared, ApiError> {
-    let c2 = c.clone();
-    c.prepare(move || {
-        let mut req = parse(&c2, &headers, body, endpoint)?;
-        c2.check_length(&req.generation)?;
-        let ids = c2.prompt_ids(&req.generation)?;
-        if endpoint == Endpoint::Messages {
-            c2.constrain(&mut req.generation)?;
-        }
-        let breakpoints = match endpoint {
-            Endpoint::Messages => {
-                let m = c2.served(&req.generation.model).expect("parse checked the model");
-                caching::breakpoint_tokens(&req.generation, &m.template, &m.tokenizer)
-            }
-            Endpoint::CountTokens => vec![],
-        };
-        Ok((req, ids, breakpoints))
-    })
-    .await?
+/// Headers and body checked: the request's generation, and what this API keeps of it.
+fn parse(c: &Frontend, headers: &HeaderMap, body: Result<Bytes, BytesRejection>, endpoint: Endpoint) -> Result<(GenerationRequest, Kept), ApiError> {
+    check_headers(headers)?;
+    let v = json_body(body, c.config.server.max_body_bytes)?;
+    let MessagesRequest { generation, diagnostics, context_management } = request::parse(&v, endpoint)?;
+    let offered = generation.calls();
+    Ok((generation, Kept { offered, diagnostics, context_management }))
 }
 
 /// `count_tokens`: admitted like a generation (the key's concurrency, the node's in-flight cap)
@@ -84,10 +69,11 @@ pub async fn count_tokens(
 ) -> Response {
     let counted = async {
         let admitted = c.admit(&caller, false)?;
-        let (_, ids, _) = prepare(&c, headers, body, Endpoint::CountTokens).await?;
-        let charge = (ids.len() as f64 * c.config.limits.count_tokens_charge).ceil() as u64;
+        let (prepared, _) = shared::prepare(&c, Purpose::Count, no_such_model, move |c| parse(c, &headers, body, Endpoint::CountTokens)).await?;
+        let n = prepared.ids.len();
+        let charge = (n as f64 * c.config.limits.count_tokens_charge).ceil() as u64;
         admitted.ticket.charge_input(charge, false).map_err(crate::auth::rate_limited)?;
-        Ok::<_, ApiError>(ids.len())
+        Ok::<_, ApiError>(n)
     };
     let resp = match counted.await {
         Ok(n) => Json(json!({"input_tokens": n})).into_response(),
@@ -158,14 +144,8 @@ pub async fn messages(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    let started = async {
-        let admitted = c.admit(&caller, true)?;
-        let (req, ids, breakpoints) = prepare(&c, headers, body, Endpoint::Messages).await?;
-        let (model, stream, offered) = (req.generation.model.clone(), req.generation.stream, req.generation.calls());
-        let acc = c.start(admitted, &caller, req.generation, ids, breakpoints, &rid.0).await?;
-        Ok::<_, ApiError>((acc, model, stream, offered, req.diagnostics, req.context_management))
-    };
-    let (acc, model, stream, offered, diagnostics, context_management) = match started.await {
+    let started = shared::admit_and_start(&c, &caller, &rid.0, no_such_model, move |c| parse(c, &headers, body, Endpoint::Messages));
+    let shared::Started { acc, model, stream, extra: Kept { offered, diagnostics, context_management } } = match started.await {
         Ok(a) => a,
         Err(e) => return finish(&c, "messages", e.into_anthropic(&rid.0), None),
     };

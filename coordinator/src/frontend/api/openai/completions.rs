@@ -14,7 +14,7 @@ use serde_json::{json, Value};
 use zerolayer_common::{SeqEvent, StopReason};
 
 use super::request::{bad, model_name, sampling, Sampling};
-use super::response::usage_json;
+use super::response::{no_such_model, usage_json, Chunks};
 use crate::auth::Caller;
 use crate::clock::unix_now;
 use crate::error::ApiError;
@@ -103,7 +103,7 @@ pub async fn completions(
     Extension(caller): Extension<Caller>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    let started = shared::admit_and_start(&c, &caller, &rid.0, move |c| {
+    let started = shared::admit_and_start(&c, &caller, &rid.0, no_such_model, move |c| {
         let req = parse(&json_body(body, c.config.server.max_body_bytes)?)?;
         Ok((req.generation, req.include_usage))
     });
@@ -114,7 +114,7 @@ pub async fn completions(
     let served_by = acc.served_by.clone();
     let (id, created) = (new_id("cmpl-"), unix_now());
     if stream {
-        let s = TextStream { seq: Following::new(c.clone(), acc), id, model, created, include_usage };
+        let s = TextStream { seq: Following::new(c.clone(), acc), head: Chunks { id, object: "text_completion", created, model, include_usage } };
         return finish(&c, "completions", shared::sse_response(s, TextStream::step), Some(&served_by));
     }
     let resp = match collect(&c, acc).await {
@@ -132,19 +132,12 @@ pub async fn completions(
 /// The chunks of one streamed completion.
 struct TextStream {
     seq: Following,
-    id: String,
-    model: String,
-    created: i64,
-    include_usage: bool,
+    head: Chunks,
 }
 
 impl TextStream {
     fn chunk(&self, text: &str, finish: Value) -> Event {
-        Event::default().data(
-            json!({"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                   "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish}]})
-            .to_string(),
-        )
+        self.head.event(json!([{"index": 0, "text": text, "logprobs": null, "finish_reason": finish}]))
     }
 
     async fn step(mut self) -> SseStep<Self> {
@@ -162,14 +155,7 @@ impl TextStream {
                 SeqEvent::Finished { reason: StopReason::Error(e), .. } => return (vec![Event::default().data(failed(Some(&e)).openai_body().to_string())], None),
                 SeqEvent::Finished { reason, usage } => {
                     let mut out = vec![self.chunk("", json!(finish_reason(&reason)))];
-                    if self.include_usage {
-                        out.push(Event::default().data(
-                            json!({"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                                   "choices": [], "usage": usage_json(&usage)})
-                            .to_string(),
-                        ));
-                    }
-                    out.push(Event::default().data("[DONE]"));
+                    self.head.end(&usage, &mut out);
                     return (out, None);
                 }
             }

@@ -54,6 +54,11 @@ fn message(calls: &Calls, text: String) -> (Value, usize) {
     (m, calls)
 }
 
+/// The 404 for a model this cluster does not serve, in OpenAI's words.
+pub(super) fn no_such_model(model: &str) -> ApiError {
+    ApiError::NotFound(format!("The model `{model}` does not exist"))
+}
+
 pub(super) fn usage_json(u: &Usage) -> Value {
     json!({
         "prompt_tokens": u.prompt_tokens(), "completion_tokens": u.output_tokens,
@@ -68,7 +73,7 @@ pub async fn chat_completions(
     Extension(caller): Extension<Caller>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    let started = shared::admit_and_start(&c, &caller, &rid.0, move |c| {
+    let started = shared::admit_and_start(&c, &caller, &rid.0, no_such_model, move |c| {
         let req = request::parse(&json_body(body, c.config.server.max_body_bytes)?)?;
         let extra = (req.generation.calls(), req.include_usage);
         Ok((req.generation, extra))
@@ -81,7 +86,7 @@ pub async fn chat_completions(
     let id = new_id("chatcmpl-");
     let created = unix_now();
     if stream {
-        let s = ChunkStream::new(c.clone(), acc, id, model, created, include_usage, &offered);
+        let s = ChunkStream::new(c.clone(), acc, Chunks { id, object: "chat.completion.chunk", created, model, include_usage }, &offered);
         return finish(&c, "chat_completions", shared::sse_response(s, ChunkStream::step), Some(&served_by));
     }
     let resp = match collect(&c, acc).await {
@@ -99,22 +104,46 @@ pub async fn chat_completions(
     finish(&c, "chat_completions", resp, Some(&served_by))
 }
 
+/// What every chunk of one OpenAI stream repeats, and how the stream ends.
+pub struct Chunks {
+    pub id: String,
+    /// `chat.completion.chunk` or `text_completion`.
+    pub object: &'static str,
+    pub created: i64,
+    pub model: String,
+    /// `stream_options.include_usage`: a last chunk carries the usage.
+    pub include_usage: bool,
+}
+
+impl Chunks {
+    /// One chunk with these `choices`.
+    pub fn event(&self, choices: Value) -> Event {
+        Event::default().data(json!({"id": self.id, "object": self.object, "created": self.created, "model": self.model, "choices": choices}).to_string())
+    }
+
+    /// The stream's end: the usage chunk when it was asked for, then `[DONE]`.
+    pub fn end(&self, usage: &Usage, out: &mut Vec<Event>) {
+        if self.include_usage {
+            let body = json!({"id": self.id, "object": self.object, "created": self.created, "model": self.model, "choices": [], "usage": usage_json(usage)});
+            out.push(Event::default().data(body.to_string()));
+        }
+        out.push(Event::default().data("[DONE]"));
+    }
+}
+
 /// The chunks of one streamed completion, one step at a time.
 struct ChunkStream {
     seq: Following,
-    id: String,
-    model: String,
-    created: i64,
-    include_usage: bool,
+    head: Chunks,
     opened: bool,
     /// Finds calls in the text when the request offered tools.
     parser: Option<CallParser>,
 }
 
 impl ChunkStream {
-    fn new(c: AppState, acc: Accepted, id: String, model: String, created: i64, include_usage: bool, calls: &Calls) -> Self {
+    fn new(c: AppState, acc: Accepted, head: Chunks, calls: &Calls) -> Self {
         let parser = calls.parser();
-        ChunkStream { seq: Following::new(c, acc), id, model, created, include_usage, opened: false, parser }
+        ChunkStream { seq: Following::new(c, acc), head, opened: false, parser }
     }
 
     /// Chunks for generated text: content deltas, and each complete call as one `tool_calls`
@@ -138,11 +167,7 @@ impl ChunkStream {
     }
 
     fn chunk(&self, delta: Value, finish: Value) -> Event {
-        Event::default().data(
-            json!({"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                   "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": null}]})
-            .to_string(),
-        )
+        self.head.event(json!([{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": null}]))
     }
 
     fn error(e: ApiError) -> Event {
@@ -185,14 +210,7 @@ impl ChunkStream {
                     self.pieces(rest, &mut out);
                     let calls = self.parser.as_ref().map_or(0, |p| p.calls);
                     out.push(self.chunk(json!({}), json!(finish_reason(&reason, calls))));
-                    if self.include_usage {
-                        out.push(Event::default().data(
-                            json!({"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                                   "choices": [], "usage": usage_json(&usage)})
-                            .to_string(),
-                        ));
-                    }
-                    out.push(Event::default().data("[DONE]"));
+                    self.head.end(&usage, &mut out);
                     return (out, None);
                 }
             }
