@@ -419,7 +419,7 @@ fn run(args: impl Iterator<Item = String>) -> Res<bool> {
     synthetic::write(&synth, synthetic::Shape::default(), 42)?;
     // A Qwen2 too: Q/K/V biases and half-split RoPE, the other path of qkv_rope_store.
     let synth_qwen2 = dir.join("synthetic-qwen2.gguf");
-    synthetic::write(&synth_qwen2, synthetic::Shape { qwen2: true, ..Default::default() }, 43)?;
+    synthetic::write(&synth_qwen2, synthetic::Shape { arch: synthetic::Arch::Qwen2, ..Default::default() }, 43)?;
     let (m, _) = Model::from_gguf(&synth, 0, |_, _| {})?;
     let mut report = json!({"device": gpu.name, "arch": gpu.arch, "memory_total": mem.total});
     // Each stage runs whatever the others did: one run on a scarce machine says as much as it can.
@@ -517,7 +517,7 @@ mod on_the_emulator {
     /// The same for a Qwen2: Q/K/V biases and half-split RoPE (qkv_rope_store's other path).
     #[test]
     fn the_gpu_backend_equals_the_cpu_backend_on_a_qwen2() {
-        assert_equivalent(synthetic_of("equivalence-qwen2", synthetic::Shape { n_layers: 2, qwen2: true, ..Default::default() }).0, "synthetic-qwen2");
+        assert_equivalent(synthetic_of("equivalence-qwen2", synthetic::Shape { n_layers: 2, arch: synthetic::Arch::Qwen2, ..Default::default() }).0, "synthetic-qwen2");
     }
 
     fn assert_equivalent(path: PathBuf, label: &str) {

@@ -1,4 +1,5 @@
-//! The HTTP benchmark harness: streams OpenAI chat completions at a live server, level by level
+//! The HTTP benchmark harness: streams OpenAI chat completions (or, for a base model, legacy
+//! completions of the raw prompt) at a live server, level by level
 //! (prompt kind × concurrency), and reports time to first token, inter-token latency, aggregate
 //! output tokens/s and requests/s, plus the worker's KV fragmentation sampled during the level.
 //!
@@ -17,9 +18,21 @@ use serde_json::{json, Value};
 
 use crate::LOREM;
 
+/// Which OpenAI endpoint the requests go to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Api {
+    /// `/v1/chat/completions`: the prompt as a user message, through the chat template.
+    Chat,
+    /// `/v1/completions`: the prompt as it is (a base model, which has no chat template).
+    Completions,
+}
+
 /// One level of the sweep.
 #[derive(Clone, Debug)]
 pub struct Level {
+    /// The model the requests name.
+    pub model: String,
+    pub api: Api,
     /// `short` (~100 prompt tokens) or `long` (~1,500).
     pub prompt: String,
     pub concurrency: usize,
@@ -95,18 +108,27 @@ struct One {
 }
 
 async fn one(http: &reqwest::Client, base: &str, level: &Level, i: usize) -> One {
-    let body = json!({
-        "model": "smollm2-135m-instruct",
-        "messages": [{"role": "user", "content": prompt(&level.prompt, i)}],
+    let mut body = json!({
+        "model": level.model,
         "max_tokens": level.output_tokens,
         "temperature": 0,
         "ignore_eos": true,
         "stream": true,
         "stream_options": {"include_usage": true},
     });
+    let path = match level.api {
+        Api::Chat => {
+            body["messages"] = json!([{"role": "user", "content": prompt(&level.prompt, i)}]);
+            "chat/completions"
+        }
+        Api::Completions => {
+            body["prompt"] = json!(prompt(&level.prompt, i));
+            "completions"
+        }
+    };
     let t0 = Instant::now();
     let mut out = One { index: i, token_times: vec![], ok: false, prompt_tokens: 0, output_tokens: 0, ttft_ms: f64::NAN, itl_ms: vec![], e2e_s: 0.0 };
-    let mut resp = match http.post(format!("{base}/v1/chat/completions")).json(&body).send().await {
+    let mut resp = match http.post(format!("{base}/v1/{path}")).json(&body).send().await {
         Ok(r) => r,
         Err(e) => {
             eprintln!("request {i} failed: {e}");
@@ -144,7 +166,9 @@ async fn one(http: &reqwest::Client, base: &str, level: &Level, i: usize) -> One
                     out.prompt_tokens = u["prompt_tokens"].as_u64().unwrap_or(0);
                     out.output_tokens = u["completion_tokens"].as_u64().unwrap_or(0);
                 }
-                let has_text = v["choices"][0]["delta"]["content"].as_str().is_some_and(|s| !s.is_empty());
+                let choice = &v["choices"][0];
+                let text = if level.api == Api::Chat { &choice["delta"]["content"] } else { &choice["text"] };
+                let has_text = text.as_str().is_some_and(|s| !s.is_empty());
                 if has_text {
                     out.token_times.push(now);
                     match last {

@@ -92,6 +92,46 @@ pub fn gemma_model_path() -> PathBuf {
     p
 }
 
+/// A reference fixture, `tests/fixtures/NAME.json`, made by the `scripts/gen-*-fixtures` script
+/// named `generator` from llama.cpp itself.
+pub fn reference_fixture(name: &str, generator: &str) -> serde_json::Value {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures").join(format!("{name}.json"));
+    let raw = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{} (made by scripts/{generator}): {e}", path.display()));
+    serde_json::from_str(&raw).unwrap()
+}
+
+/// A fixture's list of token ids.
+pub fn ids_of(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+}
+
+/// Greedy decoding of exactly `n` tokens (end tokens do not stop it), as the reference runs do.
+pub fn greedy_tokens(n: u32) -> zerolayer_common::SamplingParams {
+    zerolayer_common::SamplingParams { max_tokens: n, temperature: 0.0, ignore_eos: true, ..Default::default() }
+}
+
+/// The synthetic models checked against llama.cpp (`tests/tests/synthetic.rs`,
+/// `scripts/gen-synthetic-fixtures`): each architecture we have no small file of, by the name
+/// the fixture uses, with its shape (every matrix F32) and seed; the vocabulary is SmolLM2's.
+pub fn synthetic_models() -> Vec<(&'static str, zerolayer_worker::synthetic::Shape, u64)> {
+    use zerolayer_worker::synthetic::{Arch, Shape};
+    let small = Shape { n_layers: 2, dim: 128, n_heads: 2, n_kv_heads: 1, head_dim: 64, ffn_dim: 384, context: 4096, dense: true, ..Shape::default() };
+    vec![
+        // Attention 4 × 64 = 256 wide in a 128-wide model, Q/K norms.
+        ("qwen3", Shape { arch: Arch::Qwen3, n_heads: 4, n_kv_heads: 2, ..small }, 3),
+        // rope_freqs and tied embeddings.
+        ("llama3.1", Shape { arch: Arch::Llama31, ..small }, 31),
+    ]
+}
+
+/// Writes synthetic model `name` (see [`synthetic_models`]) to `path`; its checksum
+/// (`zerolayer_common::checksum` of the file).
+pub fn write_synthetic(name: &str, path: &std::path::Path) -> u64 {
+    let (_, shape, seed) = synthetic_models().into_iter().find(|(n, _, _)| *n == name).unwrap_or_else(|| panic!("no synthetic model {name:?}"));
+    zerolayer_worker::synthetic::write_with(path, shape, seed, Some(&model_path())).unwrap();
+    zerolayer_common::checksum(&std::fs::read(path).unwrap())
+}
+
 /// A long, varied English text for building prompts of a given token length.
 pub const LOREM: &str = "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg \
 combined movable metal type, oil-based ink and a wooden press adapted from wine making. Books became cheaper, \

@@ -3,7 +3,7 @@
 //! against llama.cpp itself (`tests/fixtures/gemma3-270m.json`, made by
 //! `scripts/gen-gemma-fixtures` with llama-cpp-python 0.3.36 on the same file).
 
-use zerolayer_common::{Job, SamplingParams, SeqEvent, WorkerConfig};
+use zerolayer_common::{Job, SeqEvent, WorkerConfig};
 use zerolayer_worker::engine::Engine;
 use zerolayer_worker::loader::{load, load_frontend};
 use zerolayer_common::config::KvDtype;
@@ -11,13 +11,7 @@ use zerolayer_worker::model::{Activation, ForwardItem, KvCache};
 use zerolayer_tests::*;
 
 fn fixture() -> serde_json::Value {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/gemma3-270m.json");
-    let raw = std::fs::read_to_string(path).expect("tests/fixtures/gemma3-270m.json (made by scripts/gen-gemma-fixtures)");
-    serde_json::from_str(&raw).unwrap()
-}
-
-fn ids_of(v: &serde_json::Value) -> Vec<u32> {
-    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+    reference_fixture("gemma3-270m", "gen-gemma-fixtures")
 }
 
 /// The SentencePiece vocabulary encodes llama.cpp's ids on hard strings (spaces, digits,
@@ -44,10 +38,6 @@ fn the_sentencepiece_tokenizer_equals_llama_cpp() {
         ids.extend(tok.encode(g["prompt"].as_str().unwrap()).unwrap());
         assert_eq!(ids, ids_of(&g["prompt_ids"]), "the prompt {:?}", g["prompt"]);
     }
-}
-
-fn greedy(n: u32) -> SamplingParams {
-    SamplingParams { max_tokens: n, temperature: 0.0, ignore_eos: true, ..Default::default() }
 }
 
 /// The architecture is read from the file: 18 layers, 4 query heads of 256 over 1 KV head (an
@@ -102,7 +92,7 @@ fn gemma3_forward_follows_llama_cpp_and_is_batch_invariant() {
     let (mut alone, mut ours, mut llama_f16) = (Vec::new(), Vec::new(), Vec::new());
     for (i, r) in runs.iter().enumerate() {
         let (prompt, want) = (ids_of(&r["prompt_ids"]), ids_of(&r["output_ids"]));
-        engine.add(i as u64, Job::new(prompt.clone(), greedy(32))).unwrap();
+        engine.add(i as u64, Job::new(prompt.clone(), greedy_tokens(32))).unwrap();
         let got = run_all(&mut engine).remove(&(i as u64)).unwrap().0;
         ours.push(agree(&got, &want));
         llama_f16.push(agree(&ids_of(&r["f16_kv_output_ids"]), &want));
@@ -118,7 +108,7 @@ fn gemma3_forward_follows_llama_cpp_and_is_batch_invariant() {
     let cfg = WorkerConfig { max_batch_tokens: 64, ..cfg };
     let mut engine = Engine::new(load(&gemma_model_path(), None, 2, |_, _| {}).unwrap().model, l.tokenizer.clone(), &cfg).unwrap();
     for (i, r) in runs.iter().enumerate() {
-        engine.add(10 + i as u64, Job::new(ids_of(&r["prompt_ids"]), greedy(32))).unwrap();
+        engine.add(10 + i as u64, Job::new(ids_of(&r["prompt_ids"]), greedy_tokens(32))).unwrap();
     }
     let out = run_all(&mut engine);
     for (i, want) in alone.iter().enumerate() {

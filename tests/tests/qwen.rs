@@ -3,7 +3,7 @@
 //! against llama.cpp itself (`tests/fixtures/qwen2.5-coder.json`, made by
 //! `scripts/gen-qwen-fixtures` with llama-cpp-python on the same file).
 
-use zerolayer_common::{Job, SamplingParams, SeqEvent};
+use zerolayer_common::{Job, SeqEvent};
 use zerolayer_worker::chat::ChatMessage;
 use zerolayer_common::WorkerConfig;
 use zerolayer_worker::engine::Engine;
@@ -11,17 +11,7 @@ use zerolayer_worker::loader::load;
 use zerolayer_tests::*;
 
 fn fixture() -> serde_json::Value {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/qwen2.5-coder.json");
-    let raw = std::fs::read_to_string(path).expect("tests/fixtures/qwen2.5-coder.json (made by scripts/gen-qwen-fixtures)");
-    serde_json::from_str(&raw).unwrap()
-}
-
-fn ids_of(v: &serde_json::Value) -> Vec<u32> {
-    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
-}
-
-fn greedy(n: u32) -> SamplingParams {
-    SamplingParams { max_tokens: n, temperature: 0.0, ignore_eos: true, ..Default::default() }
+    reference_fixture("qwen2.5-coder", "gen-qwen-fixtures")
 }
 
 /// The architecture is read from the file, and the tokenizer and chat template come from it.
@@ -68,7 +58,7 @@ fn qwen_greedy_output_equals_llama_cpp() {
         let prompt = ids_of(&r["prompt_ids"]);
         assert_eq!(l.tokenizer.encode(r["prompt"].as_str().unwrap()).unwrap(), prompt, "prompt {i} tokenizes as in llama.cpp");
         let want = ids_of(&r["output_ids"]);
-        engine.add(i as u64, Job::new(prompt, greedy(want.len() as u32))).unwrap();
+        engine.add(i as u64, Job::new(prompt, greedy_tokens(want.len() as u32))).unwrap();
         let out = run_all(&mut engine);
         let got = &out[&(i as u64)].0;
         assert_eq!(
@@ -82,7 +72,7 @@ fn qwen_greedy_output_equals_llama_cpp() {
     }
     // All three at once, with a 48-token step budget so prompts prefill in chunks beside decodes.
     for (i, r) in runs.iter().enumerate() {
-        engine.add(10 + i as u64, Job::new(ids_of(&r["prompt_ids"]), greedy(alone[i].len() as u32))).unwrap();
+        engine.add(10 + i as u64, Job::new(ids_of(&r["prompt_ids"]), greedy_tokens(alone[i].len() as u32))).unwrap();
     }
     let out = run_all(&mut engine);
     for (i, want) in alone.iter().enumerate() {

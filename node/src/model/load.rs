@@ -14,9 +14,9 @@ use zerolayer_kernels::quant::{Weight, WeightFormat};
 use super::{Activation, Layer, Model, ModelConfig};
 use crate::error::{Result, WorkerError};
 
-/// The GGUF architectures this engine runs, each checked against llama.cpp's forward pass.
-/// (Qwen3's layer is built below, but stays refused until a file of it is checked.)
-pub const ARCHITECTURES: &[&str] = &["llama", "qwen2", "gemma3"];
+/// The GGUF architectures this engine runs, each checked against llama.cpp's forward pass (Llama
+/// 3.1's `rope_freqs` and Qwen3 on synthetic files: `tests/tests/synthetic.rs`).
+pub const ARCHITECTURES: &[&str] = &["llama", "qwen2", "qwen3", "gemma3"];
 
 /// A GGUF file's metadata, read by key under its architecture's prefix.
 struct Meta<'a> {
@@ -320,7 +320,7 @@ mod tests {
             Err(e) => e.to_string(),
         };
         let _ = std::fs::remove_file(&path);
-        assert!(e.contains(&path.display().to_string()) && e.contains("\"phi3\"") && e.contains("llama, qwen2, gemma3"), "{e}");
+        assert!(e.contains(&path.display().to_string()) && e.contains("\"phi3\"") && e.contains("llama, qwen2, qwen3, gemma3"), "{e}");
     }
 
     /// Our view of candle's block formats agrees with candle's own dequantization and matmul.
