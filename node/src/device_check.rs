@@ -65,6 +65,11 @@ pub fn kernels(gpu: &Gpu, model: &Model) -> Res<Vec<Value>> {
 fn matmul_checks(gpu: &Gpu, model: &Model, pool: &ThreadPool, out: &mut Vec<Value>) -> Res<()> {
     let p = model.parts();
     let dense = Weight::from_f32(96, 512, &rand_vec(96 * 512, 5));
+    let q5 = {
+        let t = candle_core::Tensor::from_vec(rand_vec(96 * 512, 6), (96, 512), &candle_core::Device::Cpu)?;
+        let q = candle_core::quantized::QTensor::quantize(&t, candle_core::quantized::GgmlDType::Q5K)?;
+        Weight::from_q5_k(96, 512, &q.data()?)
+    };
     let weights: Vec<(&str, &Weight)> = vec![
         ("matmul Q4_K (attn qkv)", p.layers[0].wqkv),
         ("matmul Q6_K (attn out)", p.layers[0].wo),
@@ -72,6 +77,7 @@ fn matmul_checks(gpu: &Gpu, model: &Model, pool: &ThreadPool, out: &mut Vec<Valu
         ("matmul Q4_0 (down)", p.layers[0].wdown),
         ("matmul Q8_0 (embedding)", p.embed),
         ("matmul F32", &dense),
+        ("matmul Q5_K", &q5),
     ];
     let mut act = gpu.act_scratch()?;
     for (name, w) in weights {

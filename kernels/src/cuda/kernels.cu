@@ -26,6 +26,8 @@ __device__ __forceinline__ float f16_round(float x) {
 }
 
 __device__ __forceinline__ int four_bit(int fmt) { return fmt == 1 || fmt == 2 || fmt == 4; }
+// Formats whose value is d·q + m: Q4_1, Q4K, Q5K.
+__device__ __forceinline__ int has_min(int fmt) { return fmt == 2 || fmt == 4 || fmt == 6; }
 __device__ __forceinline__ int code_offset(int fmt) { return fmt == 1 ? 8 : fmt == 3 ? 128 : fmt == 5 ? 32 : 0; }
 
 __device__ __forceinline__ int code_at(const unsigned char* c, int fmt, int k) {
@@ -58,7 +60,7 @@ extern "C" __global__ void embed_rows(const float* sc, const unsigned char* code
     float d = sc[2 * blk], m = sc[2 * blk + 1];
     float q = (float)(code_at(codes + blk * cb, fmt, k) - code_offset(fmt));
     float v;
-    if (fmt == 2 || fmt == 4) v = __fadd_rn(__fmul_rn(d, q), m);
+    if (has_min(fmt)) v = __fadd_rn(__fmul_rn(d, q), m);
     else if (fmt == 5 && k >= 16) v = __fmul_rn(m, q);
     else v = __fmul_rn(d, q);
     x[(size_t)t * cols + i] = v;
@@ -123,7 +125,7 @@ __device__ __forceinline__ float block_term(const unsigned char* c, int fmt, int
     int s = 0;
     for (int k = 0; k < QK; k++) s += (code_at(c, fmt, k) - off) * a[k];
     float term = __fmul_rn(__fmul_rn((float)s, d), da);
-    if (fmt == 2 || fmt == 4) term = __fadd_rn(term, __fmul_rn(m, sa));
+    if (has_min(fmt)) term = __fadd_rn(term, __fmul_rn(m, sa));
     return term;
 }
 

@@ -23,6 +23,12 @@ pub enum WeightFormat {
     /// GGUF's `Q6_K`, repacked: 32-element blocks of 6-bit quants (offset 32) with an f32 scale
     /// per 16 elements (the exact product of the super-block's f16 `d` and an int8 sub-scale).
     Q6K,
+    /// 5-bit quants (0..=31, one per byte) with an f32 scale and min per 32-element block:
+    /// GGUF's `Q5_K` repacked (the exact products of the super-block's f16 `d`/`dmin` and 6-bit
+    /// sub-scales, as Q4K), and GGUF's `Q5_1` (its f16 `d` and `m`, exactly). 1.25 bytes per
+    /// weight, against GGUF's 0.69 (Q5_K) and 0.75 (Q5_1): the byte codes are what the integer
+    /// kernels read directly.
+    Q5K,
 }
 
 impl WeightFormat {
@@ -35,26 +41,32 @@ impl WeightFormat {
             WeightFormat::Q8_0 => 34,
             WeightFormat::Q4K => 24,
             WeightFormat::Q6K => 40,
+            WeightFormat::Q5K => 40,
         }
     }
 
     /// Bytes of one scale (f16 for the GGUF 32-element formats, f32 for the repacked K-quants).
     pub(super) fn scale_bytes(self) -> usize {
         match self {
-            WeightFormat::Q4K | WeightFormat::Q6K => 4,
+            WeightFormat::Q4K | WeightFormat::Q6K | WeightFormat::Q5K => 4,
             _ => 2,
         }
     }
 
-    /// Whether a block carries a second scale array (Q4_1/Q4K: the min; Q6K: the upper half's
-    /// scale).
+    /// Whether a block carries a second scale array (Q4_1/Q4K/Q5K: the min; Q6K: the upper
+    /// half's scale).
     pub(super) fn two_scales(self) -> bool {
-        matches!(self, WeightFormat::Q4_1 | WeightFormat::Q4K | WeightFormat::Q6K)
+        matches!(self, WeightFormat::Q4_1 | WeightFormat::Q4K | WeightFormat::Q6K | WeightFormat::Q5K)
+    }
+
+    /// Whether a block's value is `d · q + m` (a min), rather than `d · q`.
+    pub(super) fn has_min(self) -> bool {
+        matches!(self, WeightFormat::Q4_1 | WeightFormat::Q4K | WeightFormat::Q5K)
     }
 
     /// Whether quants are stored one per byte (else two per byte).
     pub(super) fn byte_codes(self) -> bool {
-        matches!(self, WeightFormat::Q8_0 | WeightFormat::Q6K)
+        matches!(self, WeightFormat::Q8_0 | WeightFormat::Q6K | WeightFormat::Q5K)
     }
 
     /// What a stored code is above the quant it stands for.
@@ -97,7 +109,7 @@ impl Weight {
     /// A weight from GGUF-layout bytes (`rows * cols / 32` blocks, row-major; or f32 for `F32`).
     pub fn new(format: WeightFormat, rows: usize, cols: usize, gguf: Vec<u8>) -> Self {
         assert!(cols.is_multiple_of(QK) || format == WeightFormat::F32, "cols {cols} not a multiple of {QK}");
-        assert!(!matches!(format, WeightFormat::Q4K | WeightFormat::Q6K), "K-quants load through from_q4_k / from_q6_k");
+        assert!(!matches!(format, WeightFormat::Q4K | WeightFormat::Q6K | WeightFormat::Q5K), "{format:?} loads through its from_* constructor");
         let want = if format == WeightFormat::F32 { rows * cols * 4 } else { rows * cols / QK * format.block_bytes() };
         assert_eq!(gguf.len(), want, "weight data size for {format:?} {rows}x{cols}");
         if format == WeightFormat::F32 {
@@ -166,6 +178,54 @@ impl Weight {
         w
     }
 
+    /// A weight from GGUF `Q5_1` bytes (`rows × cols / 32` blocks of 24 bytes: f16 `d`, f16 `m`,
+    /// 32 high bits, 16 bytes of low nibbles), stored as [`WeightFormat::Q5K`] with the same
+    /// scales (f16 widened to f32, exactly): dequantized values are bit-identical to ggml's
+    /// `x · d + m`.
+    pub fn from_q5_1(rows: usize, cols: usize, bytes: &[u8]) -> Self {
+        assert!(cols.is_multiple_of(QK), "Q5_1 needs cols a multiple of {QK}, got {cols}");
+        assert_eq!(bytes.len(), rows * cols / QK * 24, "Q5_1 data size for {rows}x{cols}");
+        let nb = cols / QK;
+        let mut w = Weight::empty(WeightFormat::Q5K, rows, cols);
+        for (i, b) in bytes.chunks_exact(24).enumerate() {
+            let (d, m) = (f16_at(b, 0), f16_at(b, 2));
+            let qh = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
+            let qs = &b[8..24];
+            // ggml's dequantize_row_q5_1: element l < 16 is the low nibble of qs[l] with bit l of
+            // qh; element l + 16 the high nibble with bit l + 16.
+            let codes: [u8; QK] = std::array::from_fn(|l| {
+                let nib = if l < 16 { qs[l] & 0xF } else { qs[l - 16] >> 4 };
+                nib | (((qh >> l) & 1) << 4) as u8
+            });
+            w.set_block(i / nb, i % nb, &d.to_le_bytes(), &m.to_le_bytes(), &codes);
+        }
+        w
+    }
+
+    /// A weight from GGUF `Q5_K` bytes (`rows × cols / 256` super-blocks of 176 bytes: f16 `d`,
+    /// f16 `dmin`, 12 bytes of 6-bit scales and mins, 32 bytes of high bits, 128 bytes of low
+    /// nibbles), repacked as [`WeightFormat::Q5K`]. Dequantized values are bit-identical to
+    /// ggml's.
+    pub fn from_q5_k(rows: usize, cols: usize, bytes: &[u8]) -> Self {
+        Weight::from_super_blocks(WeightFormat::Q5K, rows, cols, bytes, 176, |w, r, s0, b| {
+            let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
+            let (sc, qh, qs) = (&b[4..16], &b[16..48], &b[48..176]);
+            for j in 0..8 {
+                let (s, m) = scale_min_k4(sc, j);
+                // Sub-block j: nibble (j % 2) of bytes 32·(j / 2) .. +32, and bit j of qh[l]
+                // (ggml's dequantize_row_q5_K: u1 = 1 << 2·(j / 2), u2 = u1 << 1).
+                let q = &qs[32 * (j / 2)..32 * (j / 2) + 32];
+                let codes: [u8; QK] = std::array::from_fn(|l| {
+                    let nib = if j % 2 == 0 { q[l] & 0xF } else { q[l] >> 4 };
+                    nib | (((qh[l] >> j) & 1) << 4)
+                });
+                // As Q4_K: `d1 * q - m1`, which equals `d1 * q + (-m1)`.
+                let (d1, m1) = (d * s as f32, -(dmin * m as f32));
+                w.set_block(r, s0 + j, &d1.to_le_bytes(), &m1.to_le_bytes(), &codes);
+            }
+        })
+    }
+
     /// A weight from GGUF `Q4_K` bytes (`rows × cols / 256` super-blocks of 144 bytes: f16 `d`,
     /// f16 `dmin`, 12 bytes of 6-bit scales and mins, 128 bytes of 4-bit quants), repacked as
     /// [`WeightFormat::Q4K`]. Dequantized values are bit-identical to ggml's.
@@ -175,12 +235,7 @@ impl Weight {
             let dmin = f16_at(b, 2);
             let (sc, qs) = (&b[4..16], &b[16..144]);
             for j in 0..8 {
-                // ggml's get_scale_min_k4.
-                let (s, m) = if j < 4 {
-                    (sc[j] & 63, sc[j + 4] & 63)
-                } else {
-                    ((sc[j + 4] & 0xF) | ((sc[j - 4] >> 6) << 4), (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4))
-                };
+                let (s, m) = scale_min_k4(sc, j);
                 // Sub-block j: nibble (j % 2) of bytes 32·(j / 2) .. +32.
                 let q = &qs[32 * (j / 2)..32 * (j / 2) + 32];
                 let codes: [u8; QK] = std::array::from_fn(|l| if j % 2 == 0 { q[l] & 0xF } else { q[l] >> 4 });
@@ -324,7 +379,7 @@ impl Weight {
     /// The weight in GGUF layout again (lossless). Not for the repacked K-quants, whose
     /// 32-element blocks have no GGUF form.
     pub fn to_gguf(&self) -> Vec<u8> {
-        assert!(!matches!(self.format, WeightFormat::Q4K | WeightFormat::Q6K), "no GGUF form for {:?}", self.format);
+        assert!(!matches!(self.format, WeightFormat::Q4K | WeightFormat::Q6K | WeightFormat::Q5K), "no GGUF form for {:?}", self.format);
         if self.format == WeightFormat::F32 {
             return self.data.to_vec();
         }
@@ -363,7 +418,7 @@ impl Weight {
             let b = self.block(r, j);
             for (k, (o, &q)) in o.iter_mut().zip(&b.q).enumerate() {
                 *o = match self.format {
-                    WeightFormat::Q4_1 | WeightFormat::Q4K => b.d * q as f32 + b.m,
+                    f if f.has_min() => b.d * q as f32 + b.m,
                     WeightFormat::Q6K if k >= QK / 2 => b.m * q as f32,
                     _ => b.d * q as f32,
                 };
@@ -439,7 +494,8 @@ pub struct FlatBlocks {
 }
 
 impl FlatBlocks {
-    /// The kernels' number for the format (`kernels.cu`): 1 Q4_0, 2 Q4_1, 3 Q8_0, 4 Q4K, 5 Q6K.
+    /// The kernels' number for the format (`kernels.cu`): 1 Q4_0, 2 Q4_1, 3 Q8_0, 4 Q4K, 5 Q6K,
+    /// 6 Q5K.
     pub fn format_id(&self) -> i32 {
         match self.format {
             WeightFormat::F32 => 0,
@@ -448,6 +504,7 @@ impl FlatBlocks {
             WeightFormat::Q8_0 => 3,
             WeightFormat::Q4K => 4,
             WeightFormat::Q6K => 5,
+            WeightFormat::Q5K => 6,
         }
     }
 
@@ -468,7 +525,7 @@ impl FlatBlocks {
         let q = (code as i32 - self.code_offset()) as f32;
         let (d, m) = (self.scales[2 * at], self.scales[2 * at + 1]);
         match self.format {
-            WeightFormat::Q4_1 | WeightFormat::Q4K => d * q + m,
+            f if f.has_min() => d * q + m,
             WeightFormat::Q6K if k >= QK / 2 => m * q,
             _ => d * q,
         }
@@ -503,6 +560,16 @@ impl Weight {
     /// An F32 weight's values, row-major (`None` for quantized formats).
     pub fn f32_values(&self) -> Option<Vec<f32>> {
         (self.format == WeightFormat::F32).then(|| self.data.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+    }
+}
+
+/// Sub-block `j`'s 6-bit scale and min from a K-quant super-block's 12 packed bytes (ggml's
+/// `get_scale_min_k4`).
+fn scale_min_k4(sc: &[u8], j: usize) -> (u8, u8) {
+    if j < 4 {
+        (sc[j] & 63, sc[j + 4] & 63)
+    } else {
+        ((sc[j + 4] & 0xF) | ((sc[j - 4] >> 6) << 4), (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4))
     }
 }
 

@@ -27,7 +27,7 @@ pub(super) fn dot_block_row(w: &Weight, r: usize, a: &[ActBlock]) -> f32 {
                 sumi += q * x as i32;
             }
             let mut term = sumi as f32 * b.d * ab.d;
-            if matches!(w.format, WeightFormat::Q4_1 | WeightFormat::Q4K) {
+            if w.format.has_min() {
                 term += b.m * ab.s;
             }
             term
@@ -451,6 +451,7 @@ fn tile_run_body(kernel: Kernel, w: &Weight, x: &[f32], act: &[ActBlock], y: &mu
                         WeightFormat::Q8_0 => simd512::tile_vnni512::<avx2::Q80>(panels, rows, warm),
                         WeightFormat::Q4K => simd512::tile_vnni512::<avx2::Q4K>(panels, rows, warm),
                         WeightFormat::Q6K => simd512::tile_vnni512::<avx2::Q6K>(panels, rows, warm),
+                        WeightFormat::Q5K => simd512::tile_vnni512::<avx2::Q5K>(panels, rows, warm),
                         WeightFormat::F32 => unreachable!(),
                     };
                 }
@@ -460,8 +461,10 @@ fn tile_run_body(kernel: Kernel, w: &Weight, x: &[f32], act: &[ActBlock], y: &mu
                     (WeightFormat::Q8_0, true) => avx2::tile_vnni::<avx2::Q80>(panels, rows, warm),
                     (WeightFormat::Q4K, true) => avx2::tile_vnni::<avx2::Q4K>(panels, rows, warm),
                     (WeightFormat::Q6K, true) => avx2::tile_vnni::<avx2::Q6K>(panels, rows, warm),
+                    (WeightFormat::Q5K, true) => avx2::tile_vnni::<avx2::Q5K>(panels, rows, warm),
                     (WeightFormat::Q4K, false) => avx2::tile_avx2::<avx2::Q4K>(panels, rows, warm),
                     (WeightFormat::Q6K, false) => avx2::tile_avx2::<avx2::Q6K>(panels, rows, warm),
+                    (WeightFormat::Q5K, false) => avx2::tile_avx2::<avx2::Q5K>(panels, rows, warm),
                     (WeightFormat::Q4_1, false) => avx2::tile_avx2::<avx2::Q41>(panels, rows, warm),
                     (WeightFormat::Q4_0, false) => avx2::tile_avx2::<avx2::Q40>(panels, rows, warm),
                     (WeightFormat::Q8_0, false) => avx2::tile_avx2::<avx2::Q80>(panels, rows, warm),

@@ -47,6 +47,7 @@ pub struct Q40;
 pub struct Q80;
 pub struct Q4K;
 pub struct Q6K;
+pub struct Q5K;
 
 #[inline(always)]
 unsafe fn nibbles(q: *const u8) -> [__m256i; 8] {
@@ -96,6 +97,21 @@ impl Fmt for Q6K {
     // saturate: 63 · 127 · 2 < 2¹⁵).
     const OFFSET_VNNI: i32 = 32;
     const OFFSET_AVX2: i32 = 32;
+    const I16_TERMS: usize = 2;
+    const NIBBLES: bool = false;
+    #[inline(always)]
+    unsafe fn decode<const V: bool>(q: *const u8) -> [__m256i; 8] {
+        std::array::from_fn(|g| _mm256_loadu_si256(q.add(32 * g) as *const __m256i))
+    }
+}
+impl Fmt for Q5K {
+    const PB: usize = 8 * 40;
+    const MIN: bool = true;
+    const F32_SCALES: bool = true;
+    const QOFF: usize = 64;
+    // Codes are the quants (0..31), unsigned for both paths.
+    const OFFSET_VNNI: i32 = 0;
+    const OFFSET_AVX2: i32 = 0;
     const I16_TERMS: usize = 2;
     const NIBBLES: bool = false;
     #[inline(always)]

@@ -220,7 +220,7 @@ fn kernels_equal_scalar_bit_for_bit() {
 /// Random GGUF K-quant super-blocks (any bytes are valid quants and sub-scales; the f16
 /// super-scales are set to sane values).
 fn random_k(rng: &mut impl Rng, format: WeightFormat, rows: usize, cols: usize) -> Weight {
-    let (bb, d_at) = if format == WeightFormat::Q4K { (144, &[0usize, 2][..]) } else { (210, &[208usize][..]) };
+    let (bb, d_at) = k_layout(format);
     let mut bytes: Vec<u8> = (0..rows * cols / QK_K * bb).map(|_| rng.random()).collect();
     for b in bytes.chunks_exact_mut(bb) {
         for &at in d_at {
@@ -228,12 +228,27 @@ fn random_k(rng: &mut impl Rng, format: WeightFormat, rows: usize, cols: usize) 
             b[at..at + 2].copy_from_slice(&d.to_bits().to_le_bytes());
         }
     }
-    if format == WeightFormat::Q4K {
-        Weight::from_q4_k(rows, cols, &bytes)
-    } else {
-        Weight::from_q6_k(rows, cols, &bytes)
+    from_k(format, rows, cols, &bytes)
+}
+
+/// A GGUF K-quant's super-block bytes and where its f16 super-scales sit.
+fn k_layout(format: WeightFormat) -> (usize, &'static [usize]) {
+    match format {
+        WeightFormat::Q4K => (144, &[0, 2]),
+        WeightFormat::Q5K => (176, &[0, 2]),
+        _ => (210, &[208]),
     }
 }
+
+fn from_k(format: WeightFormat, rows: usize, cols: usize, bytes: &[u8]) -> Weight {
+    match format {
+        WeightFormat::Q4K => Weight::from_q4_k(rows, cols, bytes),
+        WeightFormat::Q5K => Weight::from_q5_k(rows, cols, bytes),
+        _ => Weight::from_q6_k(rows, cols, bytes),
+    }
+}
+
+const KFORMATS: [WeightFormat; 3] = [WeightFormat::Q4K, WeightFormat::Q5K, WeightFormat::Q6K];
 
 /// The repacked K-quants: every kernel equals the scalar code bit for bit, and the matmul is
 /// batch invariant and close to the dequantized reference.
@@ -241,7 +256,7 @@ fn random_k(rng: &mut impl Rng, format: WeightFormat, rows: usize, cols: usize) 
 fn k_quant_kernels_agree() {
     let pool = ThreadPool::new(2);
     let mut rng = rand::rngs::StdRng::seed_from_u64(13);
-    for format in [WeightFormat::Q4K, WeightFormat::Q6K] {
+    for format in KFORMATS {
         for &(rows, cols) in &[(8usize, 256usize), (13, 512), (27, 256)] {
             let w = random_k(&mut rng, format, rows, cols);
             let nb = cols / QK;
@@ -293,16 +308,16 @@ fn kernels_are_exact_at_the_integer_bounds() {
         }
         weights.push(Weight::new(format, rows, cols, gguf));
     }
-    for format in [WeightFormat::Q4K, WeightFormat::Q6K] {
-        // Every quant byte 0xFF: Q4K codes 15, Q6K codes 63; sane super-scales.
-        let (bb, d_at) = if format == WeightFormat::Q4K { (144, &[0usize, 2][..]) } else { (210, &[208usize][..]) };
+    for format in KFORMATS {
+        // Every quant byte 0xFF: Q4K codes 15, Q5K codes 31, Q6K codes 63; sane super-scales.
+        let (bb, d_at) = k_layout(format);
         let mut bytes = vec![0xFFu8; rows * cols / QK_K * bb];
         for b in bytes.chunks_exact_mut(bb) {
             for &at in d_at {
                 b[at..at + 2].copy_from_slice(&f16::from_f32(0.004).to_bits().to_le_bytes());
             }
         }
-        weights.push(if format == WeightFormat::Q4K { Weight::from_q4_k(rows, cols, &bytes) } else { Weight::from_q6_k(rows, cols, &bytes) });
+        weights.push(from_k(format, rows, cols, &bytes));
     }
     let nb = cols / QK;
     for w in &weights {
@@ -508,6 +523,45 @@ fn q5_0_loads_exactly_as_q8_0() {
     }
 }
 
+/// GGUF `Q5_1` loads as [`WeightFormat::Q5K`] with the same scales: every value is ggml's
+/// `dequantize_row_q5_1` bit for bit, and every kernel equals the scalar dot on it.
+#[test]
+fn q5_1_loads_exactly_as_q5k() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(19);
+    let (rows, cols) = (11usize, 96usize);
+    let mut bytes: Vec<u8> = (0..rows * cols / QK * 24).map(|_| rng.random()).collect();
+    for b in bytes.chunks_exact_mut(24) {
+        b[..2].copy_from_slice(&f16::from_f32(rng.random_range(0.001f32..0.01)).to_bits().to_le_bytes());
+        b[2..4].copy_from_slice(&f16::from_f32(rng.random_range(-0.1f32..0.1)).to_bits().to_le_bytes());
+    }
+    let w = Weight::from_q5_1(rows, cols, &bytes);
+    assert_eq!(w.format, WeightFormat::Q5K);
+    let mut row = vec![0f32; cols];
+    for r in 0..rows {
+        w.dequantize_row(r, &mut row);
+        for j in 0..cols / QK {
+            let b = &bytes[(r * cols / QK + j) * 24..][..24];
+            let (d, m, qh, qs) = (f16_at(b, 0), f16_at(b, 2), u32::from_le_bytes([b[4], b[5], b[6], b[7]]), &b[8..24]);
+            // ggml's dequantize_row_q5_1, as written there.
+            for l in 0..16 {
+                let xh0 = ((qh >> l) << 4) & 0x10;
+                let xh1 = (qh >> (l + 12)) & 0x10;
+                let x0 = (qs[l] as u32 & 0x0F) | xh0;
+                let x1 = (qs[l] as u32 >> 4) | xh1;
+                assert_eq!(row[j * QK + l].to_bits(), (x0 as f32 * d + m).to_bits(), "row {r} block {j} elem {l}");
+                assert_eq!(row[j * QK + l + 16].to_bits(), (x1 as f32 * d + m).to_bits(), "row {r} block {j} elem {}", l + 16);
+            }
+        }
+    }
+    let nb = cols / QK;
+    for b in [1usize, 3, 9, 17] {
+        let x = rand_vec(&mut rng, b * cols);
+        let act = quantize_rows(&x, cols);
+        let want: Vec<u32> = (0..b * rows).map(|o| dot_block_row(&w, o % rows, &act[(o / rows) * nb..(o / rows + 1) * nb]).to_bits()).collect();
+        assert_every_kernel_gives(&w, &x, &act, b, &want, &format!("Q5_1 {rows}x{cols} b {b}"));
+    }
+}
+
 /// A slice holds exactly the blocks it names (every format, partial panels, K-quants too), and
 /// rows stacked from slices of unaligned heights come back the same: what tensor-parallel
 /// shards are cut with. A row-split matmul is the full one's rows bit for bit.
@@ -519,6 +573,7 @@ fn slices_keep_their_blocks_exactly() {
     let mut weights: Vec<Weight> = QFORMATS.iter().map(|&f| quantize_weight(f, rows, cols, &rand_vec(&mut rng, rows * cols))).collect();
     weights.push(random_k(&mut rng, WeightFormat::Q4K, rows, cols));
     weights.push(random_k(&mut rng, WeightFormat::Q6K, rows, cols));
+    weights.push(random_k(&mut rng, WeightFormat::Q5K, rows, cols));
     weights.push(Weight::from_f32(rows, cols, &rand_vec(&mut rng, rows * cols)));
     for w in &weights {
         let (r0, r1, c0, c1) = (3, 20, 64, 192);
@@ -561,6 +616,7 @@ fn flat_blocks_hold_every_value() {
     let mut weights: Vec<Weight> = QFORMATS.iter().map(|&f| quantize_weight(f, rows, cols, &rand_vec(&mut rng, rows * cols))).collect();
     weights.push(random_k(&mut rng, WeightFormat::Q4K, rows, cols));
     weights.push(random_k(&mut rng, WeightFormat::Q6K, rows, cols));
+    weights.push(random_k(&mut rng, WeightFormat::Q5K, rows, cols));
     for w in &weights {
         let f = w.flat_blocks().unwrap();
         assert_eq!((f.rows, f.cols, f.scales.len(), f.codes.len()), (rows, cols, rows * cols / QK * 2, rows * cols / QK * f.code_bytes()));

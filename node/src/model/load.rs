@@ -1,7 +1,7 @@
 //! Loading a [`Model`] from a GGUF file or a Hugging Face safetensors checkpoint: the
 //! architecture from metadata, each tensor into the kernels' weight formats (Q4_0, Q4_1 and
-//! Q8_0 keep their blocks, Q5_0 becomes Q8_0 exactly, Q4_K and Q6_K are repacked exactly, the
-//! rest is dequantized to F32).
+//! Q8_0 keep their blocks, Q5_0 becomes Q8_0 exactly, Q4_K, Q5_K and Q6_K are repacked exactly,
+//! Q5_1 becomes Q5K exactly, the rest is dequantized to F32).
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -264,7 +264,8 @@ fn to_vec(qt: QTensor) -> Result<Vec<f32>> {
 }
 
 /// Converts a GGUF tensor to a kernel weight: Q4_0/Q4_1/Q8_0 keep their blocks, Q5_0 becomes
-/// Q8_0, Q4_K/Q6_K are repacked (exactly), everything else is dequantized through candle to F32.
+/// Q8_0, Q4_K/Q5_K/Q6_K are repacked and Q5_1 stored as Q5K (all exactly), everything else is
+/// dequantized through candle to F32.
 fn to_weight(qt: QTensor) -> Result<Weight> {
     let (rows, cols) = qt.shape().dims2().map_err(WorkerError::candle)?;
     let fmt = match qt.dtype() {
@@ -278,6 +279,9 @@ fn to_weight(qt: QTensor) -> Result<Weight> {
         // K-quants are repacked into our 32-element panels (exact scales, no precision lost).
         (GgmlDType::Q4K, _) if cols % 256 == 0 => Ok(Weight::from_q4_k(rows, cols, &qt.data().map_err(WorkerError::candle)?)),
         (GgmlDType::Q6K, _) if cols % 256 == 0 => Ok(Weight::from_q6_k(rows, cols, &qt.data().map_err(WorkerError::candle)?)),
+        // 5-bit quants with a min, one per byte (Q5_K repacked; Q5_1 with its own scales).
+        (GgmlDType::Q5K, _) if cols % 256 == 0 => Ok(Weight::from_q5_k(rows, cols, &qt.data().map_err(WorkerError::candle)?)),
+        (GgmlDType::Q5_1, _) => Ok(Weight::from_q5_1(rows, cols, &qt.data().map_err(WorkerError::candle)?)),
         // Q5_0 quants fit Q8_0's bytes: same scales, exact values, the Q8_0 kernels.
         (GgmlDType::Q5_0, _) => Ok(Weight::from_q5_0(rows, cols, &qt.data().map_err(WorkerError::candle)?)),
         (_, Some(f)) => Ok(Weight::new(f, rows, cols, qt.data().map_err(WorkerError::candle)?.into_owned())),
@@ -323,6 +327,48 @@ mod tests {
         assert!(e.contains(&path.display().to_string()) && e.contains("\"phi3\"") && e.contains("llama, qwen2, qwen3, gemma3"), "{e}");
     }
 
+    /// Every GGUF tensor type the engine loads, from the bytes gguf-py (llama.cpp's Python
+    /// reference) dequantized (`scripts/gen-dequant-fixtures`, `tests/fixtures/dequant.json`):
+    /// loaded as a model's tensors are, each value is gguf-py's bit for bit, and each type lands
+    /// in the format its docs promise (Q5_K and Q5_1 natively, F16 and BF16 widened to F32).
+    #[test]
+    fn every_tensor_type_loads_as_gguf_py_dequantizes_it() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures/dequant.json");
+        let fx: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).expect("tests/fixtures/dequant.json (scripts/gen-dequant-fixtures)")).unwrap();
+        let cases = fx["cases"].as_array().unwrap();
+        assert_eq!(cases.len(), 10);
+        for c in cases {
+            let name = c["type"].as_str().unwrap();
+            let (dt, format) = match name {
+                "F16" => (GgmlDType::F16, WeightFormat::F32),
+                "BF16" => (GgmlDType::BF16, WeightFormat::F32),
+                "Q4_0" => (GgmlDType::Q4_0, WeightFormat::Q4_0),
+                "Q4_1" => (GgmlDType::Q4_1, WeightFormat::Q4_1),
+                "Q5_0" => (GgmlDType::Q5_0, WeightFormat::Q8_0),
+                "Q5_1" => (GgmlDType::Q5_1, WeightFormat::Q5K),
+                "Q8_0" => (GgmlDType::Q8_0, WeightFormat::Q8_0),
+                "Q4_K" => (GgmlDType::Q4K, WeightFormat::Q4K),
+                "Q5_K" => (GgmlDType::Q5K, WeightFormat::Q5K),
+                "Q6_K" => (GgmlDType::Q6K, WeightFormat::Q6K),
+                other => panic!("unexpected type {other}"),
+            };
+            let (rows, cols) = (c["rows"].as_u64().unwrap() as usize, c["cols"].as_u64().unwrap() as usize);
+            let hex = c["bytes"].as_str().unwrap().as_bytes();
+            let bytes: Vec<u8> = hex.chunks_exact(2).map(|h| u8::from_str_radix(std::str::from_utf8(h).unwrap(), 16).unwrap()).collect();
+            let qt = candle_core::quantized::ggml_file::qtensor_from_ggml(dt, &bytes, vec![rows, cols], &Device::Cpu).unwrap();
+            let w = to_weight(qt).unwrap();
+            assert_eq!(w.format, format, "{name}");
+            let want: Vec<u32> = c["f32_bits"].as_array().unwrap().iter().map(|b| b.as_u64().unwrap() as u32).collect();
+            let mut row = vec![0f32; cols];
+            for r in 0..rows {
+                w.dequantize_row(r, &mut row);
+                for (i, v) in row.iter().enumerate() {
+                    assert_eq!(v.to_bits(), want[r * cols + i], "{name}: row {r} element {i}: {v} where gguf-py has {}", f32::from_bits(want[r * cols + i]));
+                }
+            }
+        }
+    }
+
     /// Our view of candle's block formats agrees with candle's own dequantization and matmul.
     #[test]
     fn native_formats_match_candle() {
@@ -332,7 +378,7 @@ mod tests {
         let x: Vec<f32> = (0..3 * cols).map(|i| (i * 31 % 97) as f32 / 97.0 - 0.5).collect();
         let xt = Tensor::from_vec(x.clone(), (3, cols), &Device::Cpu).unwrap();
         let pool = ThreadPool::new(2);
-        for dt in [GgmlDType::Q4_0, GgmlDType::Q4_1, GgmlDType::Q5_0, GgmlDType::Q8_0, GgmlDType::F32, GgmlDType::Q4K, GgmlDType::Q6K, GgmlDType::F16] {
+        for dt in [GgmlDType::Q4_0, GgmlDType::Q4_1, GgmlDType::Q5_0, GgmlDType::Q5_1, GgmlDType::Q8_0, GgmlDType::F32, GgmlDType::Q4K, GgmlDType::Q5K, GgmlDType::Q6K, GgmlDType::F16] {
             let q = QTensor::quantize(&t, dt).unwrap();
             let want = q.dequantize(&Device::Cpu).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
             let q2 = QTensor::quantize(&t, dt).unwrap();
