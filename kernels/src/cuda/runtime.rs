@@ -14,7 +14,7 @@ use drv::{CudaContext, CudaFunction, CudaSlice, CudaStream, DeviceRepr, LaunchCo
 #[cfg(feature = "cuda-emulator")]
 use super::emulator as drv;
 
-use crate::quant::{Weight, WeightFormat, QK};
+use crate::quant::{Weight, QK};
 
 /// The kernels' source, compiled at run time.
 pub const SOURCE: &str = include_str!("kernels.cu");
@@ -279,7 +279,7 @@ impl Gpu {
         match w.flat_blocks() {
             Some(f) => Ok(DeviceWeight { format: f.format_id(), rows: w.rows, cols: w.cols, scales: self.upload(&f.scales)?, codes: self.upload(&f.codes)? }),
             None => {
-                debug_assert_eq!(w.format, WeightFormat::F32);
+                debug_assert!(w.format.is_float());
                 Ok(DeviceWeight { format: 0, rows: w.rows, cols: w.cols, scales: self.upload(&w.f32_values().expect("f32"))?, codes: self.zeros(1)? })
             }
         }

@@ -14,6 +14,11 @@ pub const PANEL: usize = 8;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum WeightFormat {
     F32,
+    /// IEEE half precision, row-major little-endian (GGUF's `F16`): each value widens to f32
+    /// exactly as a row is multiplied.
+    F16,
+    /// bfloat16, row-major little-endian (GGUF's `BF16`): the upper 16 bits of an f32.
+    BF16,
     Q4_0,
     Q4_1,
     Q8_0,
@@ -32,10 +37,11 @@ pub enum WeightFormat {
 }
 
 impl WeightFormat {
-    /// Bytes per 32-element block (per element for F32 × 32).
+    /// Bytes per 32-element block (per element × 32 for the float formats).
     pub fn block_bytes(self) -> usize {
         match self {
             WeightFormat::F32 => 4 * QK,
+            WeightFormat::F16 | WeightFormat::BF16 => 2 * QK,
             WeightFormat::Q4_0 => 18,
             WeightFormat::Q4_1 => 20,
             WeightFormat::Q8_0 => 34,
@@ -43,6 +49,16 @@ impl WeightFormat {
             WeightFormat::Q6K => 40,
             WeightFormat::Q5K => 40,
         }
+    }
+
+    /// Whether the weight is row-major floats (F32, F16, BF16) rather than quantized panels.
+    pub fn is_float(self) -> bool {
+        matches!(self, WeightFormat::F32 | WeightFormat::F16 | WeightFormat::BF16)
+    }
+
+    /// Bytes per element of a float format.
+    pub(super) fn float_bytes(self) -> usize {
+        if self == WeightFormat::F32 { 4 } else { 2 }
     }
 
     /// Bytes of one scale (f16 for the GGUF 32-element formats, f32 for the repacked K-quants).
@@ -106,13 +122,14 @@ pub(super) struct BlockView {
 }
 
 impl Weight {
-    /// A weight from GGUF-layout bytes (`rows * cols / 32` blocks, row-major; or f32 for `F32`).
+    /// A weight from GGUF-layout bytes (`rows * cols / 32` blocks, row-major; or the values
+    /// row-major for the float formats).
     pub fn new(format: WeightFormat, rows: usize, cols: usize, gguf: Vec<u8>) -> Self {
-        assert!(cols.is_multiple_of(QK) || format == WeightFormat::F32, "cols {cols} not a multiple of {QK}");
+        assert!(cols.is_multiple_of(QK) || format.is_float(), "cols {cols} not a multiple of {QK}");
         assert!(!matches!(format, WeightFormat::Q4K | WeightFormat::Q6K | WeightFormat::Q5K), "{format:?} loads through its from_* constructor");
-        let want = if format == WeightFormat::F32 { rows * cols * 4 } else { rows * cols / QK * format.block_bytes() };
+        let want = if format.is_float() { rows * cols * format.float_bytes() } else { rows * cols / QK * format.block_bytes() };
         assert_eq!(gguf.len(), want, "weight data size for {format:?} {rows}x{cols}");
-        if format == WeightFormat::F32 {
+        if format.is_float() {
             return Weight { format, rows, cols, data: Slab::from(gguf) };
         }
         let nb = cols / QK;
@@ -306,7 +323,7 @@ impl Weight {
 
     pub(super) fn row_bytes(&self) -> usize {
         match self.format {
-            WeightFormat::F32 => self.cols * 4,
+            f if f.is_float() => self.cols * f.float_bytes(),
             f => self.cols / QK * f.block_bytes(),
         }
     }
@@ -380,7 +397,7 @@ impl Weight {
     /// 32-element blocks have no GGUF form.
     pub fn to_gguf(&self) -> Vec<u8> {
         assert!(!matches!(self.format, WeightFormat::Q4K | WeightFormat::Q6K | WeightFormat::Q5K), "no GGUF form for {:?}", self.format);
-        if self.format == WeightFormat::F32 {
+        if self.format.is_float() {
             return self.data.to_vec();
         }
         let nb = self.cols / QK;
@@ -407,11 +424,9 @@ impl Weight {
     pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
         assert_eq!(out.len(), self.cols);
         assert!(r < self.rows);
-        if self.format == WeightFormat::F32 {
+        if self.format.is_float() {
             let rb = self.row_bytes();
-            for (o, c) in out.iter_mut().zip(self.data[r * rb..(r + 1) * rb].chunks_exact(4)) {
-                *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
-            }
+            widen(self.format, &self.data[r * rb..(r + 1) * rb], out);
             return;
         }
         for (j, o) in out.chunks_exact_mut(QK).enumerate() {
@@ -434,8 +449,8 @@ impl Weight {
             return None;
         }
         let rows = parts.iter().map(|p| p.rows).sum();
-        if first.format == WeightFormat::F32 || parts.iter().all(|p| p.rows.is_multiple_of(PANEL)) {
-            // Whole panels (or row-major f32): the bytes simply follow each other.
+        if first.format.is_float() || parts.iter().all(|p| p.rows.is_multiple_of(PANEL)) {
+            // Whole panels (or row-major floats): the bytes simply follow each other.
             let data: Vec<u8> = parts.iter().flat_map(|p| p.data.iter().copied()).collect();
             return Some(Weight { format: first.format, rows, cols: first.cols, data: Slab::from(data) });
         }
@@ -454,11 +469,11 @@ impl Weight {
     /// the whole: what tensor-parallel shards rely on.
     pub fn slice(&self, rows: std::ops::Range<usize>, cols: std::ops::Range<usize>) -> Weight {
         assert!(rows.end <= self.rows && cols.end <= self.cols && rows.start <= rows.end && cols.start <= cols.end, "slice {rows:?} × {cols:?} of {}x{}", self.rows, self.cols);
-        if self.format == WeightFormat::F32 {
-            let rb = self.row_bytes();
-            let mut data = Vec::with_capacity(rows.len() * cols.len() * 4);
+        if self.format.is_float() {
+            let (rb, e) = (self.row_bytes(), self.format.float_bytes());
+            let mut data = Vec::with_capacity(rows.len() * cols.len() * e);
             for r in rows.clone() {
-                data.extend_from_slice(&self.data[r * rb + cols.start * 4..r * rb + cols.end * 4]);
+                data.extend_from_slice(&self.data[r * rb + cols.start * e..r * rb + cols.end * e]);
             }
             return Weight { format: self.format, rows: rows.len(), cols: cols.len(), data: Slab::from(data) };
         }
@@ -479,87 +494,14 @@ impl Weight {
     }
 }
 
-/// A quantized weight as flat blocks, the layout device kernels read: for block `j` of row `r`
-/// (index `r * cols / 32 + j`), two f32 scales at `scales[2 * index..]` (`d`, and `m`: the min
-/// of Q4_1/Q4K, the upper half's scale of Q6K, else 0) and the stored codes (quant +
-/// [`FlatBlocks::code_offset`]) at `codes[index * code_bytes..]`: 16 bytes of nibbles for the
-/// 4-bit formats (element `k < 16` in the low nibble of byte `k`, `k ≥ 16` in the high nibble of
-/// byte `k - 16`, GGUF's order), else 32 bytes. Every scale and code is the panel's, exactly.
-pub struct FlatBlocks {
-    pub format: WeightFormat,
-    pub rows: usize,
-    pub cols: usize,
-    pub scales: Vec<f32>,
-    pub codes: Vec<u8>,
-}
-
-impl FlatBlocks {
-    /// The kernels' number for the format (`kernels.cu`): 1 Q4_0, 2 Q4_1, 3 Q8_0, 4 Q4K, 5 Q6K,
-    /// 6 Q5K.
-    pub fn format_id(&self) -> i32 {
-        match self.format {
-            WeightFormat::F32 => 0,
-            WeightFormat::Q4_0 => 1,
-            WeightFormat::Q4_1 => 2,
-            WeightFormat::Q8_0 => 3,
-            WeightFormat::Q4K => 4,
-            WeightFormat::Q6K => 5,
-            WeightFormat::Q5K => 6,
-        }
-    }
-
-    pub fn code_bytes(&self) -> usize {
-        if self.format.byte_codes() { QK } else { QK / 2 }
-    }
-
-    pub fn code_offset(&self) -> i32 {
-        self.format.code_offset()
-    }
-
-    /// Element `i` of row `r`, decoded the way the device kernels decode it.
-    pub fn value(&self, r: usize, i: usize) -> f32 {
-        let (j, k) = (i / QK, i % QK);
-        let at = r * (self.cols / QK) + j;
-        let c = &self.codes[at * self.code_bytes()..(at + 1) * self.code_bytes()];
-        let code = if self.format.byte_codes() { c[k] } else if k < QK / 2 { c[k] & 0xF } else { c[k - QK / 2] >> 4 };
-        let q = (code as i32 - self.code_offset()) as f32;
-        let (d, m) = (self.scales[2 * at], self.scales[2 * at + 1]);
-        match self.format {
-            f if f.has_min() => d * q + m,
-            WeightFormat::Q6K if k >= QK / 2 => m * q,
-            _ => d * q,
-        }
-    }
-}
-
-impl Weight {
-    /// The weight as flat blocks (`None` for F32, which devices read row-major as is).
-    pub fn flat_blocks(&self) -> Option<FlatBlocks> {
-        if self.format == WeightFormat::F32 {
-            return None;
-        }
-        let nb = self.cols / QK;
-        let cb = if self.format.byte_codes() { QK } else { QK / 2 };
-        let mut f = FlatBlocks { format: self.format, rows: self.rows, cols: self.cols, scales: Vec::with_capacity(self.rows * nb * 2), codes: Vec::with_capacity(self.rows * nb * cb) };
-        for r in 0..self.rows {
-            for j in 0..nb {
-                let b = self.block(r, j);
-                f.scales.push(b.d);
-                f.scales.push(b.m);
-                let (_, _, c) = self.codes(r, j);
-                if self.format.byte_codes() {
-                    f.codes.extend_from_slice(&c);
-                } else {
-                    f.codes.extend((0..QK / 2).map(|k| c[k] | (c[k + QK / 2] << 4)));
-                }
-            }
-        }
-        Some(f)
-    }
-
-    /// An F32 weight's values, row-major (`None` for quantized formats).
-    pub fn f32_values(&self) -> Option<Vec<f32>> {
-        (self.format == WeightFormat::F32).then(|| self.data.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+/// The f32 values of a float format's little-endian `bytes` (exact: F16 and BF16 widen without
+/// rounding), into `out`.
+pub(super) fn widen(format: WeightFormat, bytes: &[u8], out: &mut [f32]) {
+    match format {
+        WeightFormat::F32 => out.iter_mut().zip(bytes.chunks_exact(4)).for_each(|(o, c)| *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+        WeightFormat::F16 => out.iter_mut().zip(bytes.chunks_exact(2)).for_each(|(o, c)| *o = f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32()),
+        WeightFormat::BF16 => out.iter_mut().zip(bytes.chunks_exact(2)).for_each(|(o, c)| *o = f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16)),
+        f => unreachable!("{f:?} is not a float format"),
     }
 }
 

@@ -2,7 +2,7 @@
 //! reference dot product, and the choice of kernel.
 
 use super::activation::{quantize_row, ActBlock};
-use super::format::{Weight, WeightFormat, PANEL, QK};
+use super::format::{widen, Weight, WeightFormat, PANEL, QK};
 #[cfg(target_arch = "x86_64")]
 use super::simd as avx2;
 #[cfg(target_arch = "x86_64")]
@@ -230,7 +230,7 @@ pub fn matmul_warming(pool: &ThreadPool, w: &Weight, x: &[f32], y: &mut [f32], s
     let k = w.cols;
     assert_eq!(x.len() % k, 0);
     let b = x.len() / k;
-    if w.format == WeightFormat::F32 {
+    if w.format.is_float() {
         return multiply(pool, w, x, b, y, &[], warm);
     }
     let nb = k / QK;
@@ -268,7 +268,7 @@ pub fn matmul_rows_warming<R: Fn(usize, &mut [f32]) + Sync>(pool: &ThreadPool, w
 pub fn matmul_rows_state<R: Fn(usize, &mut [f32], &mut [f32]) + Sync>(pool: &ThreadPool, w: &Weight, b: usize, y: &mut [f32], scratch: &mut MatmulScratch, warm: Option<&Warm<'_>>, state: &mut [f32], row: R) {
     let k = w.cols;
     let nb = k / QK;
-    let quantized = w.format != WeightFormat::F32;
+    let quantized = !w.format.is_float();
     assert!(b > 0 || state.is_empty());
     let sw = if b == 0 { 0 } else { state.len() / b };
     assert_eq!(sw * b, state.len(), "state of {} values for {b} rows", state.len());
@@ -413,10 +413,19 @@ pub(super) fn tile_run(kernel: Kernel, w: &Weight, x: &[f32], act: &[ActBlock], 
 fn tile_run_body(kernel: Kernel, w: &Weight, x: &[f32], act: &[ActBlock], y: &mut [f32], r0: usize, r1: usize, b: usize, #[cfg(target_arch = "x86_64")] warm: &mut avx2::WarmCursor) {
     let k = w.cols;
     let n = w.rows;
-    if w.format == WeightFormat::F32 {
+    if w.format.is_float() {
         let rb = w.row_bytes();
+        // F16 and BF16 rows widen (exactly) once per tile row, then multiply as F32 rows do:
+        // the same products, bit for bit, as the weight widened at load would give.
+        let mut wide = if w.format == WeightFormat::F32 { Vec::new() } else { vec![0f32; k] };
         for r in r0..r1 {
-            let wf = f32_row(&w.data[r * rb..(r + 1) * rb]);
+            let bytes = &w.data[r * rb..(r + 1) * rb];
+            let wf = if w.format == WeightFormat::F32 {
+                f32_row(bytes)
+            } else {
+                widen(w.format, bytes, &mut wide);
+                &wide
+            };
             for i in 0..b {
                 y[i * n + r] = dot_f32(wf, &x[i * k..(i + 1) * k]);
             }
@@ -452,7 +461,7 @@ fn tile_run_body(kernel: Kernel, w: &Weight, x: &[f32], act: &[ActBlock], y: &mu
                         WeightFormat::Q4K => simd512::tile_vnni512::<avx2::Q4K>(panels, rows, warm),
                         WeightFormat::Q6K => simd512::tile_vnni512::<avx2::Q6K>(panels, rows, warm),
                         WeightFormat::Q5K => simd512::tile_vnni512::<avx2::Q5K>(panels, rows, warm),
-                        WeightFormat::F32 => unreachable!(),
+                        WeightFormat::F32 | WeightFormat::F16 | WeightFormat::BF16 => unreachable!(),
                     };
                 }
                 match (w.format, kernel == Kernel::Vnni) {
@@ -468,7 +477,7 @@ fn tile_run_body(kernel: Kernel, w: &Weight, x: &[f32], act: &[ActBlock], y: &mu
                     (WeightFormat::Q4_1, false) => avx2::tile_avx2::<avx2::Q41>(panels, rows, warm),
                     (WeightFormat::Q4_0, false) => avx2::tile_avx2::<avx2::Q40>(panels, rows, warm),
                     (WeightFormat::Q8_0, false) => avx2::tile_avx2::<avx2::Q80>(panels, rows, warm),
-                    (WeightFormat::F32, _) => unreachable!(),
+                    (WeightFormat::F32 | WeightFormat::F16 | WeightFormat::BF16, _) => unreachable!(),
                 }
             }
         }

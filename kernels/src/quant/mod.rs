@@ -28,12 +28,14 @@
 //! **Batch efficiency.** A tile of weight panels (about 32 KiB) stays in L1/L2 while a chunk of up
 //! to 8 activation rows is dotted against it; each block's quants are decoded once per chunk.
 //!
-//! Files: [`format`] (weight formats, panels and repacking), [`activation`] (int8 activation
+//! Files: [`format`] (weight formats, panels and repacking), [`flat`] (weights as device
+//! kernels read them), [`activation`] (int8 activation
 //! blocks), [`matmul`] (the driver: tiles on the pool, the scalar reference, kernel choice) and
 //! `simd` (the AVX2 / AVX-512 VNNI panel kernels on 256-bit vectors) and `simd512` (the VNNI
 //! kernel on 512-bit vectors, two panels per vector).
 
 mod activation;
+mod flat;
 mod format;
 mod matmul;
 #[cfg(target_arch = "x86_64")]
@@ -44,5 +46,6 @@ mod simd512;
 mod tests;
 
 pub use activation::{quantize_row, ActBlock};
-pub use format::{FlatBlocks, Weight, WeightFormat, PANEL, QK, QK_K};
+pub use flat::FlatBlocks;
+pub use format::{Weight, WeightFormat, PANEL, QK, QK_K};
 pub use matmul::{dot_f32, matmul, matmul_rows, matmul_rows_state, matmul_rows_warming, matmul_warming, MatmulScratch, Warm};

@@ -562,6 +562,42 @@ fn q5_1_loads_exactly_as_q5k() {
     }
 }
 
+/// F16 and BF16 weights multiply as the same weight widened to F32 does, bit for bit, through
+/// every matmul entry, and slice and stack as F32 rows do.
+#[test]
+fn half_precision_weights_multiply_as_their_f32_widening() {
+    let pool = ThreadPool::new(2);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(23);
+    let (rows, cols) = (19usize, 80usize);
+    let v = rand_vec(&mut rng, rows * cols);
+    for format in [WeightFormat::F16, WeightFormat::BF16] {
+        let bytes: Vec<u8> = match format {
+            WeightFormat::F16 => v.iter().flat_map(|x| f16::from_f32(*x).to_bits().to_le_bytes()).collect(),
+            _ => v.iter().flat_map(|x| ((x.to_bits() >> 16) as u16).to_le_bytes()).collect(),
+        };
+        let w = Weight::new(format, rows, cols, bytes);
+        assert_eq!(w.bytes(), rows * cols * 2, "{format:?} holds two bytes a value");
+        let wide = w.f32_values().unwrap();
+        assert!(wide.iter().zip(&v).all(|(a, b)| (a - b).abs() <= 0.01 * b.abs().max(1e-3)), "{format:?} widens to about the values");
+        let f = Weight::from_f32(rows, cols, &wide);
+        for b in [1usize, 3, 9] {
+            let x = rand_vec(&mut rng, b * cols);
+            let (mut y, mut want) = (vec![0f32; b * rows], vec![0f32; b * rows]);
+            matmul(&pool, &w, &x, &mut y, &mut MatmulScratch::default());
+            matmul(&pool, &f, &x, &mut want, &mut MatmulScratch::default());
+            assert_eq!(y.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "{format:?} b {b}");
+        }
+        let (mut a, mut c) = (vec![0f32; 40], vec![0f32; 40]);
+        let s = w.slice(3..11, 16..56);
+        let cat = Weight::concat_rows(&[&s, &s]).unwrap();
+        for r in 0..16 {
+            cat.dequantize_row(r, &mut a);
+            c.copy_from_slice(&wide[(3 + r % 8) * cols + 16..(3 + r % 8) * cols + 56]);
+            assert_eq!(a, c, "{format:?} slice row {r}");
+        }
+    }
+}
+
 /// A slice holds exactly the blocks it names (every format, partial panels, K-quants too), and
 /// rows stacked from slices of unaligned heights come back the same: what tensor-parallel
 /// shards are cut with. A row-split matmul is the full one's rows bit for bit.

@@ -1,7 +1,7 @@
 //! Loading a [`Model`] from a GGUF file or a Hugging Face safetensors checkpoint: the
-//! architecture from metadata, each tensor into the kernels' weight formats (Q4_0, Q4_1 and
-//! Q8_0 keep their blocks, Q5_0 becomes Q8_0 exactly, Q4_K, Q5_K and Q6_K are repacked exactly,
-//! Q5_1 becomes Q5K exactly, the rest is dequantized to F32).
+//! architecture from metadata, each tensor into the kernels' weight formats (F32, F16 and BF16
+//! keep their values and Q4_0, Q4_1 and Q8_0 their blocks, Q5_0 becomes Q8_0 exactly, Q4_K, Q5_K
+//! and Q6_K are repacked exactly, Q5_1 becomes Q5K exactly, the rest is dequantized to F32).
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -263,9 +263,9 @@ fn to_vec(qt: QTensor) -> Result<Vec<f32>> {
     qt.dequantize(&Device::Cpu).and_then(|t| t.flatten_all()).and_then(|t| t.to_vec1::<f32>()).map_err(WorkerError::candle)
 }
 
-/// Converts a GGUF tensor to a kernel weight: Q4_0/Q4_1/Q8_0 keep their blocks, Q5_0 becomes
-/// Q8_0, Q4_K/Q5_K/Q6_K are repacked and Q5_1 stored as Q5K (all exactly), everything else is
-/// dequantized through candle to F32.
+/// Converts a GGUF tensor to a kernel weight: F32/F16/BF16 keep their values and Q4_0/Q4_1/Q8_0
+/// their blocks, Q5_0 becomes Q8_0, Q4_K/Q5_K/Q6_K are repacked and Q5_1 stored as Q5K (all
+/// exactly), everything else is dequantized through candle to F32.
 fn to_weight(qt: QTensor) -> Result<Weight> {
     let (rows, cols) = qt.shape().dims2().map_err(WorkerError::candle)?;
     let fmt = match qt.dtype() {
@@ -273,6 +273,8 @@ fn to_weight(qt: QTensor) -> Result<Weight> {
         GgmlDType::Q4_1 => Some(WeightFormat::Q4_1),
         GgmlDType::Q8_0 => Some(WeightFormat::Q8_0),
         GgmlDType::F32 => Some(WeightFormat::F32),
+        GgmlDType::F16 => Some(WeightFormat::F16),
+        GgmlDType::BF16 => Some(WeightFormat::BF16),
         _ => None,
     };
     match (qt.dtype(), fmt) {
@@ -330,7 +332,7 @@ mod tests {
     /// Every GGUF tensor type the engine loads, from the bytes gguf-py (llama.cpp's Python
     /// reference) dequantized (`scripts/gen-dequant-fixtures`, `tests/fixtures/dequant.json`):
     /// loaded as a model's tensors are, each value is gguf-py's bit for bit, and each type lands
-    /// in the format its docs promise (Q5_K and Q5_1 natively, F16 and BF16 widened to F32).
+    /// in the format its docs promise (all natively: Q5_0 as Q8_0, Q5_1 as Q5K).
     #[test]
     fn every_tensor_type_loads_as_gguf_py_dequantizes_it() {
         let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures/dequant.json");
@@ -340,8 +342,8 @@ mod tests {
         for c in cases {
             let name = c["type"].as_str().unwrap();
             let (dt, format) = match name {
-                "F16" => (GgmlDType::F16, WeightFormat::F32),
-                "BF16" => (GgmlDType::BF16, WeightFormat::F32),
+                "F16" => (GgmlDType::F16, WeightFormat::F16),
+                "BF16" => (GgmlDType::BF16, WeightFormat::BF16),
                 "Q4_0" => (GgmlDType::Q4_0, WeightFormat::Q4_0),
                 "Q4_1" => (GgmlDType::Q4_1, WeightFormat::Q4_1),
                 "Q5_0" => (GgmlDType::Q5_0, WeightFormat::Q8_0),
