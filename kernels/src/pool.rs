@@ -6,10 +6,17 @@
 //! once, on whichever thread gets there first. The caller participates and returns only after
 //! every task has finished, which is what makes lending a non-`'static` closure sound.
 //!
+//! A task that panics does not break the pool: the panic is caught where it happens, the task
+//! counts as done, every other task still runs, and once none is running `run` resumes the
+//! first panic on the caller's thread. So no thread is left running a closure whose region has
+//! ended, and the pool's threads live on for the next region.
+//!
 //! Determinism: the pool decides *which thread* runs a task, never *what a task computes*.
 //! Kernels split work so that each output element is produced by one task with a fixed
 //! reduction order, which keeps results bit-identical whatever the thread count or timing.
 
+use std::any::Any;
+use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
@@ -42,6 +49,8 @@ struct Shared {
     shutdown: AtomicBool,
     park_lock: Mutex<()>,
     park_cv: Condvar,
+    /// The first panic of the current region's tasks, resumed by `run` once the region ends.
+    panic: Mutex<Option<Box<dyn Any + Send>>>,
 }
 
 #[derive(Clone, Copy)]
@@ -72,6 +81,7 @@ impl ThreadPool {
             shutdown: AtomicBool::new(false),
             park_lock: Mutex::new(()),
             park_cv: Condvar::new(),
+            panic: Mutex::new(None),
         });
         let threads = (1..n_threads)
             .map(|i| {
@@ -129,6 +139,9 @@ impl ThreadPool {
         while s.active_workers.load(Ordering::Acquire) > 0 {
             std::hint::spin_loop();
         }
+        if let Some(p) = s.panic.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            resume_unwind(p);
+        }
     }
 }
 
@@ -141,7 +154,10 @@ fn claim_tasks(s: &Shared, f: &(dyn Fn(usize) + Sync), n: usize) {
         if i >= n {
             break;
         }
-        f(i);
+        // A panicking task still counts as done (module docs); its panic waits for `run`.
+        if let Err(p) = catch_unwind(AssertUnwindSafe(|| f(i))) {
+            s.panic.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert(p);
+        }
         ran += 1;
     }
     if ran > 0 {
@@ -212,6 +228,38 @@ mod tests {
                 hits[i].fetch_add(1, Ordering::Relaxed);
             });
             assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1));
+        }
+    }
+
+    /// A task that panics, on a pool thread or on the caller's: every other task still runs,
+    /// `run` returns only after all of them with the task's panic, and the pool serves the next
+    /// region on all its threads.
+    #[test]
+    fn a_panicking_task_ends_its_region_whole_and_the_pool_lives_on() {
+        let pool = ThreadPool::new(3);
+        for bad in [0usize, 5, 63] {
+            let hits: Vec<AtomicUsize> = (0..64).map(|_| AtomicUsize::new(0)).collect();
+            let r = catch_unwind(AssertUnwindSafe(|| {
+                pool.run(64, |i| {
+                    if i == bad {
+                        panic!("task {i} fails");
+                    }
+                    std::thread::sleep(std::time::Duration::from_micros(200));
+                    hits[i].fetch_add(1, Ordering::Relaxed);
+                })
+            }));
+            let p = r.expect_err("the task's panic reaches the caller");
+            assert_eq!(p.downcast_ref::<String>().map(String::as_str), Some(format!("task {bad} fails").as_str()));
+            assert!(hits.iter().enumerate().all(|(i, h)| h.load(Ordering::Relaxed) == usize::from(i != bad)), "every other task ran once");
+            let threads: Mutex<std::collections::HashSet<std::thread::ThreadId>> = Mutex::new(Default::default());
+            let n = AtomicUsize::new(0);
+            pool.run(256, |_| {
+                n.fetch_add(1, Ordering::Relaxed);
+                threads.lock().unwrap().insert(std::thread::current().id());
+                std::thread::sleep(std::time::Duration::from_micros(100));
+            });
+            assert_eq!(n.load(Ordering::Relaxed), 256);
+            assert!(threads.lock().unwrap().len() >= 2, "the pool's threads still take tasks");
         }
     }
 }

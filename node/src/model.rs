@@ -278,6 +278,11 @@ impl Model {
             if it.block_table.len() * cache.layout.block_size < end {
                 return Err(WorkerError::Invalid(format!("block table covers {} tokens, need {end}", it.block_table.len() * cache.layout.block_size)));
             }
+            // Every block the step reads or writes is this cache's: the kernels index what
+            // they are given (a rank host's tables come from its leader, over the network).
+            if let Some(&b) = it.block_table[..end.div_ceil(cache.layout.block_size)].iter().find(|&&b| b as usize >= cache.num_blocks) {
+                return Err(WorkerError::Invalid(format!("block {b} is outside the cache ({} blocks)", cache.num_blocks)));
+            }
             for (j, _) in it.tokens.iter().enumerate() {
                 rows.push(AttnRow { table: it.block_table, pos: it.start_pos + j });
             }

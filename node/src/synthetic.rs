@@ -240,6 +240,30 @@ mod tests {
         assert!(mx - mn > 1.0, "logits span {mn}..{mx}");
     }
 
+    /// A block table naming a block outside the cache, where the step reads or writes, is
+    /// refused before any kernel runs (a rank host's tables come from the network); entries past
+    /// the sequence's end are never read, and may be anything.
+    #[test]
+    fn a_block_outside_the_cache_is_refused_before_any_kernel() {
+        let dir = std::env::temp_dir().join(format!("zl-synth-oob-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("m.gguf");
+        write(&path, Shape { n_layers: 1, vocab: 512, ..Shape::default() }, 9).unwrap();
+        let (mut m, _) = Model::from_gguf(&path, 1, |_, _| {}).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        let mut cache = KvCache::new(&m.cfg, 16, zerolayer_common::config::KvDtype::F32, 4);
+        let tokens: Vec<u32> = (1..=20).collect();
+        for bad in [[0u32, 4], [u32::MAX, 1], [4_000_000, 0]] {
+            let e = m.forward(&mut cache, &[ForwardItem { tokens: &tokens, start_pos: 0, block_table: &bad, want_logits: true }]).unwrap_err();
+            assert!(e.to_string().contains("outside the cache"), "{e}");
+        }
+        // Reading back blocks 0 and 1 from a later position too.
+        let e = m.forward(&mut cache, &[ForwardItem { tokens: &[7], start_pos: 20, block_table: &[9, 1], want_logits: true }]).unwrap_err();
+        assert!(e.to_string().contains("block 9 is outside the cache (4 blocks)"), "{e}");
+        let ok = m.forward(&mut cache, &[ForwardItem { tokens: &tokens, start_pos: 0, block_table: &[2, 3, 77, u32::MAX], want_logits: true }]).unwrap();
+        assert!(ok[0].iter().all(|x| x.is_finite()));
+    }
+
     /// As a Qwen2 it loads as one: half-split RoPE and Q/K/V biases.
     #[test]
     fn a_synthetic_qwen2_has_biases_and_half_split_rope() {

@@ -128,6 +128,17 @@ struct Seen {
     inflight: u32,
 }
 
+/// `c`, each count capped at one minute of its limit where the tenant has one (requests; input
+/// tokens by the input or the total limit; output tokens by the output or the total limit).
+fn at_most_a_minute(c: Counts, l: &TenantLimits) -> Counts {
+    let cap = |n: u64, limits: &[u32]| limits.iter().filter(|&&x| x > 0).map(|&x| x as u64).min().map_or(n, |m| n.min(m));
+    Counts {
+        requests: cap(c.requests, &[l.requests_per_minute]),
+        input: cap(c.input, &[l.input_tokens_per_minute, l.tokens_per_minute]),
+        output: cap(c.output, &[l.output_tokens_per_minute, l.tokens_per_minute]),
+    }
+}
+
 /// A peer node: its id and generation (a restarted node is a new peer).
 pub type Peer = (String, u64);
 
@@ -264,16 +275,27 @@ impl Ledger {
     /// value seen (the last minute's usage, the first time or after its counts went back) is
     /// charged to this node's buckets, and its in-flight count replaces the last one. A tenant
     /// this node does not know is ignored.
+    ///
+    /// A peer is held to what it could have admitted under the same limits: at most the
+    /// tenant's concurrency cap in flight, and at most one minute of each per-minute limit per
+    /// value. So a peer that lies can use up a tenant's shared limits as far as an honest node
+    /// serving that tenant flat out could, never further (a 2²⁰ in-flight report no longer locks
+    /// the tenant out past what the cap itself does).
     pub fn observe(&mut self, peer: &Peer, tenant: &str, value: &str, now: Instant) -> Result<(), WireError> {
         let u = wire::decode(value)?;
         let Some(&t) = self.by_name.get(tenant) else { return Ok(()) };
+        let limits = self.tenants[t].limits;
         let seen = self.peers.entry(peer.clone()).or_default();
         let fresh = match seen.get(&t) {
             Some(prev) if prev.totals.within(&u.totals) => u.totals.minus(&prev.totals),
             _ => u.recent,
         };
-        seen.insert(t, Seen { totals: u.totals, inflight: u.inflight });
-        self.tenants[t].take(fresh, now);
+        let inflight = match limits.max_concurrent_requests {
+            0 => u.inflight,
+            cap => u.inflight.min(cap),
+        };
+        seen.insert(t, Seen { totals: u.totals, inflight });
+        self.tenants[t].take(at_most_a_minute(fresh, &limits), now);
         Ok(())
     }
 
@@ -393,5 +415,24 @@ mod tests {
         // Unknown tenants are ignored; garbage is an error, not a panic.
         assert!(b.observe(&("a".into(), 1), "nobody", "1,1,1,0,1,1,1", later).is_ok());
         assert!(b.observe(&("a".into(), 1), "key#0", "1,1,1", later).is_err());
+    }
+
+    /// A peer's report is held to what a node could have admitted under the tenant's limits:
+    /// 2²⁰ requests in flight count as the concurrency cap (the tenant is at its cap, as one
+    /// honest node serving it flat out would put it, and is served again once the peer reports
+    /// less), and a jump of a billion tokens charges one minute's budget, not a billion.
+    #[test]
+    fn a_peer_is_held_to_what_it_could_have_admitted() {
+        let t0 = Instant::now();
+        let mut b = Ledger::new(vec![("key#0".into(), limits(100, 1000, 0, 4))], t0);
+        let liar = ("mallory".to_string(), 1);
+        b.observe(&liar, "key#0", &format!("0,0,0,{},0,0,0", 1u32 << 20), t0).unwrap();
+        assert_eq!(b.inflight(0), 4, "capped at the tenant's own cap");
+        b.observe(&liar, "key#0", "0,0,0,1,0,0,0", t0).unwrap();
+        assert_eq!(b.inflight(0), 1);
+        b.admit(0, false, t0).expect("served again");
+        b.observe(&liar, "key#0", "1000000000,1000000000,0,0,0,0,0", t0).unwrap();
+        let later = t0 + Duration::from_secs(60);
+        assert!(b.limits(0, later).iter().all(|l| l.remaining == l.limit), "one minute's budget taken, and refilled a minute later: {:?}", b.limits(0, later));
     }
 }

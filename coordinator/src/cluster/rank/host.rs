@@ -12,20 +12,17 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use zerolayer_common::wire::rank::{RankJoin, RankMsg};
+use zerolayer_common::wire::rank::{encode_rank, RankJoin, RankMsg};
 use zerolayer_worker::ranks::host;
 
 use super::RankStream;
 use crate::cluster::handle::Cluster;
 use crate::view::NodeState;
 
-/// Serves one rank stream (its `Open::Rank` frame already read).
-pub async fn serve(cluster: Arc<Cluster>, j: RankJoin, send: quinn::SendStream, recv: quinn::RecvStream, peer: SocketAddr) {
+/// Serves one rank stream (its `Open::Rank` frame already read). The join is checked before
+/// anything is started for it: a refused join costs one frame, no thread and no buffer.
+pub async fn serve(cluster: Arc<Cluster>, j: RankJoin, mut send: quinn::SendStream, recv: quinn::RecvStream, peer: SocketAddr) {
     let slot = format!("{}/{}/{}", j.origin_node, j.worker, j.rank);
-    let link = match RankStream::start(&format!("{}-{}", j.worker, j.rank), send, recv) {
-        Ok(l) => l,
-        Err(e) => return tracing::warn!(%peer, error = %e, "could not start a rank stream"),
-    };
     let checked = match cluster.state() {
         NodeState::Draining | NodeState::Dead => Err(format!("node {} is leaving the cluster", cluster.node_id)),
         _ => host::check(&cluster.config, &cluster.node_id, &j),
@@ -34,9 +31,19 @@ pub async fn serve(cluster: Arc<Cluster>, j: RankJoin, send: quinn::SendStream, 
         Ok(wc) => wc,
         Err(message) => {
             tracing::warn!(%peer, slot, error = %message, "refused to host a tensor-parallel rank");
-            let _ = link.out.send(RankMsg::Failed { message });
+            if let Ok(frame) = encode_rank(&RankMsg::Failed { message }) {
+                if send.write_all(&frame).await.is_ok() {
+                    let _ = send.finish();
+                    // The frame is delivered before the stream goes.
+                    let _ = tokio::time::timeout(std::time::Duration::from_secs(5), send.stopped()).await;
+                }
+            }
             return;
         }
+    };
+    let link = match RankStream::start(&format!("{}-{}", j.worker, j.rank), send, recv) {
+        Ok(l) => l,
+        Err(e) => return tracing::warn!(%peer, error = %e, "could not start a rank stream"),
     };
     // A second join for this rank (its leader restarted) replaces the first.
     let stop = Arc::new(AtomicBool::new(false));
