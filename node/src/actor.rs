@@ -31,6 +31,7 @@ use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::sync::{broadcast, mpsc, oneshot, watch};
 use zerolayer_common::{Job, KvEvent, SeqEvent, StopReason, Usage, WorkerSignals};
 
+use crate::backend::KvGeometry;
 use crate::engine::{Engine, StepHook};
 use crate::migrate::{Export, ImportReport, KvImport};
 use crate::error::{WorkerError, Result};
@@ -241,6 +242,8 @@ pub struct WorkerHandle {
     signals: watch::Receiver<WorkerSignals>,
     kv_events: broadcast::Sender<KvEvent>,
     next_id: Arc<AtomicU64>,
+    /// The shape of the engine's KV cache (fixed for its life).
+    kv: KvGeometry,
     /// Stops the actor (and with it the engine thread) when the last handle is dropped.
     _owner: Arc<Owner>,
 }
@@ -301,6 +304,7 @@ impl WorkerHandle {
         let (tx, rx) = sync_channel(COMMAND_CAPACITY);
         let mut engine = engine;
         let initial = engine.signals();
+        let kv = engine.backend().kv();
         let (sig_tx, sig_rx) = watch::channel(initial);
         let (kv_tx, _) = broadcast::channel(KV_EVENT_CAPACITY);
         let kv_tx2 = kv_tx.clone();
@@ -315,8 +319,14 @@ impl WorkerHandle {
             signals: sig_rx,
             kv_events: kv_tx,
             next_id: Arc::new(AtomicU64::new(1)),
+            kv,
             _owner: Arc::new(Owner(actor)),
         })
+    }
+
+    /// The shape of the worker's KV cache: what a KV transfer into it must match.
+    pub fn kv_geometry(&self) -> KvGeometry {
+        self.kv
     }
 
     /// Submits a sequence. Resolves once the engine has accepted (or refused) it.

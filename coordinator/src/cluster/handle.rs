@@ -87,6 +87,9 @@ pub struct Cluster {
     /// `leader/worker/rank` (at most the slots the config gives this node; see [`super::rank`]),
     /// each with the flag that ends it when a new join replaces it.
     pub(super) hosted_ranks: Mutex<std::collections::HashMap<String, Arc<std::sync::atomic::AtomicBool>>>,
+    /// KV bytes each peer has in transfers to this node now (see `migrate::serve`); an entry
+    /// goes when its transfers end, so there are at most as many as transfers running.
+    pub(super) imports_in_flight: Mutex<std::collections::HashMap<String, u64>>,
 }
 
 /// How much a node's link holds about its peers (all bounded; see `publisher`).
@@ -148,6 +151,7 @@ impl Cluster {
             stats: Mutex::new(LinkStats::default()),
             quota,
             hosted_ranks: Mutex::new(std::collections::HashMap::new()),
+            imports_in_flight: Mutex::new(std::collections::HashMap::new()),
         }
     }
 

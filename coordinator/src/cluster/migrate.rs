@@ -23,8 +23,6 @@ use crate::view::NodeState;
 
 /// How long one transfer may take, end to end (a 1,400-token sequence is ~64 MB of f32 KV).
 pub const TRANSFER_TIMEOUT: Duration = Duration::from_secs(60);
-/// The largest block accepted (a block of any model this serves is far smaller).
-pub const MAX_BLOCK_BYTES: u64 = 64 << 20;
 
 /// What a transfer achieved.
 #[derive(Debug, Clone, Copy, Default)]
@@ -84,18 +82,19 @@ pub async fn send(cluster: &Cluster, node: &str, addr: SocketAddr, header: Impor
 }
 
 /// Checks a header against this node's worker before any byte is read: the worker exists, the
-/// geometry matches, the size is within its cache, and the hashes are the tokens' chain.
+/// geometry is its cache's exactly (block size, bytes per block), the blocks fit in its cache,
+/// and the hashes are the tokens' chain.
 fn check(cluster: &Cluster, h: &ImportHeader) -> Result<(), String> {
     let Some(w) = cluster.local_worker(&h.worker) else { return Err(format!("node {} has no worker {:?}", cluster.node_id, h.worker)) };
-    let sig = w.handle.signals();
-    if h.block_size != sig.block_size {
-        return Err(format!("block size {} here, {} sent", sig.block_size, h.block_size));
+    let g = w.handle.kv_geometry();
+    if h.block_size as usize != g.block_size {
+        return Err(format!("block size {} here, {} sent", g.block_size, h.block_size));
     }
-    if h.block_bytes == 0 || h.block_bytes > MAX_BLOCK_BYTES {
-        return Err(format!("block of {} bytes", h.block_bytes));
+    if h.block_bytes != g.block_bytes as u64 {
+        return Err(format!("blocks of {} bytes here, {} sent", g.block_bytes, h.block_bytes));
     }
-    if h.blocks.len() > sig.kv_blocks_total as usize {
-        return Err(format!("{} blocks for a cache of {}", h.blocks.len(), sig.kv_blocks_total));
+    if h.blocks.len() > g.num_blocks {
+        return Err(format!("{} blocks for a cache of {}", h.blocks.len(), g.num_blocks));
     }
     let bs = h.block_size as usize;
     if h.tokens.len() < h.blocks.len() * bs {
@@ -139,7 +138,43 @@ async fn read_blocks<R: tokio::io::AsyncRead + Unpin>(h: &ImportHeader, recv: &m
     Ok((import, bad))
 }
 
-/// The receiving end of one transfer (its header frame already read).
+/// KV bytes reserved for one peer's transfer, given back when it ends.
+struct Reserved<'a> {
+    cluster: &'a Cluster,
+    peer: String,
+    bytes: u64,
+}
+
+impl<'a> Reserved<'a> {
+    /// Reserves `bytes` for `peer` if its transfers in flight stay within `cap`.
+    fn take(cluster: &'a Cluster, peer: &str, bytes: u64, cap: u64) -> Option<Self> {
+        let mut m = cluster.imports_in_flight.lock().unwrap_or_else(|e| e.into_inner());
+        let now = m.get(peer).copied().unwrap_or(0);
+        if now + bytes > cap {
+            return None;
+        }
+        m.insert(peer.to_string(), now + bytes);
+        Some(Reserved { cluster, peer: peer.to_string(), bytes })
+    }
+}
+
+impl Drop for Reserved<'_> {
+    fn drop(&mut self) {
+        let mut m = self.cluster.imports_in_flight.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = m.get_mut(&self.peer) {
+            *n -= self.bytes.min(*n);
+            if *n == 0 {
+                m.remove(&self.peer);
+            }
+        }
+    }
+}
+
+/// The receiving end of one transfer (its header frame already read). Before it buffers a byte
+/// it checks the header ([`check`]) and reserves the bytes the header announces against the
+/// sending peer's share: at most one cache's worth of KV in flight per peer (a drain moves at
+/// most what the target can hold), so a peer cannot make this node buffer more; past it, the
+/// transfer is refused as overloaded and the sequence is recomputed instead.
 pub async fn serve(cluster: Arc<Cluster>, h: ImportHeader, mut send: quinn::SendStream, mut recv: quinn::RecvStream, peer: SocketAddr) {
     let r = async {
         let refuse = |message: String| Reply::Refused { overloaded: false, message };
@@ -151,6 +186,13 @@ pub async fn serve(cluster: Arc<Cluster>, h: ImportHeader, mut send: quinn::Send
             return write_reply(&mut send, &refuse(e)).await;
         }
         let Some(w) = cluster.local_worker(&h.worker) else { return Ok(()) };
+        let g = w.handle.kv_geometry();
+        let announced = h.blocks.iter().filter(|b| b.sent).count() as u64 * h.block_bytes;
+        let Some(_reserved) = Reserved::take(&cluster, &h.origin_node, announced, g.bytes as u64) else {
+            tracing::warn!(%peer, request_id = %h.request_id, bytes = announced, "refused a KV transfer: the peer's transfers in flight would pass one cache");
+            let refused = Reply::Refused { overloaded: true, message: format!("node {}: too much KV in flight from {}", cluster.node_id, h.origin_node) };
+            return write_reply(&mut send, &refused).await;
+        };
         let (import, bad) = read_blocks(&h, &mut recv).await?;
         let received = std::time::Instant::now();
         if let Some(i) = bad {
@@ -198,5 +240,22 @@ mod tests {
         let h = header("r", "a", "cpu0", &export, &cached);
         let (import, bad) = read_blocks(&h, &mut &export.kv[8..]).await.unwrap();
         assert_eq!((import.blocks[0].1.is_none(), import.blocks.len(), bad), (true, 3, None));
+    }
+
+    /// A peer's transfers in flight are held to one cache's worth: a transfer past it is refused
+    /// before anything is buffered; another peer has its own share; an ended transfer gives its
+    /// bytes back, and no entry stays behind.
+    #[test]
+    fn each_peer_has_one_cache_of_kv_in_flight_at_most() {
+        let config = zerolayer_common::ClusterConfig::default();
+        let cluster = Cluster::new("n", &config, &[], String::new(), None, crate::quota::Quota::new(vec![]));
+        let a = Reserved::take(&cluster, "a", 600, 1000).expect("within the cap");
+        assert!(Reserved::take(&cluster, "a", 500, 1000).is_none(), "past one cache");
+        let b = Reserved::take(&cluster, "b", 1000, 1000).expect("another peer has its own share");
+        let a2 = Reserved::take(&cluster, "a", 400, 1000).expect("up to the cap");
+        drop(a);
+        let a3 = Reserved::take(&cluster, "a", 600, 1000).expect("an ended transfer gives its bytes back");
+        drop((a2, a3, b));
+        assert!(cluster.imports_in_flight.lock().unwrap().is_empty());
     }
 }
