@@ -287,6 +287,26 @@ mod mtls {
         (s, a)
     }
 
+    /// A dial that means a node reaches that node or nobody: b's address, dialed as a, is
+    /// refused even though b's certificate chains to the cluster CA and names the cluster's
+    /// shared name (gossip still dials by address).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_dial_reaches_the_node_it_means_or_nobody() {
+        let _g = heavy();
+        let dir = zerolayer_tests::temp_dir("ca-dial");
+        tls::init(&dir, &["a".into(), "b".into()], false).unwrap();
+        let ((sa, aa), (sb, ab)) = (sock(), sock());
+        let cfg = config(&[("a", aa), ("b", ab)], &dir);
+        let a = Cluster::start(&cfg, "a", &[], Some(sa), zerolayer_coordinator::quota::Quota::new(vec![])).await.unwrap();
+        let b = Cluster::start(&cfg, "b", &[], Some(sb), zerolayer_coordinator::quota::Quota::new(vec![])).await.unwrap();
+        let peers = &a.net.as_ref().unwrap().peers;
+        peers.connect_node(ab, "b").await.expect("b is b");
+        let e = peers.connect_node(ab, "a").await.expect_err("b's address dialed as a").to_string();
+        assert!(e.contains("is not a"), "{e}");
+        peers.connect(ab).await.expect("by address alone, as gossip dials");
+        drop((a, b));
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_node_from_another_ca_is_refused() {
         // Not beside the model-heavy cluster test: its timing must not depend on that load.

@@ -76,7 +76,7 @@ pub async fn submit(cluster: &Cluster, node: &str, addr: std::net::SocketAddr, s
     let net = cluster.net.as_ref().ok_or_else(|| ForwardError::Unreachable("this node is not in a cluster".into()))?;
     let frame = wire::encode_open(&Open::Submit(submit.clone())).map_err(|e| ForwardError::Refused { overloaded: false, message: e.to_string() })?;
     let setup = async {
-        let conn = net.peers.connect(addr).await?;
+        let conn = net.peers.connect_node(addr, node).await?;
         let (mut send, mut recv) = conn.open_bi().await?;
         send.write_all(&frame).await?;
         let first = read_frame(&mut recv).await?.ok_or_else(|| anyhow::anyhow!("stream closed before a reply"))?;

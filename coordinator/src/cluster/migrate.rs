@@ -58,7 +58,7 @@ pub fn header(request_id: &str, origin_node: &str, worker: &str, export: &Export
 pub async fn send(cluster: &Cluster, node: &str, addr: SocketAddr, header: ImportHeader, export: &Export) -> anyhow::Result<Transferred> {
     let net = cluster.net.as_ref().ok_or_else(|| anyhow::anyhow!("this node is not in a cluster"))?;
     let work = async {
-        let conn = net.peers.connect(addr).await?;
+        let conn = net.peers.connect_node(addr, node).await?;
         let (mut send, mut recv) = conn.open_bi().await?;
         send.write_all(&wire::encode_open(&Open::Import(header.clone()))?).await?;
         let mut bytes = 0u64;

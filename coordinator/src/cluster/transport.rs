@@ -26,6 +26,12 @@ pub const SEND_TIMEOUT: Duration = Duration::from_secs(2);
 /// Largest gossip message accepted (chitchat's own UDP limit).
 pub const MAX_GOSSIP_BYTES: usize = 65_507;
 
+/// Whether the peer of `conn` holds a certificate that names `node`.
+pub fn reaches(conn: &quinn::Connection, node: &str) -> bool {
+    let cert = conn.peer_identity().and_then(|i| i.downcast::<Vec<rustls::pki_types::CertificateDer<'static>>>().ok()).and_then(|v| v.first().cloned());
+    cert.is_some_and(|c| super::identity::cert_names(&c, node))
+}
+
 /// Outgoing connections by peer address, shared by gossip and request forwarding.
 pub struct Peers {
     endpoint: quinn::Endpoint,
@@ -50,6 +56,16 @@ impl Peers {
             .await
             .map_err(|_| anyhow::anyhow!("connecting to {addr}: timed out"))??;
         self.conns.lock().unwrap().insert(addr, conn.clone());
+        Ok(conn)
+    }
+
+    /// A live connection to `addr` that reaches `node`: its certificate must name `node`, not
+    /// only the cluster's shared name. Every dial that means a particular node (forwarding a
+    /// request, sending KV, joining a rank) goes through here, so an address that gossip or a
+    /// stale config points at another node's certificate holder reaches nobody.
+    pub async fn connect_node(&self, addr: SocketAddr, node: &str) -> anyhow::Result<quinn::Connection> {
+        let conn = self.connect(addr).await?;
+        anyhow::ensure!(reaches(&conn, node), "the node at {addr} is not {node}: its certificate names another node");
         Ok(conn)
     }
 

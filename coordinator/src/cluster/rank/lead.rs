@@ -35,7 +35,11 @@ async fn open_rank(endpoint: &quinn::Endpoint, config: &ClusterConfig, node: &st
     let addr = address_of(config, node).await?;
     let rank = j.rank;
     let conn = loop {
-        let attempt = async { anyhow::Ok(endpoint.connect(addr, tls::SERVER_NAME)?.await?) };
+        let attempt = async {
+            let c = endpoint.connect(addr, tls::SERVER_NAME)?.await?;
+            anyhow::ensure!(super::super::transport::reaches(&c, node), "the node at {addr} is not {node}: its certificate names another node");
+            anyhow::Ok(c)
+        };
         match tokio::time::timeout(Duration::from_secs(5), attempt).await {
             Ok(Ok(c)) => break c,
             Ok(Err(e)) if Instant::now() < deadline => tracing::debug!(node, error = %e, "waiting for the node that hosts a rank"),
