@@ -271,18 +271,7 @@ impl Model {
         // Row bookkeeping: each row's position and block table (in a buffer kept across calls).
         let mut rows: Vec<AttnRow<'_>> = recycle(std::mem::take(&mut self.scratch.rows));
         for it in items {
-            let end = it.start_pos + it.tokens.len();
-            if end > self.rope.max_pos() {
-                return Err(WorkerError::TooLong { needed: end, limit: self.rope.max_pos() });
-            }
-            if it.block_table.len() * cache.layout.block_size < end {
-                return Err(WorkerError::Invalid(format!("block table covers {} tokens, need {end}", it.block_table.len() * cache.layout.block_size)));
-            }
-            // Every block the step reads or writes is this cache's: the kernels index what
-            // they are given (a rank host's tables come from its leader, over the network).
-            if let Some(&b) = it.block_table[..end.div_ceil(cache.layout.block_size)].iter().find(|&&b| b as usize >= cache.num_blocks) {
-                return Err(WorkerError::Invalid(format!("block {b} is outside the cache ({} blocks)", cache.num_blocks)));
-            }
+            check_item(it, self.rope.max_pos(), cache)?;
             for (j, _) in it.tokens.iter().enumerate() {
                 rows.push(AttnRow { table: it.block_table, pos: it.start_pos + j });
             }
@@ -456,6 +445,25 @@ fn logit_rows(items: &[ForwardItem<'_>], rank: usize, out: &mut Vec<usize>) {
             out.push(r - 1);
         }
     }
+}
+
+/// Refuses an item the kernels must not see: past the context, a block table too short for
+/// its positions, or naming a block outside the cache where the step reads or writes (the
+/// kernels index what they are given; a rank host's tables come from its leader, over the
+/// network).
+fn check_item(it: &ForwardItem<'_>, max_pos: usize, cache: &KvCache) -> Result<()> {
+    let end = it.start_pos + it.tokens.len();
+    if end > max_pos {
+        return Err(WorkerError::TooLong { needed: end, limit: max_pos });
+    }
+    let bs = cache.layout.block_size;
+    if it.block_table.len() * bs < end {
+        return Err(WorkerError::Invalid(format!("block table covers {} tokens, need {end}", it.block_table.len() * bs)));
+    }
+    if let Some(&b) = it.block_table[..end.div_ceil(bs)].iter().find(|&&b| b as usize >= cache.num_blocks) {
+        return Err(WorkerError::Invalid(format!("block {b} is outside the cache ({} blocks)", cache.num_blocks)));
+    }
+    Ok(())
 }
 
 #[cfg(test)]
