@@ -12,7 +12,9 @@
 //!   mark it dead, or advertise a cache for it.
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::hash::BuildHasher;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
 use rustls::sign::SigningKey;
@@ -81,18 +83,35 @@ impl Signer {
     }
 }
 
+/// Signature outcomes by (node, generation, key): the value's keyed hash, and whether it held.
+type Checked = HashMap<(String, u64, String), (u64, bool)>;
+
+/// Signature checks remembered at most; past it the memory starts over (a peer inventing keys
+/// costs checks again, never memory).
+pub const MAX_CHECKED: usize = 16_384;
+
 /// Checks other nodes' certificates and signatures. Keeps the certificates it has accepted
-/// (one per node generation, bounded by what the caller retains).
+/// (one per node generation, bounded by what the caller retains), and the outcome of the last
+/// signature check of each (node, generation, key), so that a value is verified once, not at
+/// every read of the gossip state (every publisher round): junk signatures cost one check each,
+/// not one per round under the gossip lock.
 pub struct Verifier {
     ca: CertificateDer<'static>,
     /// (node, generation) → the certificate offered (its hex), and the parsed certificate if
     /// it was accepted. A different certificate offered later is checked again.
     certs: HashMap<(String, u64), (String, Option<CertificateDer<'static>>)>,
+    /// (node, generation, key) → a keyed hash of the value last checked, and whether its
+    /// signature held. The hash's key is this process's own, so no peer can aim a value at
+    /// another's entry.
+    checked: Mutex<Checked>,
+    hasher: std::collections::hash_map::RandomState,
+    /// Signatures verified so far (for tests and the link's stats).
+    checks: AtomicU64,
 }
 
 impl Verifier {
     pub fn new(ca: CertificateDer<'static>) -> Self {
-        Verifier { ca, certs: HashMap::new() }
+        Verifier { ca, certs: HashMap::new(), checked: Mutex::new(HashMap::new()), hasher: Default::default(), checks: AtomicU64::new(0) }
     }
 
     /// Whether `cert_hex` is a certificate from the cluster CA naming `node`: the condition for
@@ -133,15 +152,35 @@ impl Verifier {
     pub fn open<'v>(&self, node: &str, generation: u64, key: &str, value: &'v str) -> Option<&'v str> {
         let Some((_, Some(cert))) = self.certs.get(&(node.to_string(), generation)) else { return None };
         let (payload, sig) = value.rsplit_once('|')?;
-        let sig = unhex(sig)?;
-        let ee = webpki::EndEntityCert::try_from(cert).ok()?;
-        ee.verify_signature(webpki::aws_lc_rs::ECDSA_P256_SHA256, &message(node, generation, key, payload), &sig).ok()?;
-        Some(payload)
+        let at = (node.to_string(), generation, key.to_string());
+        let h = self.hasher.hash_one(value);
+        let mut checked = self.checked.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(&(seen, ok)) = checked.get(&at) {
+            if seen == h {
+                return ok.then_some(payload);
+            }
+        }
+        self.checks.fetch_add(1, Ordering::Relaxed);
+        let ok = unhex(sig).is_some_and(|sig| {
+            webpki::EndEntityCert::try_from(cert)
+                .is_ok_and(|ee| ee.verify_signature(webpki::aws_lc_rs::ECDSA_P256_SHA256, &message(node, generation, key, payload), &sig).is_ok())
+        });
+        if checked.len() >= MAX_CHECKED {
+            checked.clear();
+        }
+        checked.insert(at, (h, ok));
+        ok.then_some(payload)
+    }
+
+    /// Signatures verified so far (a value read again unchanged is not verified again).
+    pub fn checks(&self) -> u64 {
+        self.checks.load(Ordering::Relaxed)
     }
 
     /// Forgets every generation not in `keep`.
     pub fn retain(&mut self, keep: &std::collections::HashSet<(String, u64)>) {
         self.certs.retain(|k, _| keep.contains(k));
+        self.checked.get_mut().unwrap_or_else(|e| e.into_inner()).retain(|(n, g, _), _| keep.contains(&(n.clone(), *g)));
     }
 
     pub fn len(&self) -> usize {
@@ -190,6 +229,18 @@ mod tests {
         assert!(!v.accept_cert("a", 11, "zz"));
         v.retain(&[("a".to_string(), 7)].into_iter().collect());
         assert_eq!(v.len(), 1);
+        // A value read again unchanged is not verified again, valid or not; a changed one is.
+        let before = v.checks();
+        for _ in 0..100 {
+            assert_eq!(v.open("a", 7, "state", &signed), Some("ready"));
+            assert_eq!(v.open("a", 7, "http", &signed), None);
+        }
+        assert!(v.checks() <= before + 2, "{} checks for 200 reads of two values", v.checks() - before);
+        let forged = signed.replacen("ready", "dead", 1);
+        assert_eq!(v.open("a", 7, "state", &forged), None, "a new value is verified");
+        assert_eq!(v.open("a", 7, "state", &signed), Some("ready"), "and the old one again");
+        let later = signer.sign("state", "draining");
+        assert_eq!(v.open("a", 7, "state", &later), Some("draining"));
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
