@@ -130,7 +130,14 @@ impl Node {
             orchestrator,
             recent: Default::default(),
             cache_secret,
+            responses: Default::default(),
         });
+        // Peers' lookups of stored responses (weak: the cluster link outlives no front end).
+        let weak = Arc::downgrade(&frontend);
+        frontend.cluster.on_lookup(Arc::new(move |l| match weak.upgrade() {
+            Some(f) => crate::frontend::api::openai::responses::serve_lookup(&f, l),
+            None => (false, Vec::new()),
+        }));
         Ok(Node { frontend, hard_stop_tx })
     }
 

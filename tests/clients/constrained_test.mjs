@@ -5,6 +5,7 @@
 // input must validate against its schema (50 of 50, half streamed), and so must structured
 // output. Exits non-zero on any failure.
 import { createRequire } from "node:module";
+import { run } from "./runner.mjs";
 import { readFileSync } from "node:fs";
 import { dirname, join } from "node:path";
 import { fileURLToPath } from "node:url";
@@ -125,16 +126,4 @@ const tests = {
   },
 };
 
-let passed = 0, failed = 0;
-for (const [name, t] of Object.entries(tests)) {
-  try {
-    await t();
-    passed++;
-    console.log(`ok   test_${name}`);
-  } catch (e) {
-    failed++;
-    console.log(`FAIL test_${name}\n${e.stack ?? e}`);
-  }
-}
-console.log(`${passed} passed, ${failed} failed`);
-process.exit(failed ? 1 : 0);
+await run(tests);

@@ -587,3 +587,37 @@ where
         raw.push_str(&String::from_utf8_lossy(&chunk.expect("a chunk of the stream")));
     }
 }
+
+/// The repository's root.
+pub fn repo_root() -> PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// Runs a setup script (`scripts/client-venv`, `scripts/client-node`) and returns the path it
+/// prints.
+pub fn client_setup(script: &str) -> String {
+    let out = std::process::Command::new(repo_root().join(script)).output().unwrap_or_else(|e| panic!("run {script}: {e}"));
+    assert!(out.status.success(), "{script}: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout).unwrap().trim().to_string()
+}
+
+/// Runs a client test script (`program script`, with `env`) to its end within `within`, and
+/// checks that every test it defines (the lines that start with `marker`: at least `at_least`)
+/// ran and passed, as `tests/clients/runner.py` and its TypeScript twin print them.
+pub async fn run_client_script(program: &str, script: &std::path::Path, marker: &str, env: &[(&str, &str)], at_least: usize, within: std::time::Duration) {
+    let mut cmd = tokio::process::Command::new(program);
+    cmd.arg(script).envs(env.iter().copied());
+    let out = tokio::time::timeout(within, cmd.output()).await.unwrap_or_else(|_| panic!("{} finishes within {within:?}", script.display())).expect("run the client");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    eprintln!("{}:\n{stdout}\n{}", script.display(), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{} failed:\n{stdout}", script.display());
+    // Every test the script defines ran and passed: "0 passed, 0 failed" is a failure.
+    let source = std::fs::read_to_string(script).unwrap();
+    let defined: Vec<&str> = source.lines().filter_map(|l| l.strip_prefix(marker)).map(|l| l.split('(').next().unwrap()).collect();
+    assert!(defined.len() >= at_least, "{} defines its tests ({})", script.display(), defined.len());
+    assert!(stdout.contains(&format!("{} passed, 0 failed", defined.len())), "expected {} passed:\n{stdout}", defined.len());
+    for t in defined {
+        let t = t.strip_prefix("test_").unwrap_or(t);
+        assert!(stdout.contains(&format!("ok   test_{t}\n")), "test_{t} did not pass:\n{stdout}");
+    }
+}

@@ -2,7 +2,6 @@
 //! in a batch and across a move, and the official SDKs (Python and TypeScript) get forced tool
 //! inputs and structured outputs that validate against their schemas, 50 of 50.
 
-use std::process::Command;
 use std::time::Duration;
 
 use serde_json::{json, Value};
@@ -138,39 +137,17 @@ async fn a_forced_call_streams_as_tool_use_and_auto_text_stays_free() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn official_sdks_get_inputs_and_outputs_that_validate() {
     let _g = heavy();
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let setup = |script: &str| {
-        let out = Command::new(root.join(script)).output().unwrap_or_else(|e| panic!("run {script}: {e}"));
-        assert!(out.status.success(), "{script}: {}", String::from_utf8_lossy(&out.stderr));
-        String::from_utf8(out.stdout).unwrap().trim().to_string()
-    };
-    let venv = setup("scripts/client-venv");
-    let node_dir = setup("scripts/client-node");
+    let root = repo_root();
+    let venv = client_setup("scripts/client-venv");
+    let node_dir = client_setup("scripts/client-node");
     let s = TestServer::qwen().await;
     let runs = [
         (format!("{venv}/bin/python"), root.join("tests/clients/constrained_test.py"), "def test_"),
         ("node".to_string(), root.join("tests/clients/constrained_test.mjs"), "  async "),
     ];
     for (program, script, marker) in runs {
-        let out = tokio::time::timeout(
-            Duration::from_secs(900),
-            tokio::process::Command::new(&program).arg(&script).env("ZEROLAYER_BASE_URL", &s.base).env("ZEROLAYER_CLIENTS_NODE", &node_dir).output(),
-        )
-        .await
-        .expect("the client tests finish within 15 minutes")
-        .expect("run the client");
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        eprintln!("{}:\n{stdout}\n{}", script.display(), String::from_utf8_lossy(&out.stderr));
-        assert!(out.status.success(), "{} failed:\n{stdout}", script.display());
-        // Every test the script defines ran and passed.
-        let source = std::fs::read_to_string(&script).unwrap();
-        let defined: Vec<&str> = source.lines().filter_map(|l| l.strip_prefix(marker)).map(|l| l.split('(').next().unwrap()).collect();
-        assert!(defined.len() >= 3, "{} defines its tests ({})", script.display(), defined.len());
-        assert!(stdout.contains(&format!("{} passed, 0 failed", defined.len())), "expected {} passed:\n{stdout}", defined.len());
-        for t in defined {
-            let t = t.strip_prefix("test_").unwrap_or(t);
-            assert!(stdout.contains(&format!("ok   test_{t}\n")), "test_{t} did not pass:\n{stdout}");
-        }
+        let env = [("ZEROLAYER_BASE_URL", s.base.as_str()), ("ZEROLAYER_CLIENTS_NODE", node_dir.as_str())];
+        run_client_script(&program, &script, marker, &env, 3, Duration::from_secs(900)).await;
     }
     s.stop().await.unwrap();
 }

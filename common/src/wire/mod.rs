@@ -11,6 +11,9 @@
 //! - [`Open::Rank`]: a node asks another to host one rank of a tensor-parallel group that one of
 //!   its workers leads. The stream then carries that rank's [`rank::RankMsg`] frames both ways
 //!   for the group's lifetime (see [`rank`]).
+//! - [`Open::Lookup`]: a node asks the node that stores a response (the Responses API's
+//!   `previous_response_id`, `GET` and `DELETE /v1/responses/{id}`) for it, on a tenant's
+//!   behalf; the answer is one `Reply::Found`.
 //!
 //! There is no per-element encoding beyond rkyv's archive, and a frame larger than
 //! [`MAX_FRAME_BYTES`] is refused on both sides; an import's raw bytes are bounded by what the
@@ -82,6 +85,19 @@ pub enum Open {
     Submit(Submit),
     Import(ImportHeader),
     Rank(RankJoin),
+    Lookup(Lookup),
+}
+
+/// A stored response asked of the node that keeps it, for the tenant the asking node
+/// authenticated (an entry of another tenant is not found).
+#[derive(Clone, Debug, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct Lookup {
+    /// The node that asks.
+    pub origin_node: String,
+    pub id: String,
+    pub tenant: String,
+    /// Forget it rather than send it.
+    pub delete: bool,
 }
 
 /// What the receiving node sends back on the stream.
@@ -94,6 +110,9 @@ pub enum Reply {
     Event(SeqEvent),
     /// An import is done: the first `blocks` blocks of its chain are in the worker's cache.
     Imported { blocks: u32 },
+    /// A lookup's answer: whether the response was there (and is now gone, for a delete), and
+    /// its stored body (empty for a delete).
+    Found { found: bool, body: Vec<u8> },
 }
 
 fn frame(body: &[u8]) -> Result<Vec<u8>, WireError> {
@@ -164,6 +183,7 @@ mod tests {
             Reply::Accepted,
             Reply::Refused { overloaded: true, message: "full".into() },
             Reply::Imported { blocks: 7 },
+            Reply::Found { found: true, body: b"{}".to_vec() },
             Reply::Event(SeqEvent::Delta { tokens: vec![1, 2], text: "hé".into() }),
             Reply::Event(SeqEvent::Finished { reason: StopReason::StopSequence("x".into()), usage: Usage { output_tokens: 3, ..Default::default() } }),
             Reply::Event(SeqEvent::Finished { reason: StopReason::Moved { node: "b".into(), worker: "cpu0".into(), kv_tokens: 96 }, usage: Usage::default() }),
@@ -174,6 +194,9 @@ mod tests {
         let j = RankJoin { origin_node: "a".into(), worker: "tp0".into(), rank: 1, size: 2, block_size: 16, num_blocks: 64, nccl_id: vec![7; 128] };
         let f = encode_open(&Open::Rank(j.clone())).unwrap();
         assert_eq!(decode_open(&f[4..]).unwrap(), Open::Rank(j));
+        let l = Lookup { origin_node: "a".into(), id: "resp_1".into(), tenant: "alice".into(), delete: false };
+        let f = encode_open(&Open::Lookup(l.clone())).unwrap();
+        assert_eq!(decode_open(&f[4..]).unwrap(), Open::Lookup(l));
         assert!(decode_open(&[0xff; 37]).is_err());
         assert!(decode_reply(&f[4..f.len() - 3]).is_err());
         assert!(matches!(frame_len((MAX_FRAME_BYTES as u32 + 1).to_le_bytes()), Err(WireError::TooLarge(..))));

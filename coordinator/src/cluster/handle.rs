@@ -19,6 +19,10 @@ use super::transport::{Peers, Relays};
 use crate::quota::Quota;
 use crate::view::{ClusterView, NodeState, WorkerView};
 
+/// What answers a peer's lookup of a stored response on this node (see `super::lookup`):
+/// whether it found the entry, and its body.
+pub type Lookups = Arc<dyn Fn(&zerolayer_common::wire::Lookup) -> (bool, Vec<u8>) + Send + Sync>;
+
 /// A worker on this node.
 #[derive(Clone)]
 pub struct LocalWorker {
@@ -90,6 +94,8 @@ pub struct Cluster {
     /// KV bytes each peer has in transfers to this node now (see `migrate::serve`); an entry
     /// goes when its transfers end, so there are at most as many as transfers running.
     pub(super) imports_in_flight: Mutex<std::collections::HashMap<String, u64>>,
+    /// What answers peers' lookups of stored responses (set once by the front end).
+    pub(super) lookups: std::sync::OnceLock<Lookups>,
 }
 
 /// How much a node's link holds about its peers (all bounded; see `publisher`).
@@ -152,7 +158,13 @@ impl Cluster {
             quota,
             hosted_ranks: Mutex::new(std::collections::HashMap::new()),
             imports_in_flight: Mutex::new(std::collections::HashMap::new()),
+            lookups: std::sync::OnceLock::new(),
         }
+    }
+
+    /// Registers what answers peers' lookups of stored responses (the first registration holds).
+    pub fn on_lookup(&self, answer: Lookups) {
+        let _ = self.lookups.set(answer);
     }
 
     /// This node's membership state.

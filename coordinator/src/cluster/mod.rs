@@ -24,12 +24,15 @@
 //!   other nodes leads a group whose ranks those nodes host, one bi-stream per rank: the step's
 //!   batch out, the all-reduce's partials and sums both ways.
 //!
+//! - **Stored responses** ([`lookup`]). A node asks the node a response id names for it, on
+//!   a tenant's behalf; the front end's store answers through a hook.
+//!
 //! - **Identity** ([`identity`]). A peer is the node its certificate names; every gossiped
 //!   value is signed by its node and checked by every reader.
 //!
 //! Layering (no module here uses one above it): `tls`, `transport`, `gossip`, `frames`,
 //! `identity` <
-//! `link` < `forward`, `migrate`, `publisher`, `rank` < `accept` < `start`. Every task is owned by [`Cluster`] and stops
+//! `link` < `forward`, `lookup`, `migrate`, `publisher`, `rank` < `accept` < `start`. Every task is owned by [`Cluster`] and stops
 //! in [`Cluster::stop`] (graceful) or [`Cluster::kill`].
 
 pub mod accept;
@@ -38,6 +41,7 @@ pub mod frames;
 pub mod gossip;
 pub mod identity;
 pub mod handle;
+pub mod lookup;
 pub mod migrate;
 pub mod publisher;
 pub mod rank;

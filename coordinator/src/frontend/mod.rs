@@ -9,7 +9,8 @@
 //!   input (length, prompt tokens, grammar, cache breakpoints) that every API and the fuzz target
 //!   run;
 //! - [`service`]: the [`service::Frontend`] every handler calls (admission, preparation off the
-//!   runtime, then [`crate::routing`]);
+//!   runtime, then [`crate::routing`]); [`stored`]: the responses this node keeps for the
+//!   Responses API's `previous_response_id`;
 //! - [`api`]: the axum router, one folder per API; [`fuzzing`]: the front end as one function,
 //!   for the fuzz targets.
 //!
@@ -24,4 +25,5 @@ pub mod pipeline;
 pub mod prompt;
 pub mod request;
 pub mod service;
+pub mod stored;
 pub mod tools;

@@ -71,6 +71,8 @@ pub struct Frontend {
     /// The cluster's secret for cache scope roots (`zerolayer_common::scope_root`): derived from
     /// the cluster CA's certificate, so every node agrees; a random one on a node without TLS.
     pub cache_secret: [u8; 32],
+    /// The responses this node stored (the Responses API's `store`; bounded).
+    pub responses: crate::frontend::stored::ResponseStore,
 }
 
 /// A coordinator's admission state: the in-flight cap, and the preparation pool's slots.

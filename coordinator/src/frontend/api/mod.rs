@@ -1,6 +1,6 @@
 //! The HTTP API (axum): the router and its middleware. One folder per API, each holding its
 //! request parsing and validation next to its responses and SSE: [`anthropic`] (Messages),
-//! [`openai`] (Chat Completions); plus [`models`], [`admin`] (health, readiness, metrics and
+//! [`openai`] (Chat Completions, Completions, Responses); plus [`models`], [`admin`] (health, readiness, metrics and
 //! the admin endpoints) and [`shared`] (what the handlers share).
 //!
 //! Every response carries `request-id`; every error is in the API's own shape (mapped in one
@@ -32,6 +32,8 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/models/{id}", get(models::get))
         .route("/v1/chat/completions", post(openai::response::chat_completions))
         .route("/v1/completions", post(openai::completions::completions))
+        .route("/v1/responses", post(openai::responses::create))
+        .route("/v1/responses/{id}", get(openai::responses::get).delete(openai::responses::delete))
         .route_layer(middleware::from_fn_with_state(state.clone(), api_guard));
     let admin = Router::new()
         .route("/admin/status", get(admin::status))
@@ -74,7 +76,7 @@ async fn request_id_layer(State(c): State<AppState>, mut req: Request, next: Nex
 /// Whether errors take OpenAI's shape (its endpoints) rather than Anthropic's.
 fn is_openai(req: &Request) -> bool {
     let path = req.uri().path();
-    path.starts_with("/v1/chat/") || path == "/v1/completions"
+    path.starts_with("/v1/chat/") || path == "/v1/completions" || path.starts_with("/v1/responses")
 }
 
 /// Authenticates API calls; adds the key's rate-limit headers to every answer. (Each handler

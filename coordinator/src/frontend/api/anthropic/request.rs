@@ -149,8 +149,15 @@ fn parse_max_tokens(v: Option<&Value>, endpoint: Endpoint) -> Result<Option<u32>
     })
 }
 
+/// How newer Claude Code versions open the system prompt: a text block naming their version and
+/// a checksum of the request (`x-anthropic-billing-header: cc_version=…; cc_entrypoint=cli;
+/// cch=…;`), different in every request. It is metadata, not instructions: a block that starts
+/// with it (and marks no cache breakpoint) is left out of the prompt, so that it does not make
+/// every request's prefix new to the cache.
+pub const BILLING_HEADER: &str = "x-anthropic-billing-header:";
+
 /// `system`: a string, or text blocks (joined by blank lines), whose `cache_control`s become
-/// breakpoints.
+/// breakpoints. Claude Code's billing header block is left out ([`BILLING_HEADER`]).
 fn parse_system(v: Option<&Value>, breakpoints: &mut Vec<Breakpoint>) -> Result<Option<String>, ApiError> {
     Ok(match v {
         None | Some(Value::Null) => None,
@@ -159,6 +166,9 @@ fn parse_system(v: Option<&Value>, breakpoints: &mut Vec<Breakpoint>) -> Result<
             let mut parts: Vec<String> = vec![];
             for (i, b) in blocks.iter().enumerate() {
                 let (text, ttl) = cached_text_block(b, &format!("system[{i}]"), true)?;
+                if ttl.is_none() && text.starts_with(BILLING_HEADER) {
+                    continue;
+                }
                 parts.push(text);
                 if let Some(ttl) = ttl {
                     let end = parts.iter().map(String::len).sum::<usize>() + 2 * (parts.len() - 1);

@@ -2,10 +2,11 @@
 //! [`GenerationRequest`](crate::frontend::request::GenerationRequest); [`response`] holds its
 //! handler, the completion JSON and the `chat.completion.chunk` stream (ending in
 //! `data: [DONE]`); [`completions`] is the legacy Completions API (a raw prompt, for base
-//! models).
+//! models); [`responses`] is the Responses API (what OpenAI's agents, Codex among them, speak).
 
 pub mod completions;
 pub mod request;
 pub mod response;
+pub mod responses;
 
 pub use request::{parse, ChatRequest};

@@ -26,22 +26,26 @@ fn content_text(v: Option<&Value>, at: &str) -> Result<String, ApiError> {
     match v {
         None | Some(Value::Null) => Ok(String::new()),
         Some(Value::String(s)) => Ok(s.clone()),
-        Some(Value::Array(parts)) => {
-            let mut out = vec![];
-            for (j, p) in parts.iter().enumerate() {
-                match p.get("type").and_then(Value::as_str) {
-                    Some("text") => match p.get("text") {
-                        Some(Value::String(t)) => out.push(t.clone()),
-                        _ => return bad(format!("{at}.content[{j}].text: expected a string")),
-                    },
-                    Some(other) => return bad(format!("{at}.content[{j}]: content part type \"{other}\" is not supported by this model")),
-                    None => return bad(format!("{at}.content[{j}].type: Field required")),
-                }
-            }
-            Ok(out.join("\n\n"))
-        }
-        Some(_) => bad(format!("{at}.content: expected a string or an array of content parts")),
+        Some(v) => content_parts(v, at, |ty| (ty == "text").then_some("text")),
     }
+}
+
+/// Content parts (`[{type, <field>: "…"}]`) joined by blank lines: `field_of` names the text
+/// field of each part type this route reads (None: a 400 naming the type).
+pub(super) fn content_parts(v: &Value, at: &str, field_of: fn(&str) -> Option<&'static str>) -> Result<String, ApiError> {
+    let Some(parts) = v.as_array() else { return bad(format!("{at}.content: expected a string or an array of content parts")) };
+    let mut out = Vec::with_capacity(parts.len());
+    for (j, p) in parts.iter().enumerate() {
+        let field = match p.get("type").and_then(Value::as_str) {
+            Some(ty) => field_of(ty).ok_or_else(|| ApiError::invalid(format!("{at}.content[{j}]: content part type \"{ty}\" is not supported by this model")))?,
+            None => return bad(format!("{at}.content[{j}].type: Field required")),
+        };
+        match p.get(field) {
+            Some(Value::String(t)) => out.push(t.clone()),
+            _ => return bad(format!("{at}.content[{j}].{field}: expected a string")),
+        }
+    }
+    Ok(out.join("\n\n"))
 }
 
 /// `tools: [{type: "function", function: {name, description?, parameters?, strict?}}]`.
@@ -61,26 +65,33 @@ fn parse_tools(v: Option<&Value>) -> Result<Vec<Tool>, ApiError> {
             return bad(format!("{at}.type: only \"function\" tools are supported"));
         }
         let Some(f) = t.get("function").and_then(Value::as_object) else { return bad(format!("{at}.function: expected an object")) };
-        let name = match f.get("name").and_then(Value::as_str) {
-            Some(n) if valid_name(n) => n.to_string(),
-            _ => return bad(format!("{at}.function.name: must match ^[a-zA-Z0-9_-]{{1,64}}$")),
-        };
-        let description = match f.get("description") {
-            None | Some(Value::Null) => None,
-            Some(Value::String(d)) => Some(d.clone()),
-            Some(_) => return bad(format!("{at}.function.description: expected a string")),
-        };
-        let parameters = match f.get("parameters") {
-            None | Some(Value::Null) => serde_json::json!({"type": "object", "properties": {}}),
-            Some(p @ Value::Object(_)) => p.clone(),
-            Some(_) => return bad(format!("{at}.function.parameters: expected a JSON schema object")),
-        };
-        if tools.iter().any(|t| t.name == name) {
-            return bad(format!("{at}.function.name: tool names must be unique, {name:?} is repeated"));
-        }
-        tools.push(Tool { name, description, parameters, deferred: false });
+        let tool = function_tool(f, &format!("{at}.function"), &tools)?;
+        tools.push(tool);
     }
     Ok(tools)
+}
+
+/// A function tool's `name`, `description` and `parameters` (at `at`), its name not among
+/// `tools` already.
+pub(super) fn function_tool(f: &serde_json::Map<String, Value>, at: &str, tools: &[Tool]) -> Result<Tool, ApiError> {
+    let name = match f.get("name").and_then(Value::as_str) {
+        Some(n) if valid_name(n) => n.to_string(),
+        _ => return bad(format!("{at}.name: must match ^[a-zA-Z0-9_-]{{1,64}}$")),
+    };
+    let description = match f.get("description") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(d)) => Some(d.clone()),
+        Some(_) => return bad(format!("{at}.description: expected a string")),
+    };
+    let parameters = match f.get("parameters") {
+        None | Some(Value::Null) => serde_json::json!({"type": "object", "properties": {}}),
+        Some(p @ Value::Object(_)) => p.clone(),
+        Some(_) => return bad(format!("{at}.parameters: expected a JSON schema object")),
+    };
+    if tools.iter().any(|t| t.name == name) {
+        return bad(format!("{at}.name: tool names must be unique, {name:?} is repeated"));
+    }
+    Ok(Tool { name, description, parameters, deferred: false })
 }
 
 /// An assistant message's `tool_calls: [{id, type: "function", function: {name, arguments}}]`
@@ -124,22 +135,19 @@ fn parse_messages(v: Option<&Value>) -> Result<(Option<String>, Vec<Turn>), ApiE
         let role = m.get("role").and_then(Value::as_str).ok_or_else(|| ApiError::invalid(format!("{at}.role: Field required")))?;
         let text = content_text(m.get("content"), &at)?;
         let role = match role {
-            // System messages before the conversation are its system prompt; later ones stay
-            // where they are, as system turns.
-            "system" | "developer" if turns.is_empty() => {
-                system.push(text);
-                continue;
-            }
-            "system" | "developer" => Role::System,
-            "user" => Role::User,
-            "assistant" => Role::Assistant,
             "tool" => {
                 let Some(id) = m.get("tool_call_id").and_then(Value::as_str) else { return bad(format!("{at}.tool_call_id: Field required")) };
                 push_turn(&mut turns, Turn::tool_result(id, text));
                 continue;
             }
             "function" => return bad(format!("{at}.role: \"function\" messages are deprecated; use \"tool\"")),
-            other => return bad(format!("{at}.role: unknown role \"{other}\"")),
+            other => match message_role(other, &at, &turns)? {
+                Some(role) => role,
+                None => {
+                    system.push(text);
+                    continue;
+                }
+            },
         };
         let mut turn = Turn::new(role, text);
         if role == Role::Assistant {
@@ -152,6 +160,19 @@ fn parse_messages(v: Option<&Value>) -> Result<(Option<String>, Vec<Turn>), ApiE
     }
     let system = if system.is_empty() { None } else { Some(system.join("\n\n")) };
     Ok((system, turns))
+}
+
+/// The turn a message of `role` (`system`, `developer`, `user`, `assistant`) becomes after
+/// `turns`; None: the system prompt (system and developer messages before the conversation;
+/// later ones stay where they are, as system turns).
+pub(super) fn message_role(role: &str, at: &str, turns: &[Turn]) -> Result<Option<Role>, ApiError> {
+    Ok(match role {
+        "system" | "developer" if turns.is_empty() => None,
+        "system" | "developer" => Some(Role::System),
+        "user" => Some(Role::User),
+        "assistant" => Some(Role::Assistant),
+        other => return bad(format!("{at}.role: unknown role \"{other}\"")),
+    })
 }
 
 /// `stop`: a string or a list of at most [`MAX_STOP_SEQUENCES`] strings.
@@ -190,7 +211,7 @@ fn parse_tool_choice(v: Option<&Value>, tools: &[Tool]) -> Result<ToolChoice, Ap
 }
 
 /// An optional boolean field (`default` when absent or null).
-fn flag(obj: &serde_json::Map<String, Value>, key: &str, default: bool) -> Result<bool, ApiError> {
+pub(super) fn flag(obj: &serde_json::Map<String, Value>, key: &str, default: bool) -> Result<bool, ApiError> {
     match obj.get(key) {
         None | Some(Value::Null) => Ok(default),
         Some(Value::Bool(b)) => Ok(*b),

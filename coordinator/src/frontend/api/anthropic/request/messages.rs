@@ -128,6 +128,8 @@ pub(super) fn parse_messages(v: Option<&Value>, breakpoints: &mut Vec<Breakpoint
     }
     let mut turns: Vec<Turn> = vec![];
     let n = arr.len();
+    // The `tool_use` ids of the message before: what this message's tool results may answer.
+    let mut answerable: Vec<String> = vec![];
     for (i, m) in arr.iter().enumerate() {
         let at = format!("messages[{i}]");
         let Some(o) = m.as_object() else { return bad(format!("{at}: expected an object, got {}", type_name(m))) };
@@ -162,7 +164,14 @@ pub(super) fn parse_messages(v: Option<&Value>, breakpoints: &mut Vec<Breakpoint
                         (Some("tool_use"), Some(bo), Role::Assistant) => calls.push(tool_use_block(bo, &bat)?),
                         (Some("tool_result"), Some(bo), Role::User) => {
                             let ttl = bo.get("cache_control").map(|v| cache_control(v, &format!("{bat}.cache_control"))).transpose()?;
-                            msg_turns.push((tool_result_block(bo, &bat)?, ttl));
+                            let result = tool_result_block(bo, &bat)?;
+                            let id = result.tool_call_id.as_deref().unwrap_or_default();
+                            if !answerable.iter().any(|a| a == id) {
+                                return bad(format!(
+                                    "messages.{i}.content.{j}: unexpected `tool_use_id` found in `tool_result` blocks: {id}. Each `tool_result` block must have a corresponding `tool_use` block in the previous message."
+                                ));
+                            }
+                            msg_turns.push((result, ttl));
                         }
                         (Some(ty @ ("tool_use" | "tool_result")), _, _) => {
                             return bad(format!("{bat}: a {ty} block belongs in {} messages", if ty == "tool_use" { "assistant" } else { "user" }))
@@ -180,6 +189,7 @@ pub(super) fn parse_messages(v: Option<&Value>, breakpoints: &mut Vec<Breakpoint
             Some(v) => return bad(format!("{at}.content: expected a string or an array of content blocks, got {}", type_name(v))),
             None => return bad(format!("{at}.content: Field required")),
         };
+        answerable = calls.iter().map(|c| c.id.clone()).collect();
         let text = text_parts.join("\n\n");
         if text.is_empty() && msg_turns.is_empty() && calls.is_empty() && !is_final_assistant {
             return bad(format!("{at}: all messages must have non-empty content except for the optional final assistant message"));

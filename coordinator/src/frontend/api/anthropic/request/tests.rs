@@ -99,3 +99,38 @@ fn claude_code_shapes_are_accepted() {
     b["context_management"] = json!({"edits": [{"type": "summarize"}]});
     assert!(parse(&b, Endpoint::Messages).unwrap_err().to_string().contains("context_management.edits[0].type"));
 }
+
+#[test]
+fn a_tool_result_must_answer_a_tool_use_of_the_previous_message() {
+    let use_t1 = json!({"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {}}]});
+    let result = |id: &str| json!({"role": "user", "content": [{"type": "text", "text": "here"}, {"type": "tool_result", "tool_use_id": id, "content": "42"}]});
+    let body = |msgs: Vec<serde_json::Value>| json!({"model": "m", "max_tokens": 5, "messages": msgs});
+    let first = json!({"role": "user", "content": "go"});
+    assert!(parse(&body(vec![first.clone(), use_t1.clone(), result("t1")]), Endpoint::Messages).is_ok());
+    let e = parse(&body(vec![first.clone(), use_t1.clone(), result("t2")]), Endpoint::Messages).unwrap_err();
+    assert_eq!(e.status(), 400);
+    assert_eq!(
+        e.to_string(),
+        "messages.2.content.1: unexpected `tool_use_id` found in `tool_result` blocks: t2. Each `tool_result` block must have a corresponding `tool_use` block in the previous message."
+    );
+    // A call two messages back does not count: the result must follow its call.
+    let later = vec![first.clone(), use_t1, result("t1"), json!({"role": "assistant", "content": "ok"}), result("t1")];
+    assert!(parse(&body(later), Endpoint::Messages).is_err());
+    assert!(parse(&body(vec![result("t1")]), Endpoint::Messages).is_err(), "no call before it at all");
+}
+
+#[test]
+fn the_billing_header_is_not_part_of_the_prompt() {
+    let sys = |header: &str| {
+        json!({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "system": [
+            {"type": "text", "text": header},
+            {"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}}]})
+    };
+    let a = parse(&sys("x-anthropic-billing-header: cc_version=2.1.37.a1b; cc_entrypoint=cli; cch=11111;"), Endpoint::Messages).unwrap();
+    let b = parse(&sys("x-anthropic-billing-header: cc_version=2.1.37.a1b; cc_entrypoint=cli; cch=22222;"), Endpoint::Messages).unwrap();
+    assert_eq!(a.generation.system.as_deref(), Some("You are Claude Code."));
+    assert_eq!(a.generation, b.generation, "requests that differ only in the header are the same prompt");
+    assert_eq!(a.generation.breakpoints[0].end, "You are Claude Code.".len());
+    let kept = parse(&sys("Some other first block."), Endpoint::Messages).unwrap();
+    assert_eq!(kept.generation.system.as_deref(), Some("Some other first block.\n\nYou are Claude Code."));
+}

@@ -1,0 +1,54 @@
+//! Stored responses across the cluster: a node asks the node a response id names for it
+//! ([`Open::Lookup`], one bi-stream, one `Reply::Found`). The store itself belongs to the front
+//! end (`crate::frontend::stored`); it answers through the [`Lookups`](super::handle::Lookups) hook it registers with
+//! [`Cluster::on_lookup`], so this layer knows nothing of what is stored.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use zerolayer_common::wire::{self, Lookup, Open, Reply};
+
+use super::frames::{read_frame, write_reply};
+use super::handle::Cluster;
+
+/// How long a lookup may take, dial included.
+pub const LOOKUP_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Asks `node` for `lookup`'s response: its body (`Some`, empty for a delete) or `None` when
+/// that node keeps no such response for the tenant. An error when the node cannot be reached.
+pub async fn ask(cluster: &Cluster, node: &str, lookup: Lookup) -> anyhow::Result<Option<Vec<u8>>> {
+    let net = cluster.net.as_ref().ok_or_else(|| anyhow::anyhow!("this node is not in a cluster"))?;
+    let addr = cluster.peer_addr(node).ok_or_else(|| anyhow::anyhow!("node {node} is not a live member of the cluster"))?;
+    let frame = wire::encode_open(&Open::Lookup(lookup))?;
+    let exchange = async {
+        let conn = net.peers.connect_node(addr, node).await?;
+        let (mut send, mut recv) = conn.open_bi().await?;
+        send.write_all(&frame).await?;
+        let _ = send.finish();
+        let body = read_frame(&mut recv).await?.ok_or_else(|| anyhow::anyhow!("stream closed before a reply"))?;
+        anyhow::Ok(wire::decode_reply(&body)?)
+    };
+    match tokio::time::timeout(LOOKUP_TIMEOUT, exchange).await {
+        Ok(Ok(Reply::Found { found: true, body })) => Ok(Some(body)),
+        Ok(Ok(Reply::Found { found: false, .. })) => Ok(None),
+        Ok(Ok(Reply::Refused { message, .. })) => Err(anyhow::anyhow!("node {node} refused the lookup: {message}")),
+        Ok(Ok(other)) => Err(anyhow::anyhow!("node {node}: unexpected reply {other:?}")),
+        Ok(Err(e)) => Err(anyhow::anyhow!("node {node} at {addr}: {e}")),
+        Err(_) => Err(anyhow::anyhow!("node {node} at {addr}: no answer within {LOOKUP_TIMEOUT:?}")),
+    }
+}
+
+/// Answers one lookup (its `Open::Lookup` frame already read, its sender checked).
+pub async fn serve(cluster: Arc<Cluster>, lookup: Lookup, mut send: quinn::SendStream, peer: std::net::SocketAddr) {
+    let reply = match cluster.lookups.get() {
+        Some(answer) => {
+            let (found, body) = answer(&lookup);
+            Reply::Found { found, body }
+        }
+        None => Reply::Refused { overloaded: true, message: format!("node {} is still starting", cluster.node_id) },
+    };
+    if let Err(e) = write_reply(&mut send, &reply).await {
+        tracing::debug!(%peer, error = %e, "a lookup's answer was not delivered");
+    }
+    let _ = send.finish();
+}
