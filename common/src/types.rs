@@ -33,11 +33,41 @@ pub struct SamplingParams {
     /// `tool_choice` and the requested output format; None leaves the output free.
     #[serde(default)]
     pub grammar: Option<String>,
+    /// Drop the tokens less likely than `min_p` times the most likely one (None or 0: off).
+    #[serde(default)]
+    pub min_p: Option<f32>,
+    /// OpenAI's penalties on the tokens generated so far: each loses `presence_penalty` once it
+    /// has appeared, and `frequency_penalty` per time it appeared (0: off).
+    #[serde(default)]
+    pub presence_penalty: f32,
+    #[serde(default)]
+    pub frequency_penalty: f32,
+    /// The CTRL penalty (Hugging Face's, vLLM's) on every token of the prompt and the output: a
+    /// positive logit is divided by it, a negative one multiplied (None or 1: off).
+    #[serde(default)]
+    pub repetition_penalty: Option<f32>,
+    /// Added to these tokens' logits before anything else (OpenAI's `logit_bias`).
+    #[serde(default)]
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 impl Default for SamplingParams {
     fn default() -> Self {
-        SamplingParams { temperature: 1.0, top_k: None, top_p: None, seed: None, max_tokens: 256, stop_sequences: vec![], ignore_eos: false, grammar: None }
+        SamplingParams {
+            temperature: 1.0,
+            top_k: None,
+            top_p: None,
+            seed: None,
+            max_tokens: 256,
+            stop_sequences: vec![],
+            ignore_eos: false,
+            grammar: None,
+            min_p: None,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            repetition_penalty: None,
+            logit_bias: vec![],
+        }
     }
 }
 

@@ -220,10 +220,12 @@ impl Engine {
             return Err(WorkerError::Invalid(format!("cache pins {pins:?} are outside the limits")));
         }
         let vocab = self.backend.config().vocab_size;
-        if let Some(&bad) = prompt.iter().chain(&generated).find(|&&t| t as usize >= vocab) {
+        let biased = params.logit_bias.iter().map(|&(t, _)| t);
+        if let Some(bad) = prompt.iter().chain(&generated).copied().chain(biased).find(|&t| t as usize >= vocab) {
             return Err(WorkerError::Invalid(format!("token id {bad} is outside the vocabulary")));
         }
         let mut st = SeqState::new(params, generated.len() as u64);
+        st.sampler.observe(&prompt, &generated);
         st.pins = pins;
         let mut ended = None;
         for k in 1..=generated.len() {

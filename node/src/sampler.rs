@@ -1,21 +1,31 @@
-//! Token sampling: exact greedy at temperature 0; otherwise temperature, top-k and top-p.
+//! Token sampling: exact greedy at temperature 0; otherwise temperature, top-k, min-p and
+//! top-p; before either, the request's logit bias and penalties ([`adjust`]).
 //!
 //! The random draw of step `k` is a pure function of `(seed, k)` (splitmix64), not a stream
 //! advanced call by call. A sequence that continues elsewhere (replayed or migrated after
 //! `k` tokens) starts its sampler at step `k` with the same seed, and so draws exactly what the
 //! original would have: seeded sampling at temperature > 0 survives a move, as greedy does.
 
+pub mod adjust;
+
 use zerolayer_common::SamplingParams;
+
+use adjust::Adjust;
 
 /// Per-sequence sampling state.
 pub struct Sampler {
     temperature: f32,
     top_k: usize,
     top_p: f32,
+    /// 0: off.
+    min_p: f32,
     seed: u64,
     /// Tokens sampled so far (the next draw is step `step`).
     step: u64,
     candidates: Vec<(u32, f32)>,
+    /// The logit bias and penalties, if the request has any, and a row to apply them to.
+    adjust: Option<Adjust>,
+    adjusted: Vec<f32>,
 }
 
 fn splitmix64(mut z: u64) -> u64 {
@@ -38,10 +48,30 @@ impl Sampler {
             temperature: p.temperature,
             top_k: p.top_k.filter(|&k| k > 0).map(|k| k as usize).unwrap_or(usize::MAX),
             top_p: p.top_p.unwrap_or(1.0).clamp(f32::MIN_POSITIVE, 1.0),
+            min_p: p.min_p.unwrap_or(0.0).clamp(0.0, 1.0),
             seed: p.seed.unwrap_or_else(rand::random),
             step,
             candidates: Vec::new(),
+            adjust: Adjust::new(p),
+            adjusted: Vec::new(),
         }
+    }
+
+    /// Takes in the sequence's prompt and the tokens it generated before this sampler (a moved
+    /// or replayed sequence's), which the penalties read.
+    pub fn observe(&mut self, prompt: &[u32], generated: &[u32]) {
+        if let Some(a) = &mut self.adjust {
+            a.observe_prompt(prompt);
+            generated.iter().for_each(|&t| a.record(t));
+        }
+    }
+
+    /// Counts a drawn token in the history the penalties read.
+    fn drew(&mut self, tok: u32) -> u32 {
+        if let Some(a) = &mut self.adjust {
+            a.record(tok);
+        }
+        tok
     }
 
     pub fn seed(&self) -> u64 {
@@ -50,9 +80,10 @@ impl Sampler {
 
     /// Draws the next token from `logits`; with `allowed` (a grammar's bitset of the tokens it
     /// allows, bit `t % 32` of word `t / 32`), only from those.
-    /// Whether every draw is the argmax (so a device may pick the token itself).
+    /// Whether every draw is the argmax of the row as the model computed it (so a device may
+    /// pick the token itself): greedy, and nothing adjusts the logits.
     pub fn is_greedy(&self) -> bool {
-        self.temperature == 0.0 || self.top_k == 1
+        (self.temperature == 0.0 || self.top_k == 1) && self.adjust.is_none()
     }
 
     /// Records a draw a device made for a greedy sampler (the argmax of the logits, what
@@ -60,7 +91,7 @@ impl Sampler {
     pub fn take_greedy(&mut self, token: u32) -> u32 {
         debug_assert!(self.is_greedy());
         self.step += 1;
-        token
+        self.drew(token)
     }
 
     /// What a device may do of this sampler's next draw over a `vocab`-wide row with no
@@ -69,6 +100,8 @@ impl Sampler {
     pub fn pick(&self, vocab: usize) -> Pick {
         if self.is_greedy() {
             Pick::Greedy
+        } else if self.adjust.is_some() {
+            Pick::Host
         } else if self.top_k <= MAX_DEVICE_TOP_K && self.top_k < vocab {
             Pick::TopK { k: self.top_k as u32, inv_t: 1.0 / self.temperature }
         } else {
@@ -79,6 +112,23 @@ impl Sampler {
     pub fn sample(&mut self, logits: &[f32], allowed: Option<&[u32]>) -> u32 {
         let step = self.step;
         self.step += 1;
+        let tok = match &self.adjust {
+            None => self.sample_row(logits, allowed, step),
+            Some(a) => {
+                let mut row = std::mem::take(&mut self.adjusted);
+                row.clear();
+                row.extend_from_slice(logits);
+                a.apply(&mut row);
+                let tok = self.sample_row(&row, allowed, step);
+                self.adjusted = row;
+                tok
+            }
+        };
+        self.drew(tok)
+    }
+
+    /// Step `step`'s draw from `logits` (already adjusted).
+    fn sample_row(&mut self, logits: &[f32], allowed: Option<&[u32]>, step: u64) -> u32 {
         if self.temperature == 0.0 || self.top_k == 1 {
             return match allowed {
                 None => argmax(logits),
@@ -111,11 +161,12 @@ impl Sampler {
         self.step += 1;
         self.candidates.clear();
         self.candidates.extend_from_slice(candidates);
-        self.draw(step)
+        let tok = self.draw(step);
+        self.drew(tok)
     }
 
-    /// Softmax, top-p and the seeded draw over `self.candidates` (temperature applied, top-k
-    /// already taken).
+    /// Softmax, min-p, top-p and the seeded draw over `self.candidates` (temperature applied,
+    /// top-k already taken).
     fn draw(&mut self, step: u64) -> u32 {
         let c = &mut self.candidates;
         c.sort_unstable_by(by_desc);
@@ -125,11 +176,17 @@ impl Sampler {
             e.1 = (e.1 - max).exp();
             sum += e.1;
         }
-        // Nucleus: keep the smallest prefix whose mass reaches top_p.
+        // Min-p: the most likely candidate weighs exp(0) = 1, so a candidate's weight is its
+        // probability relative to it.
         let mut keep = c.len();
+        if self.min_p > 0.0 {
+            keep = c.iter().take_while(|e| e.1 >= self.min_p).count().max(1);
+            sum = c[..keep].iter().map(|e| e.1).sum();
+        }
+        // Nucleus: keep the smallest prefix whose mass reaches top_p.
         if self.top_p < 1.0 {
             let mut acc = 0f32;
-            for (i, e) in c.iter().enumerate() {
+            for (i, e) in c[..keep].iter().enumerate() {
                 acc += e.1 / sum;
                 if acc >= self.top_p {
                     keep = i + 1;
@@ -326,6 +383,75 @@ mod tests {
         assert_eq!(many.pick(50_000), Pick::Host);
         assert_eq!(Sampler::new(&SamplingParams { temperature: 1.0, ..Default::default() }, 0).pick(50_000), Pick::Host);
         assert_eq!(Sampler::new(&SamplingParams::greedy(1), 0).pick(50_000), Pick::Greedy);
+    }
+
+    /// The logit bias and the penalties against their formulas, written out here: a sampler
+    /// with them, on the model's row, draws step by step what a plain sampler draws on the row
+    /// adjusted by hand from the history so far; greedy and sampled, and after a move.
+    #[test]
+    fn penalties_and_bias_follow_their_formulas() {
+        let base: Vec<f32> = (0..64).map(|i| ((i * 37 % 64) as f32 * 0.11).sin() * 3.0).collect();
+        let prompt = [3u32, 5, 5, 9];
+        let by_hand = |counts: &std::collections::HashMap<u32, u32>| -> Vec<f32> {
+            let row = base.iter().enumerate().map(|(i, &raw)| {
+                let (tok, mut l) = (i as u32, raw);
+                if tok == 9 {
+                    l += 2.0;
+                }
+                if tok == 40 {
+                    l += -100.0;
+                }
+                let n = counts.get(&tok).copied().unwrap_or(0);
+                if prompt.contains(&tok) || n > 0 {
+                    l = if l > 0.0 { l / 1.3 } else { l * 1.3 };
+                }
+                if n > 0 {
+                    l -= 0.3 * n as f32 + 0.5;
+                }
+                l
+            });
+            row.collect()
+        };
+        for (t, seed) in [(0.0f32, 1u64), (0.8, 7)] {
+            let p = SamplingParams {
+                temperature: t,
+                seed: Some(seed),
+                presence_penalty: 0.5,
+                frequency_penalty: 0.3,
+                repetition_penalty: Some(1.3),
+                logit_bias: vec![(9, 2.0), (40, -100.0)],
+                ..Default::default()
+            };
+            let plain_params = SamplingParams { temperature: t, seed: Some(seed), ..Default::default() };
+            let (mut s, mut plain) = (Sampler::new(&p, 0), Sampler::new(&plain_params, 0));
+            s.observe(&prompt, &[]);
+            assert_eq!(s.pick(64), Pick::Host, "a device cannot pick from an adjusted row");
+            let mut counts = std::collections::HashMap::new();
+            let mut drawn = vec![];
+            for step in 0..40 {
+                let expect = plain.sample(&by_hand(&counts), None);
+                let got = s.sample(&base, None);
+                assert_eq!(got, expect, "temperature {t}, step {step}");
+                *counts.entry(got).or_insert(0) += 1;
+                drawn.push(got);
+            }
+            assert!(counts.len() > 3 && !counts.contains_key(&40), "the penalties move greedy decoding on: {drawn:?}");
+            // A sequence that moves after 20 tokens rebuilds its history and draws the same.
+            let mut moved = Sampler::new(&p, 20);
+            moved.observe(&prompt, &drawn[..20]);
+            assert_eq!((20..40).map(|_| moved.sample(&base, None)).collect::<Vec<_>>(), drawn[20..]);
+        }
+        let unpenalized = Sampler::new(&SamplingParams::greedy(1), 0);
+        assert!(unpenalized.is_greedy());
+    }
+
+    #[test]
+    fn min_p_keeps_the_tokens_near_the_most_likely() {
+        let logits = [0.0f32, 0.6f32.ln(), 0.4f32.ln(), 0.1f32.ln()];
+        let mut s = Sampler::new(&SamplingParams { temperature: 1.0, min_p: Some(0.5), seed: Some(3), ..Default::default() }, 0);
+        let drawn: Vec<u32> = (0..300).map(|_| s.sample(&logits, None)).collect();
+        assert!(drawn.contains(&0) && drawn.contains(&1));
+        assert!(drawn.iter().all(|&t| t < 2), "weights 0.4 and 0.1 are under half the top's");
     }
 
     #[test]

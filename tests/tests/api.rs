@@ -354,10 +354,64 @@ async fn openai_usage_finish_reasons_errors_and_seeds() {
     s.stop().await.unwrap();
 }
 
+/// The sampling fields beyond OpenAI's core change the output as documented (here on
+/// `/v1/completions`, which parses them as the chat route does): the frequency and repetition
+/// penalties break a greedy repetition, `logit_bias` forces a token, `top_k: 1`
+/// is greedy, and values out of range (or a token id outside the vocabulary) are 400s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn openai_penalties_bias_and_top_k_change_the_output() {
+    let _g = heavy();
+    let s = TestServer::start(|_| {}).await;
+    let c = http_client(120);
+    // A raw prompt that greedy decoding continues by repeating it.
+    let url = s.url("/v1/completions");
+    let ask = |extra: Value| {
+        let mut b = json!({"model": "smollm2-135m-instruct", "temperature": 0, "max_tokens": 24,
+                           "prompt": "hello, hello, hello, hello, hello, hello, hello, hello,"});
+        b.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        let (c, url) = (c.clone(), url.clone());
+        async move {
+            let r = c.post(&url).json(&b).send().await.unwrap();
+            let status = r.status().as_u16();
+            let v: Value = r.json().await.unwrap();
+            (status, v["choices"][0]["text"].as_str().unwrap_or_default().to_string(), v)
+        }
+    };
+    let hellos = |t: &str| t.to_lowercase().matches("hello").count();
+    let (_, plain, _) = ask(json!({})).await;
+    assert!(hellos(&plain) >= 10, "the greedy answer repeats itself: {plain:?}");
+    for extra in [json!({"frequency_penalty": 2.0}), json!({"repetition_penalty": 2.0}), json!({"presence_penalty": 2.0, "frequency_penalty": 1.0})] {
+        let (st, text, v) = ask(extra.clone()).await;
+        assert_eq!(st, 200, "{v}");
+        assert!(hellos(&text) < hellos(&plain), "{extra}: {text:?} repeats no less than {plain:?}");
+    }
+    let (_, greedy_k, _) = ask(json!({"temperature": 1.0, "top_k": 1, "seed": 5})).await;
+    assert_eq!(greedy_k, plain, "top_k 1 is greedy");
+    let banana = s.frontend.models[0].tokenizer.encode_text(" banana").unwrap()[0];
+    let (_, forced, _) = ask(json!({"logit_bias": {banana.to_string(): 100}, "max_tokens": 3})).await;
+    let word = s.frontend.models[0].tokenizer.decode(&[banana]).unwrap();
+    assert_eq!(forced.trim(), word.repeat(3).trim(), "a +100 bias makes the token certain");
+    for (extra, field) in [
+        (json!({"presence_penalty": 3}), "presence_penalty"),
+        (json!({"repetition_penalty": 0}), "repetition_penalty"),
+        (json!({"min_p": 1.5}), "min_p"),
+        (json!({"top_k": 1.5}), "top_k"),
+        (json!({"logit_bias": {"x": 1}}), "logit_bias"),
+        (json!({"logit_bias": {"7": 101}}), "logit_bias"),
+        (json!({"logit_bias": {"10000000": 1}}), "vocabulary"),
+    ] {
+        let (st, _, v) = ask(extra.clone()).await;
+        assert_eq!(st, 400, "{extra}: {v}");
+        assert!(v["error"]["message"].as_str().unwrap().contains(field), "{extra}: {v}");
+    }
+    s.stop().await.unwrap();
+}
+
 /// Claude Code's first request, less its tools: `?beta=true`, its beta list, system blocks with
 /// `cache_control`, a mid-conversation system message, adaptive thinking, context management,
 /// effort, a JSON `metadata.user_id` and `max_tokens: 32000` (beyond the 8k context: clamped).
-/// The mid-conversation system message is rendered as a system turn, in place.
+/// The mid-conversation system message is rendered as a system turn, in place; the billing
+/// header block is left out of the prompt.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn claude_code_request_shape_is_accepted() {
     let _g = heavy();
@@ -402,7 +456,7 @@ async fn claude_code_request_shape_is_accepted() {
         .template
         .render(
             &[
-                ChatMessage::new("system", "x-anthropic-billing-header: cc_version=2.1\n\nYou are a CLI assistant.\n\nAnswer in one word."),
+                ChatMessage::new("system", "You are a CLI assistant.\n\nAnswer in one word."),
                 ChatMessage::new("user", "<system-reminder>Today is Monday.</system-reminder>\n\nSay OK."),
                 ChatMessage::new("system", "The user prefers short answers."),
                 ChatMessage::new("user", "Now."),

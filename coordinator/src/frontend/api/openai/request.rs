@@ -274,8 +274,60 @@ pub(super) fn sampling(obj: &serde_json::Map<String, Value>) -> Result<Sampling,
         }
     }
     // `ignore_eos` is vLLM's extension: keep generating past end tokens (benchmarks).
-    let params = SamplingParams { temperature, top_k: None, top_p, seed, max_tokens: 0, stop_sequences: stop, ignore_eos, grammar: None };
+    let mut params = SamplingParams { temperature, top_p, seed, max_tokens: 0, stop_sequences: stop, ignore_eos, ..SamplingParams::default() };
+    adjustments(obj, &mut params)?;
     Ok(Sampling { max_tokens, params, stream, include_usage })
+}
+
+/// Most `logit_bias` entries in one request.
+pub const MAX_LOGIT_BIAS: usize = 1024;
+
+/// The sampling fields beyond OpenAI's core, as vLLM names them: `top_k` (0 or -1: off),
+/// `min_p` in [0, 1], `presence_penalty` and `frequency_penalty` in [-2, 2],
+/// `repetition_penalty` in (0, 2], and `logit_bias` (token id → bias in [-100, 100]).
+fn adjustments(obj: &serde_json::Map<String, Value>, p: &mut SamplingParams) -> Result<(), ApiError> {
+    let number = |k: &str, ok: fn(f64) -> bool, rule: &str| -> Result<Option<f32>, ApiError> {
+        match obj.get(k) {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) => v.as_f64().filter(|x| ok(*x)).map(|x| Some(x as f32)).ok_or_else(|| ApiError::invalid(format!("{k}: {rule}"))),
+        }
+    };
+    p.top_k = match obj.get("top_k") {
+        None | Some(Value::Null) => None,
+        Some(v) => match v.as_i64() {
+            Some(-1 | 0) => None,
+            Some(k) if k > 0 => Some(k.min(u32::MAX as i64) as u32),
+            _ => return bad("top_k: expected a positive integer (or 0 or -1 for none)"),
+        },
+    };
+    p.min_p = number("min_p", |x| (0.0..=1.0).contains(&x), "must be a number between 0 and 1")?;
+    p.presence_penalty = number("presence_penalty", |x| (-2.0..=2.0).contains(&x), "must be a number between -2 and 2")?.unwrap_or(0.0);
+    p.frequency_penalty = number("frequency_penalty", |x| (-2.0..=2.0).contains(&x), "must be a number between -2 and 2")?.unwrap_or(0.0);
+    p.repetition_penalty = number("repetition_penalty", |x| x > 0.0 && x <= 2.0, "must be a number in (0, 2]")?;
+    p.logit_bias = logit_bias(obj.get("logit_bias"))?;
+    Ok(())
+}
+
+/// `logit_bias`: `{"<token id>": bias}`, at most [`MAX_LOGIT_BIAS`] entries (the ids are checked
+/// against the model's vocabulary where it runs).
+fn logit_bias(v: Option<&Value>) -> Result<Vec<(u32, f32)>, ApiError> {
+    let m = match v {
+        None | Some(Value::Null) => return Ok(vec![]),
+        Some(Value::Object(m)) => m,
+        Some(_) => return bad("logit_bias: expected an object mapping token ids to numbers"),
+    };
+    if m.len() > MAX_LOGIT_BIAS {
+        return bad(format!("logit_bias: at most {MAX_LOGIT_BIAS} tokens"));
+    }
+    let mut out: Vec<(u32, f32)> = m
+        .iter()
+        .map(|(k, b)| match (k.parse::<u32>(), b.as_f64()) {
+            (Ok(t), Some(b)) if (-100.0..=100.0).contains(&b) => Ok((t, b as f32)),
+            _ => bad(format!("logit_bias.{k}: keys are token ids, values numbers between -100 and 100")),
+        })
+        .collect::<Result<_, _>>()?;
+    out.sort_by_key(|&(t, _)| t);
+    Ok(out)
 }
 
 /// Parses and validates a Chat Completions request body.
