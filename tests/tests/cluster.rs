@@ -496,6 +496,57 @@ mod identity {
         }
     }
 
+    /// A certified peer sends gossip built to hurt: the chitchat delta that trips chitchat's
+    /// assert (a key at version u64::MAX under a max version one lower), a zstd bomb, a delta
+    /// that speaks for the target itself, a node id that is no name, and junk. The screen
+    /// drops each one (and nothing else), the target's own state is unchanged, and its gossip
+    /// still runs: it sees b drain afterwards.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn hostile_gossip_cannot_stop_a_node() {
+        use zerolayer_coordinator::cluster::screen::wire::{write::{bomb, encode}, Id, Kv, Message, Op};
+        let _g = heavy();
+        let dir = zerolayer_tests::temp_dir("hostile-gossip");
+        tls::init(&dir, &["a".into(), "b".into(), "c".into()], false).unwrap();
+        let ((sa, aa), (sb, ab), (_, ac)) = (sock(), sock(), sock());
+        let cfg = config(&[("a", aa), ("b", ab), ("c", ac)], &dir);
+        let a = Cluster::start(&cfg, "a", &[], Some(sa), zerolayer_coordinator::quota::Quota::new(vec![])).await.unwrap();
+        let b = Cluster::start(&cfg, "b", &[], Some(sb), zerolayer_coordinator::quota::Quota::new(vec![])).await.unwrap();
+        for n in [&a, &b] {
+            n.set_state(NodeState::Ready);
+        }
+        until("a sees b ready", Duration::from_secs(10), || entry(&a, "b").iter().any(|(s, _, _)| *s == NodeState::Ready)).await;
+        let id = |c: &Cluster| Id { node: c.node_id.clone(), generation: c.net.as_ref().unwrap().generation, addr: c.net.as_ref().unwrap().addr };
+        let node = |i: Id| Op::Node { id: i, last_gc_version: 0, from_version_excluded: 0 };
+        let kv = |key: &str, value: &str, version: u64| Op::Kv(Kv { key: key.into(), value: value.into(), version, status: 0 });
+        let named = |name: &str| Id { node: name.into(), ..id(&b) };
+        let hostile = [
+            encode(&Message::Ack { delta: vec![node(id(&b)), kv("state", "draining", u64::MAX), Op::SetMaxVersion(u64::MAX - 1)] }),
+            bomb(60_000),
+            encode(&Message::Ack { delta: vec![node(id(&a)), kv("state", "draining", u64::MAX - 1)] }),
+            encode(&Message::Ack { delta: vec![node(named("b\u{0}")), kv("state", "ready", 1)] }),
+            b"\x53\xb0\x00\x09 not chitchat".to_vec(),
+        ];
+        // Not hostile, only foreign: a node the config does not name is cut out of the message.
+        let stranger = encode(&Message::Ack { delta: vec![node(named("mallory")), kv("state", "ready", 1)] });
+        let c_mat = tls::TlsMaterial::load(&dir, "c").unwrap();
+        let client = tls::endpoint(std::net::UdpSocket::bind("127.0.0.1:0").unwrap(), &c_mat, Duration::from_secs(2)).unwrap();
+        let conn = client.connect(aa, tls::SERVER_NAME).unwrap().await.unwrap();
+        for m in hostile.iter().chain([&stranger]) {
+            let mut s = conn.open_uni().await.unwrap();
+            s.write_all(m).await.unwrap();
+            s.finish().unwrap();
+        }
+        until("a's screen drops all five", Duration::from_secs(10), || a.link_stats().gossip_refused >= hostile.len() as u64).await;
+        b.set_state(NodeState::Draining);
+        until("a's gossip still runs: it sees b drain", Duration::from_secs(10), || entry(&a, "b").iter().any(|(s, _, _)| *s == NodeState::Draining)).await;
+        assert!(entry(&b, "a").iter().all(|(s, _, _)| *s == NodeState::Ready), "a's state, as b sees it, is a's own: {:?}", entry(&b, "a"));
+        assert_eq!(a.link_stats().gossip_refused, hostile.len() as u64, "only the hostile messages were refused: {:?}", a.link_stats());
+        assert!(!a.nodes().iter().any(|n| n.id == "mallory"));
+        for n in [a, b] {
+            n.kill();
+        }
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn fifty_restarts_leave_nothing_behind() {
         let _g = heavy();

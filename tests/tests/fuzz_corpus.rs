@@ -29,3 +29,44 @@ fn fuzz_corpus_never_panics() {
     eprintln!("{n} corpus inputs, {ok} valid requests");
     assert!(ok >= 5, "valid seeds render and tokenize ({ok})");
 }
+
+/// The gossip target's seeds (`fuzz/corpus/gossip`, chitchat messages written byte by byte
+/// from chitchat's format) read as chitchat messages, and the screen refuses exactly the two
+/// hostile ones: the delta that trips chitchat's max-version assert, and one that speaks for
+/// the target node.
+#[test]
+fn gossip_corpus_reads_and_the_screen_refuses_the_hostile_seeds() {
+    use zerolayer_coordinator::cluster::screen::{check, wire, Known, Policy, Refusal};
+    struct Nothing;
+    impl Known for Nothing {
+        fn node_states(&self) -> usize {
+            0
+        }
+        fn knows(&self, _: &wire::Id) -> bool {
+            false
+        }
+        fn keys(&self, _: &wire::Id) -> usize {
+            0
+        }
+        fn has_key(&self, _: &wire::Id, _: &str) -> bool {
+            false
+        }
+    }
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz/corpus/gossip");
+    let policy = Policy { me: "a".into(), generation: 2, configured: vec!["a".into(), "b".into()], allow_join: false };
+    let mut n = 0;
+    for e in std::fs::read_dir(&dir).unwrap() {
+        let path = e.unwrap().path();
+        let data = std::fs::read(&path).unwrap();
+        let name = path.file_name().unwrap().to_string_lossy().to_string();
+        wire::decode(&data).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let got = check(&data, &policy, &Nothing);
+        match name.as_str() {
+            "ack-crash" => assert!(matches!(got, Err(Refusal::MaxBelowKey { max: 5, key: 100, .. })), "{name}: {got:?}"),
+            "ack-self" => assert_eq!(got.map(|_| ()), Err(Refusal::SelfClaim(2)), "{name}"),
+            _ => assert!(got.is_ok(), "{name}: {got:?}"),
+        }
+        n += 1;
+    }
+    assert!(n >= 6, "{n} gossip seeds");
+}

@@ -112,6 +112,8 @@ pub struct LinkStats {
     pub certificates: usize,
     pub relay_sockets: usize,
     pub connections: usize,
+    /// Gossip messages the screen dropped since the node started.
+    pub gossip_refused: u64,
 }
 
 fn state_code(s: NodeState) -> u8 {

@@ -27,11 +27,15 @@
 //! - **Stored responses** ([`lookup`]). A node asks the node a response id names for it, on
 //!   a tenant's behalf; the front end's store answers through a hook.
 //!
+//! - **The gossip screen** ([`screen`]). Every chitchat message from a peer is decoded by our
+//!   own reader and checked (chitchat's panicking deltas, inflation, self-claims, growth)
+//!   before chitchat applies it.
+//!
 //! - **Identity** ([`identity`]). A peer is the node its certificate names; every gossiped
 //!   value is signed by its node and checked by every reader.
 //!
-//! Layering (no module here uses one above it): `tls`, `transport`, `gossip`, `frames`,
-//! `identity` <
+//! Layering (no module here uses one above it): `gossip`, `tls` < `screen` < `transport`,
+//! `frames`, `identity` <
 //! `link` < `forward`, `lookup`, `migrate`, `publisher`, `rank` < `accept` < `start`. Every task is owned by [`Cluster`] and stops
 //! in [`Cluster::stop`] (graceful) or [`Cluster::kill`].
 
@@ -45,6 +49,7 @@ pub mod lookup;
 pub mod migrate;
 pub mod publisher;
 pub mod rank;
+pub mod screen;
 mod start;
 pub mod tls;
 pub mod transport;

@@ -74,6 +74,7 @@ pub async fn run(cluster: Weak<Cluster>, mut kv_rx: Vec<broadcast::Receiver<KvEv
             digests: remote.digests.len(),
             certificates: remote.verifier.len(),
             relay_sockets: net.relays.len(),
+            gossip_refused: net.relays.screen.refused(),
             connections: net.peers.len(),
         };
         *c.remote.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(workers);

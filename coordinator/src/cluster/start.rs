@@ -87,8 +87,14 @@ async fn join(config: &ClusterConfig, node_id: &str, addr: Option<&str>, socket:
         _ => endpoint.local_addr()?,
     };
     let peers = Arc::new(Peers::new(endpoint.clone(), idle));
-    let (transport, relays) = QuicTransport::new(peers.clone(), addr).await?;
     let generation = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
+    let policy = super::screen::Policy {
+        me: node_id.to_string(),
+        generation,
+        configured: config.nodes.iter().map(|n| n.id.clone()).collect(),
+        allow_join: cc.allow_join,
+    };
+    let (transport, relays) = QuicTransport::new(peers.clone(), addr, policy).await?;
     let gossip = Duration::from_millis(cc.gossip_interval_ms);
     // Peers whose address is still port 0 (started later, port picked by the OS) are learned
     // through gossip when they contact a seed.
@@ -114,6 +120,7 @@ async fn join(config: &ClusterConfig, node_id: &str, addr: Option<&str>, socket:
     };
     let initial = vec![(KEY_STATE.to_string(), NodeState::Joining.as_str().to_string()), (KEY_HTTP.to_string(), me.http.clone())];
     let chitchat = chitchat::spawn_chitchat(cfg, initial, &transport).await?;
+    relays.screen.attach(chitchat.chitchat());
     let leaf = mat.chain.first().ok_or_else(|| anyhow::anyhow!("{node_id}.pem holds no certificate"))?;
     let signer = Signer::new(node_id, generation, leaf, &mat.key)?;
     Ok(Net { generation, endpoint, peers, addr, chitchat, relays, signer, ca: mat.ca.clone() })

@@ -112,6 +112,8 @@ impl Peers {
 /// sender can join: every gossip byte crossed a mutually authenticated QUIC connection.
 pub struct Relays {
     peers: Arc<Peers>,
+    /// What every incoming message passes before chitchat sees it.
+    pub(super) screen: super::screen::Screen,
     inner_addr: SocketAddr,
     by_peer: Mutex<HashMap<SocketAddr, Arc<Relay>>>,
     by_relay: Mutex<HashMap<SocketAddr, SocketAddr>>,
@@ -181,11 +183,13 @@ impl Relays {
         });
     }
 
-    /// Hands a gossip message that arrived over QUIC from `peer` to chitchat.
+    /// Hands a gossip message that arrived over QUIC from `peer` to chitchat, if it passes
+    /// the [screen](super::screen).
     pub async fn deliver(self: &Arc<Self>, peer: SocketAddr, bytes: &[u8]) {
+        let Some(bytes) = self.screen.admit(bytes, peer).await else { return };
         if let Ok(r) = self.relay(peer) {
             // A full socket buffer drops it; gossip repairs loss on the next round.
-            let _ = r.socket.send_to(bytes, self.inner_addr).await;
+            let _ = r.socket.send_to(&bytes, self.inner_addr).await;
         }
     }
 
@@ -220,11 +224,12 @@ pub struct QuicTransport {
 
 impl QuicTransport {
     /// The transport, and the relays the accept loop delivers incoming gossip to.
-    pub async fn new(peers: Arc<Peers>, local: SocketAddr) -> anyhow::Result<(Self, Arc<Relays>)> {
+    pub async fn new(peers: Arc<Peers>, local: SocketAddr, policy: super::screen::Policy) -> anyhow::Result<(Self, Arc<Relays>)> {
         let inner = chitchat::transport::UdpSocket::open("127.0.0.1:0".parse().unwrap()).await?;
         let inner_addr = inner.local_addr()?;
         let relays = Arc::new(Relays {
             peers,
+            screen: super::screen::Screen::new(policy),
             inner_addr,
             by_peer: Mutex::new(HashMap::new()),
             by_relay: Mutex::new(HashMap::new()),
