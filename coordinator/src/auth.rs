@@ -79,7 +79,8 @@ impl Guard {
         !self.keys.is_empty()
     }
 
-    fn presented(headers: &HeaderMap) -> Option<&[u8]> {
+    /// The key a call presents: `x-api-key`, or a bearer token.
+    pub(crate) fn presented(headers: &HeaderMap) -> Option<&[u8]> {
         if let Some(v) = headers.get("x-api-key") {
             return Some(v.as_bytes());
         }

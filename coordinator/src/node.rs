@@ -138,6 +138,17 @@ impl Node {
             Some(f) => crate::frontend::api::openai::responses::serve_lookup(&f, l),
             None => (false, Vec::new()),
         }));
+        // Admin calls peers pass on (drain, undrain, the report), checked against this node's key.
+        let weak = Arc::downgrade(&frontend);
+        frontend.cluster.on_admin(Arc::new(move |call| {
+            let f = weak.upgrade();
+            Box::pin(async move {
+                match f {
+                    Some(f) => crate::frontend::api::admin::serve_peer(f, call).await,
+                    None => (503, br#"{"type":"error","error":{"type":"overloaded_error","message":"this node is stopping"}}"#.to_vec()),
+                }
+            })
+        }));
         Ok(Node { frontend, hard_stop_tx })
     }
 

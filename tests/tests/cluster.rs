@@ -261,6 +261,48 @@ async fn three_nodes_place_by_cache_load_and_liveness() {
 }
 
 /// Cluster links without a model: what mutual TLS lets in and keeps out.
+/// An admin call for another node goes over the cluster link, not HTTP: it works while the
+/// target's gossiped HTTP address leads nowhere. The target checks the caller's key against
+/// its own admin key, as its own admin API would.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_calls_for_another_node_go_over_the_cluster_link() {
+    let _g = heavy();
+    const ADMIN: &str = "sk-admin-0123456789";
+    let cluster = TestCluster::start(2, |c| c.auth.admin_key = Some(ADMIN.into())).await;
+    cluster.wait_converged(&[0, 1], Duration::from_secs(15)).await;
+    let (a, b) = (&cluster.nodes[0], &cluster.nodes[1]);
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().to_string();
+    b.frontend.cluster.set_http_addr(closed.clone());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !a.frontend.cluster.nodes().iter().any(|n| n.id == "b" && n.http == closed) {
+        assert!(Instant::now() < deadline, "a learns b's new (dead) HTTP address");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let http = reqwest::Client::new();
+    let call = |method: reqwest::Method, action: &str, key: &str| http.request(method, a.url(&format!("/admin/nodes/b/{action}"))).header("x-api-key", key).send();
+    let r = call(reqwest::Method::POST, "drain", ADMIN).await.unwrap();
+    assert_eq!(r.status(), 200);
+    let report: Value = r.json().await.unwrap();
+    assert_eq!((report["node"].as_str(), report["draining"].as_bool()), (Some("b"), Some(true)), "{report}");
+    assert_eq!(b.frontend.cluster.state(), NodeState::Draining);
+    let r: Value = call(reqwest::Method::GET, "drain", ADMIN).await.unwrap().json().await.unwrap();
+    assert_eq!(r["node"], "b", "the report comes from b: {r}");
+    let r = call(reqwest::Method::POST, "undrain", ADMIN).await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(b.frontend.cluster.state(), NodeState::Ready);
+    // a refuses a wrong key itself; b refuses one that a let through (here, handed to b's
+    // side directly), in the Anthropic error shape.
+    assert_eq!(call(reqwest::Method::POST, "drain", "sk-wrong").await.unwrap().status(), 401);
+    use zerolayer_common::wire::AdminCall;
+    use zerolayer_coordinator::frontend::api::admin::serve_peer;
+    for key in ["", "sk-wrong"] {
+        let (status, body) = serve_peer(b.frontend.clone(), AdminCall { origin_node: "a".into(), action: "drain".into(), key: key.into() }).await;
+        let body: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!((status, body["error"]["type"].as_str()), (401, Some("authentication_error")), "key {key:?}: {body}");
+    }
+    assert_eq!(b.frontend.cluster.state(), NodeState::Ready, "a refused call changes nothing");
+}
+
 mod mtls {
     use super::*;
     use zerolayer_coordinator::cluster::{tls, Cluster};

@@ -14,6 +14,9 @@
 //! - [`Open::Lookup`]: a node asks the node that stores a response (the Responses API's
 //!   `previous_response_id`, `GET` and `DELETE /v1/responses/{id}`) for it, on a tenant's
 //!   behalf; the answer is one `Reply::Found`.
+//! - [`Open::Admin`]: an operator's drain, undrain or drain report for another node, passed on
+//!   by the node that took the call, with the caller's key, which the receiving node checks
+//!   against its own admin key; the answer is one `Reply::Done`.
 //!
 //! There is no per-element encoding beyond rkyv's archive, and a frame larger than
 //! [`MAX_FRAME_BYTES`] is refused on both sides; an import's raw bytes are bounded by what the
@@ -86,6 +89,18 @@ pub enum Open {
     Import(ImportHeader),
     Rank(RankJoin),
     Lookup(Lookup),
+    Admin(AdminCall),
+}
+
+/// An admin call for the receiving node, passed on by the node that took it.
+#[derive(Clone, Debug, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct AdminCall {
+    /// The node that passes it on.
+    pub origin_node: String,
+    /// `drain`, `undrain` or `report` (the receiver refuses anything else).
+    pub action: String,
+    /// The key the caller presented (`x-api-key` or bearer), empty for none.
+    pub key: String,
 }
 
 /// A stored response asked of the node that keeps it, for the tenant the asking node
@@ -113,6 +128,9 @@ pub enum Reply {
     /// A lookup's answer: whether the response was there (and is now gone, for a delete), and
     /// its stored body (empty for a delete).
     Found { found: bool, body: Vec<u8> },
+    /// An admin call's answer: the HTTP status and JSON body the receiving node's own admin API
+    /// would have sent.
+    Done { status: u16, body: Vec<u8> },
 }
 
 fn frame(body: &[u8]) -> Result<Vec<u8>, WireError> {
@@ -184,6 +202,7 @@ mod tests {
             Reply::Refused { overloaded: true, message: "full".into() },
             Reply::Imported { blocks: 7 },
             Reply::Found { found: true, body: b"{}".to_vec() },
+            Reply::Done { status: 401, body: b"{}".to_vec() },
             Reply::Event(SeqEvent::Delta { tokens: vec![1, 2], text: "hé".into() }),
             Reply::Event(SeqEvent::Finished { reason: StopReason::StopSequence("x".into()), usage: Usage { output_tokens: 3, ..Default::default() } }),
             Reply::Event(SeqEvent::Finished { reason: StopReason::Moved { node: "b".into(), worker: "cpu0".into(), kv_tokens: 96 }, usage: Usage::default() }),
@@ -194,6 +213,9 @@ mod tests {
         let j = RankJoin { origin_node: "a".into(), worker: "tp0".into(), rank: 1, size: 2, block_size: 16, num_blocks: 64, nccl_id: vec![7; 128] };
         let f = encode_open(&Open::Rank(j.clone())).unwrap();
         assert_eq!(decode_open(&f[4..]).unwrap(), Open::Rank(j));
+        let a = AdminCall { origin_node: "a".into(), action: "drain".into(), key: "k".into() };
+        let f = encode_open(&Open::Admin(a.clone())).unwrap();
+        assert_eq!(decode_open(&f[4..]).unwrap(), Open::Admin(a));
         let l = Lookup { origin_node: "a".into(), id: "resp_1".into(), tenant: "alice".into(), delete: false };
         let f = encode_open(&Open::Lookup(l.clone())).unwrap();
         assert_eq!(decode_open(&f[4..]).unwrap(), Open::Lookup(l));

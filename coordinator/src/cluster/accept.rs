@@ -13,7 +13,7 @@ use zerolayer_common::wire::{self, Open, Reply};
 use super::frames::{read_frame, write_reply};
 use super::identity::cert_names;
 use super::handle::Cluster;
-use super::{forward, lookup, migrate, rank};
+use super::{admin, forward, lookup, migrate, rank};
 use super::transport::MAX_GOSSIP_BYTES;
 
 pub async fn run(cluster: Arc<Cluster>) {
@@ -101,6 +101,7 @@ async fn serve_bi(cluster: Arc<Cluster>, send: quinn::SendStream, mut recv: quin
         Ok(Open::Import(h)) => h.origin_node.as_str(),
         Ok(Open::Rank(j)) => j.origin_node.as_str(),
         Ok(Open::Lookup(l)) => l.origin_node.as_str(),
+        Ok(Open::Admin(a)) => a.origin_node.as_str(),
         Err(_) => "",
     };
     if open.is_ok() && !peer.is(claimed) {
@@ -117,6 +118,7 @@ async fn serve_bi(cluster: Arc<Cluster>, send: quinn::SendStream, mut recv: quin
         Ok(Open::Import(header)) => migrate::serve(cluster, header, send, recv, peer.addr).await,
         Ok(Open::Rank(join)) => rank::host::serve(cluster, join, send, recv, peer.addr).await,
         Ok(Open::Lookup(l)) => lookup::serve(cluster, l, send, peer.addr).await,
+        Ok(Open::Admin(a)) => admin::serve(cluster, a, send, peer.addr).await,
         Err(e) => tracing::debug!(peer = %peer.addr, error = %e, "refused a stream"),
     }
 }

@@ -96,6 +96,8 @@ pub struct Cluster {
     pub(super) imports_in_flight: Mutex<std::collections::HashMap<String, u64>>,
     /// What answers peers' lookups of stored responses (set once by the front end).
     pub(super) lookups: std::sync::OnceLock<Lookups>,
+    /// What runs admin calls passed on by peers (set once by the front end).
+    pub(super) admin_calls: std::sync::OnceLock<super::admin::AdminCalls>,
 }
 
 /// How much a node's link holds about its peers (all bounded; see `publisher`).
@@ -161,12 +163,18 @@ impl Cluster {
             hosted_ranks: Mutex::new(std::collections::HashMap::new()),
             imports_in_flight: Mutex::new(std::collections::HashMap::new()),
             lookups: std::sync::OnceLock::new(),
+            admin_calls: std::sync::OnceLock::new(),
         }
     }
 
     /// Registers what answers peers' lookups of stored responses (the first registration holds).
     pub fn on_lookup(&self, answer: Lookups) {
         let _ = self.lookups.set(answer);
+    }
+
+    /// Registers what runs admin calls that peers pass on (the first registration holds).
+    pub fn on_admin(&self, run: super::admin::AdminCalls) {
+        let _ = self.admin_calls.set(run);
     }
 
     /// This node's membership state.

@@ -14,12 +14,12 @@ use super::handle::Cluster;
 /// How long a lookup may take, dial included.
 pub const LOOKUP_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Asks `node` for `lookup`'s response: its body (`Some`, empty for a delete) or `None` when
-/// that node keeps no such response for the tenant. An error when the node cannot be reached.
-pub async fn ask(cluster: &Cluster, node: &str, lookup: Lookup) -> anyhow::Result<Option<Vec<u8>>> {
+/// Sends `open` to `node` (a dial that must reach that node) and reads its one reply, within
+/// `within`, dial included. Lookups and admin calls are such exchanges.
+pub async fn exchange(cluster: &Cluster, node: &str, open: &Open, within: Duration) -> anyhow::Result<Reply> {
     let net = cluster.net.as_ref().ok_or_else(|| anyhow::anyhow!("this node is not in a cluster"))?;
     let addr = cluster.peer_addr(node).ok_or_else(|| anyhow::anyhow!("node {node} is not a live member of the cluster"))?;
-    let frame = wire::encode_open(&Open::Lookup(lookup))?;
+    let frame = wire::encode_open(open)?;
     let exchange = async {
         let conn = net.peers.connect_node(addr, node).await?;
         let (mut send, mut recv) = conn.open_bi().await?;
@@ -28,13 +28,21 @@ pub async fn ask(cluster: &Cluster, node: &str, lookup: Lookup) -> anyhow::Resul
         let body = read_frame(&mut recv).await?.ok_or_else(|| anyhow::anyhow!("stream closed before a reply"))?;
         anyhow::Ok(wire::decode_reply(&body)?)
     };
-    match tokio::time::timeout(LOOKUP_TIMEOUT, exchange).await {
-        Ok(Ok(Reply::Found { found: true, body })) => Ok(Some(body)),
-        Ok(Ok(Reply::Found { found: false, .. })) => Ok(None),
-        Ok(Ok(Reply::Refused { message, .. })) => Err(anyhow::anyhow!("node {node} refused the lookup: {message}")),
-        Ok(Ok(other)) => Err(anyhow::anyhow!("node {node}: unexpected reply {other:?}")),
+    match tokio::time::timeout(within, exchange).await {
+        Ok(Ok(Reply::Refused { message, .. })) => Err(anyhow::anyhow!("node {node} refused: {message}")),
+        Ok(Ok(reply)) => Ok(reply),
         Ok(Err(e)) => Err(anyhow::anyhow!("node {node} at {addr}: {e}")),
-        Err(_) => Err(anyhow::anyhow!("node {node} at {addr}: no answer within {LOOKUP_TIMEOUT:?}")),
+        Err(_) => Err(anyhow::anyhow!("node {node} at {addr}: no answer within {within:?}")),
+    }
+}
+
+/// Asks `node` for `lookup`'s response: its body (`Some`, empty for a delete) or `None` when
+/// that node keeps no such response for the tenant. An error when the node cannot be reached.
+pub async fn ask(cluster: &Cluster, node: &str, lookup: Lookup) -> anyhow::Result<Option<Vec<u8>>> {
+    match exchange(cluster, node, &Open::Lookup(lookup), LOOKUP_TIMEOUT).await? {
+        Reply::Found { found: true, body } => Ok(Some(body)),
+        Reply::Found { found: false, .. } => Ok(None),
+        other => Err(anyhow::anyhow!("node {node}: unexpected reply {other:?}")),
     }
 }
 

@@ -25,7 +25,9 @@
 //!   batch out, the all-reduce's partials and sums both ways.
 //!
 //! - **Stored responses** ([`lookup`]). A node asks the node a response id names for it, on
-//!   a tenant's behalf; the front end's store answers through a hook.
+//!   a tenant's behalf; the front end's store answers through a hook. Admin calls for another
+//!   node ([`admin`]: drain, undrain, the drain report) are passed on the same way, with the
+//!   caller's key, which the receiving node checks.
 //!
 //! - **The gossip screen** ([`screen`]). Every chitchat message from a peer is decoded by our
 //!   own reader and checked (chitchat's panicking deltas, inflation, self-claims, growth)
@@ -36,10 +38,11 @@
 //!
 //! Layering (no module here uses one above it): `gossip`, `tls` < `screen` < `transport`,
 //! `frames`, `identity` <
-//! `link` < `forward`, `lookup`, `migrate`, `publisher`, `rank` < `accept` < `start`. Every task is owned by [`Cluster`] and stops
+//! `link` < `forward`, `lookup` < `admin`, `migrate`, `publisher`, `rank` < `accept` < `start`. Every task is owned by [`Cluster`] and stops
 //! in [`Cluster::stop`] (graceful) or [`Cluster::kill`].
 
 pub mod accept;
+pub mod admin;
 pub mod forward;
 pub mod frames;
 pub mod gossip;

@@ -2,8 +2,9 @@
 //! `/admin/nodes/{node}/{drain,undrain}` (admin key), `/health`, `/ready` (503 while draining
 //! or shutting down) and `/metrics` (Prometheus text).
 //!
-//! Drain and undrain work through any node: a request for another node is passed on to that
-//! node's own admin API (its HTTP address is in the cluster view), with the caller's key.
+//! Drain and undrain work through any node: a call for another node is passed on over the
+//! cluster link (mutual TLS, to the node the certificate names; `cluster::admin`) with the
+//! caller's key, and that node checks the key against its own admin key ([`serve_peer`]).
 
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, Method, StatusCode};
@@ -93,6 +94,26 @@ pub async fn prometheus(State(c): State<AppState>) -> Response {
     ([("content-type", "text/plain; version=0.0.4")], body).into_response()
 }
 
+/// The action a method and path segment name: `drain`, `undrain` or `report`.
+fn action_of(method: &Method, action: &str) -> Option<&'static str> {
+    match (method.as_str(), action) {
+        ("POST", "drain") => Some("drain"),
+        ("POST", "undrain") => Some("undrain"),
+        ("GET", "drain") => Some("report"),
+        _ => None,
+    }
+}
+
+/// Runs an admin action on this node.
+async fn run(c: &Frontend, action: &str) -> Result<Value, ApiError> {
+    let report = match action {
+        "drain" => c.drain().await?,
+        "undrain" => c.undrain().await?,
+        _ => c.drain_report().await?,
+    };
+    Ok(json!(report))
+}
+
 /// `POST /admin/nodes/{node}/drain`, `POST …/undrain`, and `GET …/drain` (the report). `node` may
 /// be `self`, this node's id, or another node's id (passed on to that node).
 pub async fn drain(
@@ -103,35 +124,48 @@ pub async fn drain(
     Path((node, action)): Path<(String, String)>,
 ) -> Response {
     let r = async {
+        let act = action_of(&method, &action).ok_or_else(|| ApiError::NotFound(format!("{method} /admin/nodes/{node}/{action} does not exist")))?;
         if node != "self" && node != c.node_id {
-            return pass_on(&c, &node, &action, &method, &headers).await;
+            return pass_on(&c, &node, act, &headers).await;
         }
-        let report = match (method.as_str(), action.as_str()) {
-            ("POST", "drain") => c.drain().await?,
-            ("POST", "undrain") => c.undrain().await?,
-            ("GET", "drain") => c.drain_report().await?,
-            _ => return Err(ApiError::NotFound(format!("{method} /admin/nodes/{node}/{action} does not exist"))),
-        };
-        Ok(Json(json!(report)).into_response())
+        Ok(Json(run(&c, act).await?).into_response())
     };
     r.await.unwrap_or_else(|e: ApiError| e.into_anthropic(&rid.0))
 }
 
-/// Passes an admin request on to `node`'s own admin API.
-async fn pass_on(c: &Frontend, node: &str, action: &str, method: &Method, headers: &HeaderMap) -> Result<Response, ApiError> {
-    let info = c.cluster.nodes().into_iter().find(|n| n.id == node).ok_or_else(|| ApiError::NotFound(format!("node {node} is not in the cluster")))?;
-    if info.http.is_empty() {
-        return Err(ApiError::Unavailable(format!("node {node} has not published its HTTP address")));
+/// Passes an admin call on to `node` over the cluster link, with the caller's key.
+async fn pass_on(c: &Frontend, node: &str, action: &str, headers: &HeaderMap) -> Result<Response, ApiError> {
+    if !c.cluster.nodes().iter().any(|n| n.id == node) {
+        return Err(ApiError::NotFound(format!("node {node} is not in the cluster")));
     }
-    let url = format!("http://{}/admin/nodes/{node}/{action}", info.http);
-    let mut req = reqwest::Client::new().request(method.clone(), &url).timeout(std::time::Duration::from_secs(30));
-    for h in ["x-api-key", "authorization"] {
-        if let Some(v) = headers.get(h) {
-            req = req.header(h, v.as_bytes());
+    let key = crate::auth::Guard::presented(headers).map(|k| String::from_utf8_lossy(k).into_owned()).unwrap_or_default();
+    let call = zerolayer_common::wire::AdminCall { origin_node: c.node_id.clone(), action: action.into(), key };
+    let (status, body) = crate::cluster::admin::ask(&c.cluster, node, call).await.map_err(|e| ApiError::Unavailable(format!("{e:#}")))?;
+    let status = StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY);
+    Ok((status, [("content-type", "application/json")], body).into_response())
+}
+
+/// Runs an admin call a peer passed on: the key must be this node's admin key (as on its own
+/// admin API); the answer is the status and JSON body that API would send.
+pub async fn serve_peer(c: std::sync::Arc<Frontend>, call: zerolayer_common::wire::AdminCall) -> (u16, Vec<u8>) {
+    let mut headers = HeaderMap::new();
+    if let Ok(v) = axum::http::HeaderValue::from_str(&call.key) {
+        if !call.key.is_empty() {
+            headers.insert("x-api-key", v);
         }
     }
-    let resp = req.send().await.map_err(|e| ApiError::Unavailable(format!("node {node} at {}: {e}", info.http)))?;
-    let status = StatusCode::from_u16(resp.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
-    let body = resp.bytes().await.map_err(|e| ApiError::Unavailable(format!("node {node}: {e}")))?;
-    Ok((status, [("content-type", "application/json")], body).into_response())
+    let rid = format!("req_admin_{}", call.origin_node);
+    let outcome = match c.guard.authorize_admin(&headers) {
+        Ok(_) => run(&c, &call.action).await,
+        Err(e) => Err(e),
+    };
+    match outcome {
+        Ok(v) => (200, v.to_string().into_bytes()),
+        Err(e) => {
+            let resp = e.into_anthropic(&rid);
+            let status = resp.status().as_u16();
+            let body = axum::body::to_bytes(resp.into_body(), 1 << 20).await.map(|b| b.to_vec()).unwrap_or_default();
+            (status, body)
+        }
+    }
 }
