@@ -32,13 +32,25 @@ pub struct Job {
     /// The root of its prefix cache names ([`crate::scope_root`] of its cache scope; 0 for
     /// the unscoped namespace): it sees only the cached prefixes of its own scope.
     pub cache_root: u64,
+    /// Who it runs for, as the node that authenticated the caller names them. A node that runs
+    /// a forwarded job derives `share`, the tenant's options and `cache_root` from this and its
+    /// own config, not from the numbers the sender put in.
+    pub claim: TenantClaim,
+}
+
+/// A tenant claim: the tenant's name and the request's `cache_salt`.
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TenantClaim {
+    pub tenant: String,
+    pub cache_salt: Option<String>,
 }
 
 impl Job {
     /// A job for `prompt` with `params`, for the default tenant, with no pins, no model name
     /// and no request id (engine-level callers: tests and benchmarks).
     pub fn new(prompt: Vec<u32>, params: SamplingParams) -> Job {
-        Job { request_id: String::new(), model: String::new(), prompt, params, share: Share::default(), pins: Vec::new(), resume: Vec::new(), cache_root: 0 }
+        Job { request_id: String::new(), model: String::new(), prompt, params, share: Share::default(), pins: Vec::new(), resume: Vec::new(), cache_root: 0, claim: TenantClaim::default() }
     }
 
     /// This job continuing after `generated`, the tokens its client already has.
@@ -50,6 +62,12 @@ impl Job {
     /// This job for the tenant `share` names.
     pub fn shared(mut self, share: Share) -> Job {
         self.share = share;
+        self
+    }
+
+    /// This job claimed for `claim`'s tenant.
+    pub fn claimed(mut self, claim: TenantClaim) -> Job {
+        self.claim = claim;
         self
     }
 

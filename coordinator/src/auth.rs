@@ -14,7 +14,7 @@ use std::time::{Duration, SystemTime};
 
 use axum::http::{HeaderMap, HeaderValue};
 use zerolayer_common::config::CacheScope;
-use zerolayer_common::{ClusterConfig, Tenant, TenantLimits};
+use zerolayer_common::{ClusterConfig, Job, Share, Tenant, TenantLimits};
 
 use crate::error::ApiError;
 use crate::quota::{Quota, Refusal, Ticket};
@@ -72,6 +72,31 @@ impl Guard {
 
     pub fn tenant(&self, caller: &Caller) -> &Tenant {
         &self.tenants[self.index(caller)]
+    }
+
+    /// The tenant of this name (a configured key's name, `open` or `admin`).
+    pub fn tenant_named(&self, name: &str) -> Option<&Tenant> {
+        self.tenants.iter().find(|t| t.name == name)
+    }
+
+    /// A forwarded job as this node's config says it runs: the claimed tenant must be one of
+    /// this node's (with keys enforced here, `open` is not), its weight and options are this
+    /// node's, and its cache scope is recomputed from the claim with the cluster's secret.
+    /// Whatever share, root or option the sender set is replaced or refused.
+    pub fn rederive(&self, mut job: Job, secret: &[u8; 32]) -> Result<Job, String> {
+        let name = job.claim.tenant.as_str();
+        let tenant = self.tenant_named(name).filter(|t| !(self.enabled() && t.name == "open"));
+        let tenant = tenant.ok_or_else(|| format!("tenant {:?} is not configured on this node", name.chars().take(64).collect::<String>()))?;
+        if job.params.ignore_eos && !tenant.allow_ignore_eos {
+            return Err(format!("ignore_eos is not enabled for tenant {}", tenant.name));
+        }
+        let salt = job.claim.cache_salt.as_deref();
+        if salt.is_some_and(|s| s.is_empty() || s.chars().count() > 256) {
+            return Err("cache_salt: expected a string of 1 to 256 characters".into());
+        }
+        job.share = Share::of(&tenant.name, tenant.weight);
+        job.cache_root = zerolayer_common::scope_root(secret, &tenant.cache_scope_name(salt));
+        Ok(job)
     }
 
     /// Whether API keys are enforced.
@@ -177,6 +202,41 @@ mod tests {
         assert!(ct_eq(b"abcdefgh", b"abcdefgh"));
         assert!(!ct_eq(b"abcdefgh", b"abcdefgX"));
         assert!(!ct_eq(b"abc", b"abcd"));
+    }
+
+    /// A forwarded job runs under the receiving node's terms: its weight, its options, and a
+    /// cache root recomputed from the claim; an unknown tenant, or `open` where keys are
+    /// enforced, is refused.
+    #[test]
+    fn a_forwarded_job_is_rederived_from_this_nodes_config() {
+        use zerolayer_common::config::KeyConfig;
+        use zerolayer_common::{SamplingParams, TenantClaim};
+        let mut cfg = ClusterConfig::default();
+        cfg.auth.keys = vec![
+            KeyConfig { name: "alice".into(), key: "sk-alice-0000".into(), weight: 2.0, ..Default::default() },
+            KeyConfig { name: "bob".into(), key: "sk-bob-00000".into(), allow_ignore_eos: true, cache_scope: CacheScope::Shared, ..Default::default() },
+        ];
+        let g = Guard::from_config(&cfg).unwrap();
+        let secret = [7u8; 32];
+        let claim = |t: &str, salt: Option<&str>| TenantClaim { tenant: t.into(), cache_salt: salt.map(str::to_string) };
+        let forged = Job::new(vec![1, 2, 3], SamplingParams::greedy(4)).shared(Share::of("alice", 1000.0)).scoped(0xbad);
+        let j = g.rederive(forged.clone().claimed(claim("alice", None)), &secret).unwrap();
+        assert_eq!(j.share, Share::of("alice", 2.0), "the weight is this node's");
+        assert_eq!(j.cache_root, zerolayer_common::scope_root(&secret, "key:alice"), "the root comes from the claim");
+        let salted = g.rederive(forged.clone().claimed(claim("alice", Some("s"))), &secret).unwrap();
+        assert_eq!(salted.cache_root, zerolayer_common::scope_root(&secret, "key:alice\0salt:s"));
+        let j = g.rederive(forged.clone().claimed(claim("bob", None)), &secret).unwrap();
+        assert_eq!((j.share, j.cache_root), (Share::of("bob", 1.0), zerolayer_common::scope_root(&secret, "shared")));
+        let mut eos = forged.clone().claimed(claim("alice", None));
+        eos.params.ignore_eos = true;
+        assert!(g.rederive(eos.clone(), &secret).unwrap_err().contains("ignore_eos"));
+        eos.claim.tenant = "bob".into();
+        assert!(g.rederive(eos, &secret).is_ok(), "bob may");
+        for (t, salt) in [("mallory", None), ("open", None), ("", None), ("alice", Some(""))] {
+            assert!(g.rederive(forged.clone().claimed(claim(t, salt)), &secret).is_err(), "{t:?} {salt:?}");
+        }
+        let open = Guard::from_config(&ClusterConfig::default()).unwrap();
+        assert!(open.rederive(forged.claimed(claim("open", None)), &secret).is_ok(), "an open node runs open jobs");
     }
 
     #[test]

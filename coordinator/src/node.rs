@@ -138,6 +138,12 @@ impl Node {
             Some(f) => crate::frontend::api::openai::responses::serve_lookup(&f, l),
             None => (false, Vec::new()),
         }));
+        // Forwarded jobs run under this node's config (the tenant's share, options and scope).
+        let weak = Arc::downgrade(&frontend);
+        frontend.cluster.on_forward(Arc::new(move |job| match weak.upgrade() {
+            Some(f) => f.guard.rederive(job, &f.cache_secret),
+            None => Err("this node is stopping".into()),
+        }));
         // Admin calls peers pass on (drain, undrain, the report), checked against this node's key.
         let weak = Arc::downgrade(&frontend);
         frontend.cluster.on_admin(Arc::new(move |call| {

@@ -303,6 +303,59 @@ async fn admin_calls_for_another_node_go_over_the_cluster_link() {
     assert_eq!(b.frontend.cluster.state(), NodeState::Ready, "a refused call changes nothing");
 }
 
+/// A job forwarded to a node runs under that node's terms for the tenant it claims: the cache
+/// root the sender set is replaced by the claim's own scope (so a job claimed for alice with
+/// bob's root reads nothing of bob's cache), and a tenant the node does not know is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forwarded_job_runs_under_the_receivers_terms() {
+    use zerolayer_common::config::KeyConfig;
+    use zerolayer_common::wire::{self, Open, Reply, Submit};
+    use zerolayer_common::{Job, SamplingParams, SeqEvent, TenantClaim};
+    use zerolayer_coordinator::cluster::tls;
+    let _g = heavy();
+    let cluster = TestCluster::start(2, |c| {
+        c.auth.keys = ["alice", "bob"].iter().map(|n| KeyConfig { name: n.to_string(), key: format!("sk-{n}-0123456789"), ..Default::default() }).collect();
+    })
+    .await;
+    cluster.wait_converged(&[0, 1], Duration::from_secs(15)).await;
+    let b = &cluster.nodes[1];
+    let mat = tls::TlsMaterial::load(&cluster.tls_dir, "a").unwrap();
+    let secret = zerolayer_common::cluster_secret(&mat.ca);
+    let client = tls::endpoint(std::net::UdpSocket::bind("127.0.0.1:0").unwrap(), &mat, Duration::from_secs(5)).unwrap();
+    let conn = client.connect(b.frontend.cluster.quic_addr().unwrap(), tls::SERVER_NAME).unwrap().await.unwrap();
+    let prompt: Vec<u32> = (0..64).map(|i| 100 + i * 7).collect();
+    // As node a would send it: the claim, and the root the sender computed.
+    let submit = |tenant: &str, root_scope: &str, id: &str| {
+        let job = Job { request_id: id.into(), ..Job::new(prompt.clone(), SamplingParams::greedy(1)) }
+            .claimed(TenantClaim { tenant: tenant.into(), cache_salt: None })
+            .scoped(zerolayer_common::scope_root(&secret, root_scope));
+        let conn = conn.clone();
+        async move {
+            let (mut s, mut r) = conn.open_bi().await.unwrap();
+            s.write_all(&wire::encode_open(&Open::Submit(Submit { origin_node: "a".into(), worker: "cpu0".into(), job })).unwrap()).await.unwrap();
+            loop {
+                let mut len = [0u8; 4];
+                r.read_exact(&mut len).await.unwrap();
+                let mut body = vec![0u8; wire::frame_len(len).unwrap()];
+                r.read_exact(&mut body).await.unwrap();
+                match wire::decode_reply(&body).unwrap() {
+                    Reply::Event(SeqEvent::Finished { usage, .. }) => return Ok(usage),
+                    Reply::Refused { message, .. } => return Err(message),
+                    _ => {}
+                }
+            }
+        }
+    };
+    let first = submit("bob", "key:bob", "req_bob_1").await.unwrap();
+    assert_eq!(first.prompt_tokens_cached, 0);
+    let again = submit("bob", "key:bob", "req_bob_2").await.unwrap();
+    assert!(again.prompt_tokens_cached >= 56, "bob reads his own prefix: {again:?}");
+    let forged = submit("alice", "key:bob", "req_alice").await.unwrap();
+    assert_eq!(forged.prompt_tokens_cached, 0, "a job claimed for alice reads nothing of bob's cache, whatever root it came with");
+    let unknown = submit("mallory", "key:bob", "req_mallory").await.unwrap_err();
+    assert!(unknown.contains("not configured"), "{unknown}");
+}
+
 mod mtls {
     use super::*;
     use zerolayer_coordinator::cluster::{tls, Cluster};

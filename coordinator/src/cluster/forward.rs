@@ -105,7 +105,15 @@ pub async fn serve(cluster: Arc<Cluster>, sub: Submit, mut send: quinn::SendStre
         let Some(w) = cluster.local_worker(&sub.worker) else {
             return write_reply(&mut send, &refuse(false, format!("node {} has no worker {:?}", cluster.node_id, sub.worker))).await;
         };
-        let job = sub.job;
+        // The tenant's terms are this node's: the sender's share, root and options are not
+        // taken as sent.
+        let Some(rederive) = cluster.rederive.get() else {
+            return write_reply(&mut send, &refuse(true, format!("node {} is still starting", cluster.node_id))).await;
+        };
+        let job = match rederive(sub.job) {
+            Ok(job) => job,
+            Err(why) => return write_reply(&mut send, &refuse(false, format!("node {}: {why}", cluster.node_id))).await,
+        };
         if !job.share.is_valid() {
             return write_reply(&mut send, &refuse(false, format!("share weight {} is outside (0, 1000]", job.share.weight))).await;
         }

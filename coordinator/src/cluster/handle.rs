@@ -21,6 +21,10 @@ use crate::view::{ClusterView, NodeState, WorkerView};
 
 /// What answers a peer's lookup of a stored response on this node (see `super::lookup`):
 /// whether it found the entry, and its body.
+/// What a forwarded job becomes under this node's own config (its tenant's share, options and
+/// cache scope; `Err` refuses it).
+pub type Rederive = Arc<dyn Fn(zerolayer_common::Job) -> Result<zerolayer_common::Job, String> + Send + Sync>;
+
 pub type Lookups = Arc<dyn Fn(&zerolayer_common::wire::Lookup) -> (bool, Vec<u8>) + Send + Sync>;
 
 /// A worker on this node.
@@ -98,6 +102,8 @@ pub struct Cluster {
     pub(super) lookups: std::sync::OnceLock<Lookups>,
     /// What runs admin calls passed on by peers (set once by the front end).
     pub(super) admin_calls: std::sync::OnceLock<super::admin::AdminCalls>,
+    /// What re-derives a forwarded job's tenant terms (set once by the front end).
+    pub(super) rederive: std::sync::OnceLock<Rederive>,
 }
 
 /// How much a node's link holds about its peers (all bounded; see `publisher`).
@@ -164,12 +170,19 @@ impl Cluster {
             imports_in_flight: Mutex::new(std::collections::HashMap::new()),
             lookups: std::sync::OnceLock::new(),
             admin_calls: std::sync::OnceLock::new(),
+            rederive: std::sync::OnceLock::new(),
         }
     }
 
     /// Registers what answers peers' lookups of stored responses (the first registration holds).
     pub fn on_lookup(&self, answer: Lookups) {
         let _ = self.lookups.set(answer);
+    }
+
+    /// Registers what re-derives forwarded jobs under this node's config (the first
+    /// registration holds; until then forwarded jobs are refused as overloaded).
+    pub fn on_forward(&self, rederive: Rederive) {
+        let _ = self.rederive.set(rederive);
     }
 
     /// Registers what runs admin calls that peers pass on (the first registration holds).

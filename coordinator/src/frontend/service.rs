@@ -194,7 +194,7 @@ impl Frontend {
         ticket.charge_input(ids.len() as u64, true).map_err(crate::auth::rate_limited)?;
         let prompt_tokens = ids.len();
         let pins = breakpoints.iter().map(|&(tokens, ttl)| CachePin { tokens: tokens as u32, ttl_secs: ttl.secs() }).collect();
-        let job = Job { request_id: request_id.to_string(), model: model.id, prompt: ids, params, share: Share::of(&tenant.name, tenant.weight), pins, resume: Vec::new(), cache_root: scope_root(&self.cache_secret, &scope) };
+        let job = Job { request_id: request_id.to_string(), model: model.id, prompt: ids, params, share: Share::of(&tenant.name, tenant.weight), pins, resume: Vec::new(), cache_root: scope_root(&self.cache_secret, &scope), claim: zerolayer_common::TenantClaim { tenant: tenant.name.clone(), cache_salt: req.cache_salt.clone() } };
         let placed = self.dispatch.submit(&job, &[], None).await?;
         let served_by = placed.served_by();
         Ok(Accepted { stream: LiveSequence::new(self.dispatch.clone(), job, placed), prompt_tokens, served_by, started_at, fingerprint, ticket, breakpoints, _permit: permit })
