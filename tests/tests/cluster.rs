@@ -642,6 +642,60 @@ mod identity {
         }
     }
 
+    /// KV is taken only from a node that is draining: c's import, over c's own certificate, is
+    /// refused until c drains; then it passes that check (and meets the next: a has no such
+    /// worker).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn kv_comes_only_from_a_draining_node() {
+        use zerolayer_common::wire::{self, BlockHeader, ImportHeader, Open, Reply};
+        let _g = heavy();
+        let dir = zerolayer_tests::temp_dir("imports");
+        tls::init(&dir, &["a".into(), "c".into()], false).unwrap();
+        let ((sa, aa), (sc, ac)) = (sock(), sock());
+        let cfg = config(&[("a", aa), ("c", ac)], &dir);
+        let a = Cluster::start(&cfg, "a", &[], Some(sa), zerolayer_coordinator::quota::Quota::new(vec![])).await.unwrap();
+        let c = Cluster::start(&cfg, "c", &[], Some(sc), zerolayer_coordinator::quota::Quota::new(vec![])).await.unwrap();
+        for n in [&a, &c] {
+            n.set_state(NodeState::Ready);
+        }
+        until("a sees c ready", Duration::from_secs(10), || entry(&a, "c").iter().any(|(s, _, _)| *s == NodeState::Ready)).await;
+        let mat = tls::TlsMaterial::load(&dir, "c").unwrap();
+        let client = tls::endpoint(std::net::UdpSocket::bind("127.0.0.1:0").unwrap(), &mat, Duration::from_secs(2)).unwrap();
+        let conn = client.connect(aa, tls::SERVER_NAME).unwrap().await.unwrap();
+        let import = || async {
+            let h = ImportHeader {
+                request_id: "req_import".into(),
+                origin_node: "c".into(),
+                worker: "cpu0".into(),
+                block_size: 4,
+                block_bytes: 8,
+                tokens: vec![1, 2, 3, 4],
+                cache_root: 1,
+                blocks: vec![BlockHeader { hash: 1, checksum: 2, sent: true }],
+            };
+            let (mut s, mut r) = conn.open_bi().await.unwrap();
+            s.write_all(&wire::encode_open(&Open::Import(h)).unwrap()).await.unwrap();
+            let mut len = [0u8; 4];
+            r.read_exact(&mut len).await.unwrap();
+            let mut body = vec![0u8; wire::frame_len(len).unwrap()];
+            r.read_exact(&mut body).await.unwrap();
+            match wire::decode_reply(&body).unwrap() {
+                Reply::Refused { message, .. } => message,
+                other => panic!("an import with no worker to take it: {other:?}"),
+            }
+        };
+        let t0 = Instant::now();
+        let refused = import().await;
+        assert!(refused.contains("c is not draining"), "{refused}");
+        assert!(t0.elapsed() >= Duration::from_secs(2), "a waits for gossip before it refuses");
+        c.set_state(NodeState::Draining);
+        let refused = import().await;
+        assert!(refused.contains("has no worker"), "draining, c's import passes that check: {refused}");
+        for n in [a, c] {
+            n.kill();
+        }
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn fifty_restarts_leave_nothing_behind() {
         let _g = heavy();

@@ -170,7 +170,27 @@ impl Drop for Reserved<'_> {
     }
 }
 
-/// The receiving end of one transfer (its header frame already read). Before it buffers a byte
+/// How long a transfer waits for gossip to show its sender draining (a drain starts sending
+/// as soon as it starts, and its `draining` state reaches the target a gossip round later).
+pub const DRAIN_SEEN_WITHIN: Duration = Duration::from_secs(3);
+
+/// Whether `node` is draining in this node's view (the only time a node sends KV), waiting up
+/// to [`DRAIN_SEEN_WITHIN`] for gossip to say so.
+async fn sender_drains(cluster: &Cluster, node: &str) -> bool {
+    let deadline = tokio::time::Instant::now() + DRAIN_SEEN_WITHIN;
+    loop {
+        if cluster.nodes().iter().any(|n| n.id == node && n.state == NodeState::Draining) {
+            return true;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The receiving end of one transfer (its header frame already read). It takes KV only from a
+/// node that is draining (the one case where a node sends it). Before it buffers a byte
 /// it checks the header ([`check`]) and reserves the bytes the header announces against the
 /// sending peer's share: at most one cache's worth of KV in flight per peer (a drain moves at
 /// most what the target can hold), so a peer cannot make this node buffer more; past it, the
@@ -180,6 +200,10 @@ pub async fn serve(cluster: Arc<Cluster>, h: ImportHeader, mut send: quinn::Send
         let refuse = |message: String| Reply::Refused { overloaded: false, message };
         if cluster.state() != NodeState::Ready {
             return write_reply(&mut send, &refuse(format!("node {} is not ready", cluster.node_id))).await;
+        }
+        if !sender_drains(&cluster, &h.origin_node).await {
+            tracing::warn!(%peer, from = %h.origin_node, request_id = %h.request_id, "refused a KV transfer from a node that is not draining");
+            return write_reply(&mut send, &refuse(format!("node {} takes KV only from a draining node; {} is not draining", cluster.node_id, h.origin_node))).await;
         }
         if let Err(e) = check(&cluster, &h) {
             tracing::warn!(%peer, request_id = %h.request_id, error = %e, "refused a KV transfer");
