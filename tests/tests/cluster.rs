@@ -642,6 +642,44 @@ mod identity {
         }
     }
 
+    /// Eviction by replay: a certificate holder runs as "b" under a newer generation and
+    /// gossips b's own (public) certificate and b's signed state. Neither proves the newer
+    /// generation (the signature covers b's generation and address), so a keeps b's entry.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_replayed_certificate_evicts_nobody() {
+        let _g = heavy();
+        let dir = zerolayer_tests::temp_dir("replay");
+        tls::init(&dir, &["a".into(), "b".into(), "c".into()], false).unwrap();
+        let ((sa, aa), (sb, ab), (sf, af)) = (sock(), sock(), sock());
+        let cfg = config(&[("a", aa), ("b", ab)], &dir);
+        let a = Cluster::start(&cfg, "a", &[], Some(sa), zerolayer_coordinator::quota::Quota::new(vec![])).await.unwrap();
+        let b = Cluster::start(&cfg, "b", &[], Some(sb), zerolayer_coordinator::quota::Quota::new(vec![])).await.unwrap();
+        for n in [&a, &b] {
+            n.set_state(NodeState::Ready);
+        }
+        until("a sees b ready", Duration::from_secs(10), || entry(&a, "b").iter().any(|(s, _, _)| *s == NodeState::Ready)).await;
+        let genuine = entry(&a, "b");
+        let forged_dir = zerolayer_tests::temp_dir("replayer");
+        for (from, to) in [("ca.pem", "ca.pem"), ("c.pem", "b.pem"), ("c.key", "b.key")] {
+            std::fs::copy(dir.join(from), forged_dir.join(to)).unwrap();
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await; // a later generation (ms)
+        let forger = Cluster::start(&config(&[("a", aa), ("b", af)], &forged_dir), "b", &[], Some(sf), zerolayer_coordinator::quota::Quota::new(vec![])).await.unwrap();
+        assert!(forger.net.as_ref().unwrap().generation > genuine[0].1);
+        tokio::time::sleep(Duration::from_millis(500)).await; // its publisher has described itself once
+        for key in ["cert", "state", "http"] {
+            let v = b.own_gossip_for_tests(key).await.unwrap();
+            forger.gossip_raw_for_tests(key, &v).await;
+        }
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        assert_eq!(entry(&a, "b"), genuine, "b's entry at a is b's own generation and address");
+        b.set_state(NodeState::Draining);
+        until("a follows b itself", Duration::from_secs(10), || entry(&a, "b").iter().any(|(s, _, _)| *s == NodeState::Draining)).await;
+        for n in [a, b, forger] {
+            n.kill();
+        }
+    }
+
     /// KV is taken only from a node that is draining: c's import, over c's own certificate, is
     /// refused until c drains; then it passes that check (and meets the next: a has no such
     /// worker).

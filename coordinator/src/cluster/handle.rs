@@ -260,6 +260,22 @@ impl Cluster {
         }
     }
 
+    /// Gossips `key` = `value` as this node, exactly as given (tests: a forger replaying another
+    /// node's certificate and signed values).
+    #[doc(hidden)]
+    pub async fn gossip_raw_for_tests(&self, key: &str, value: &str) {
+        if let Some(net) = &self.net {
+            net.chitchat.with_chitchat(|c| c.self_node_state().set(key.to_string(), value.to_string())).await;
+        }
+    }
+
+    /// What this node gossips for `key` now, signature included (tests: what a forger replays).
+    #[doc(hidden)]
+    pub async fn own_gossip_for_tests(&self, key: &str) -> Option<String> {
+        let net = self.net.as_ref()?;
+        net.chitchat.with_chitchat(|c| c.self_node_state().get(key).map(str::to_string)).await
+    }
+
     /// What the link holds about peers now.
     pub fn link_stats(&self) -> LinkStats {
         *self.stats.lock().unwrap_or_else(|e| e.into_inner())

@@ -5,14 +5,18 @@
 //! - a QUIC connection's peer is the node its certificate names ([`cert_names`]); a frame that
 //!   claims another origin (a forwarded request, a KV transfer) is refused;
 //! - a node signs every value it gossips with its certificate's key ([`Signer`]), over its id,
-//!   its generation, the key and the value, and publishes the certificate itself (key `cert`);
+//!   its generation, its gossip address, the key and the value, and publishes the certificate
+//!   itself (key `cert`);
 //!   a reader accepts a node's values only under a certificate that chains to the CA and names
 //!   that node, with a valid signature ([`Verifier`]). A certificate holder can relay gossip
 //!   (scuttlebutt does) but cannot write values as another node: it cannot impersonate a node,
-//!   mark it dead, or advertise a cache for it.
+//!   mark it dead, or advertise a cache for it. A generation counts only once it carries a
+//!   value signed for it (the publisher's `state`), so a replayed certificate under a newer
+//!   generation, or a node's values under another address, evict or redirect nothing.
 
 use std::collections::HashMap;
 use std::hash::BuildHasher;
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -30,8 +34,8 @@ pub fn cert_names(cert: &CertificateDer<'_>, node: &str) -> bool {
 }
 
 /// What a node signs for one gossiped value.
-fn message(node: &str, generation: u64, key: &str, payload: &str) -> Vec<u8> {
-    format!("zerolayer-gossip\0{node}\0{generation}\0{key}\0{payload}").into_bytes()
+fn message(node: &str, generation: u64, addr: SocketAddr, key: &str, payload: &str) -> Vec<u8> {
+    format!("zerolayer-gossip\0{node}\0{generation}\0{addr}\0{key}\0{payload}").into_bytes()
 }
 
 fn hex(bytes: &[u8]) -> String {
@@ -60,14 +64,15 @@ fn unhex(s: &str) -> Option<Vec<u8>> {
 pub struct Signer {
     node: String,
     generation: u64,
+    addr: SocketAddr,
     key: Arc<dyn SigningKey>,
     cert_hex: String,
 }
 
 impl Signer {
-    pub fn new(node: &str, generation: u64, cert: &CertificateDer<'_>, key: &PrivateKeyDer<'_>) -> anyhow::Result<Self> {
+    pub fn new(node: &str, generation: u64, addr: SocketAddr, cert: &CertificateDer<'_>, key: &PrivateKeyDer<'_>) -> anyhow::Result<Self> {
         let key = rustls::crypto::aws_lc_rs::sign::any_ecdsa_type(key).map_err(|e| anyhow::anyhow!("node key: {e}"))?;
-        Ok(Signer { node: node.to_string(), generation, key, cert_hex: hex(cert) })
+        Ok(Signer { node: node.to_string(), generation, addr, key, cert_hex: hex(cert) })
     }
 
     /// The value of [`KEY_CERT`].
@@ -78,7 +83,7 @@ impl Signer {
     /// `payload` signed for `key`: `payload|signature` (hex).
     pub fn sign(&self, key: &str, payload: &str) -> String {
         let signer = self.key.choose_scheme(&[rustls::SignatureScheme::ECDSA_NISTP256_SHA256]).expect("an ECDSA P-256 node key");
-        let sig = signer.sign(&message(&self.node, self.generation, key, payload)).unwrap_or_default();
+        let sig = signer.sign(&message(&self.node, self.generation, self.addr, key, payload)).unwrap_or_default();
         format!("{payload}|{}", hex(&sig))
     }
 }
@@ -148,12 +153,12 @@ impl Verifier {
     }
 
     /// `node`'s value for `key`, if its signature holds under the certificate accepted for
-    /// `(node, generation)`.
-    pub fn open<'v>(&self, node: &str, generation: u64, key: &str, value: &'v str) -> Option<&'v str> {
+    /// `(node, generation)`, for the gossip address `addr`.
+    pub fn open<'v>(&self, node: &str, generation: u64, addr: SocketAddr, key: &str, value: &'v str) -> Option<&'v str> {
         let Some((_, Some(cert))) = self.certs.get(&(node.to_string(), generation)) else { return None };
         let (payload, sig) = value.rsplit_once('|')?;
         let at = (node.to_string(), generation, key.to_string());
-        let h = self.hasher.hash_one(value);
+        let h = self.hasher.hash_one((addr, value));
         let mut checked = self.checked.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(&(seen, ok)) = checked.get(&at) {
             if seen == h {
@@ -163,7 +168,7 @@ impl Verifier {
         self.checks.fetch_add(1, Ordering::Relaxed);
         let ok = unhex(sig).is_some_and(|sig| {
             webpki::EndEntityCert::try_from(cert)
-                .is_ok_and(|ee| ee.verify_signature(webpki::aws_lc_rs::ECDSA_P256_SHA256, &message(node, generation, key, payload), &sig).is_ok())
+                .is_ok_and(|ee| ee.verify_signature(webpki::aws_lc_rs::ECDSA_P256_SHA256, &message(node, generation, addr, key, payload), &sig).is_ok())
         });
         if checked.len() >= MAX_CHECKED {
             checked.clear();
@@ -200,6 +205,8 @@ mod tests {
         super::super::tls::TlsMaterial::load(dir, node).unwrap()
     }
 
+    const ADDR: SocketAddr = SocketAddr::new(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST), 7000);
+
     #[test]
     fn signatures_bind_node_generation_key_and_value() {
         let dir = std::env::temp_dir().join(format!("zl-identity-{}", std::process::id()));
@@ -207,21 +214,25 @@ mod tests {
         super::super::tls::init(&dir, &["a".into(), "b".into()], false).unwrap();
         let (a, b) = (material(&dir, "a"), material(&dir, "b"));
         assert!(cert_names(&a.chain[0], "a") && !cert_names(&a.chain[0], "b"));
-        let signer = Signer::new("a", 7, &a.chain[0], &a.key).unwrap();
+        let signer = Signer::new("a", 7, ADDR, &a.chain[0], &a.key).unwrap();
         let mut v = Verifier::new(a.ca.clone());
         assert!(v.accept_cert("a", 7, signer.cert()));
         let signed = signer.sign("state", "ready");
-        assert_eq!(v.open("a", 7, "state", &signed), Some("ready"));
+        assert_eq!(v.open("a", 7, ADDR, "state", &signed), Some("ready"));
         // The same signature says nothing for another key, value, node or generation.
-        assert_eq!(v.open("a", 7, "http", &signed), None);
-        assert_eq!(v.open("a", 7, "state", &signed.replacen("ready", "dead", 1)), None);
-        assert_eq!(v.open("a", 8, "state", &signed), None, "no certificate accepted for generation 8");
-        assert_eq!(v.open("a", 7, "state", "ready"), None, "unsigned");
-        assert_eq!(v.open("a", 7, "state", "ready|zz"), None, "not hex");
+        assert_eq!(v.open("a", 7, ADDR, "http", &signed), None);
+        assert_eq!(v.open("a", 7, ADDR, "state", &signed.replacen("ready", "dead", 1)), None);
+        assert_eq!(v.open("a", 8, ADDR, "state", &signed), None, "no certificate accepted for generation 8");
+        assert_eq!(v.open("a", 7, ADDR, "state", "ready"), None, "unsigned");
+        let elsewhere: SocketAddr = "127.0.0.1:7001".parse().unwrap();
+        assert_eq!(v.open("a", 7, elsewhere, "state", &signed), None, "a's value under another address");
+        assert_eq!(v.open("a", 7, ADDR, "state", &signed), Some("ready"), "and the remembered outcome is per address");
+        assert_eq!(v.open("a", 7, elsewhere, "state", &signed), None);
+        assert_eq!(v.open("a", 7, ADDR, "state", "ready|zz"), None, "not hex");
         // b's certificate cannot speak for a, and a self-made certificate is not from the CA.
-        let forger = Signer::new("a", 9, &b.chain[0], &b.key).unwrap();
+        let forger = Signer::new("a", 9, ADDR, &b.chain[0], &b.key).unwrap();
         assert!(!v.accept_cert("a", 9, forger.cert()), "b's certificate does not name a");
-        assert_eq!(v.open("a", 9, "state", &forger.sign("state", "dead")), None);
+        assert_eq!(v.open("a", 9, ADDR, "state", &forger.sign("state", "dead")), None);
         let other = dir.join("other");
         super::super::tls::init(&other, &["a".into()], false).unwrap();
         let foreign = material(&other, "a");
@@ -232,15 +243,15 @@ mod tests {
         // A value read again unchanged is not verified again, valid or not; a changed one is.
         let before = v.checks();
         for _ in 0..100 {
-            assert_eq!(v.open("a", 7, "state", &signed), Some("ready"));
-            assert_eq!(v.open("a", 7, "http", &signed), None);
+            assert_eq!(v.open("a", 7, ADDR, "state", &signed), Some("ready"));
+            assert_eq!(v.open("a", 7, ADDR, "http", &signed), None);
         }
         assert!(v.checks() <= before + 2, "{} checks for 200 reads of two values", v.checks() - before);
         let forged = signed.replacen("ready", "dead", 1);
-        assert_eq!(v.open("a", 7, "state", &forged), None, "a new value is verified");
-        assert_eq!(v.open("a", 7, "state", &signed), Some("ready"), "and the old one again");
+        assert_eq!(v.open("a", 7, ADDR, "state", &forged), None, "a new value is verified");
+        assert_eq!(v.open("a", 7, ADDR, "state", &signed), Some("ready"), "and the old one again");
         let later = signer.sign("state", "draining");
-        assert_eq!(v.open("a", 7, "state", &later), Some("draining"));
+        assert_eq!(v.open("a", 7, ADDR, "state", &later), Some("draining"));
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -188,8 +188,14 @@ impl Remote {
             for (id, _) in &gens {
                 seen_certs.insert((name.to_string(), id.generation_id));
             }
-            // The newest generation that proves it is this node.
-            let Some(&(id, ns)) = gens.iter().find(|(id, ns)| self.verifier.accept_cert(name, id.generation_id, ns.get(KEY_CERT).unwrap_or(""))) else {
+            // The newest generation that proves it is this node: a certificate that names it,
+            // and a state signed for that generation and address (a replayed certificate under
+            // a newer generation, or the node's values under another address, prove nothing).
+            let proven = |v: &mut Verifier, id: &ChitchatId, ns: &chitchat::NodeState| {
+                v.accept_cert(name, id.generation_id, ns.get(KEY_CERT).unwrap_or(""))
+                    && ns.get(KEY_STATE).is_some_and(|s| v.open(name, id.generation_id, id.gossip_advertise_addr, KEY_STATE, s).is_some())
+            };
+            let Some(&(id, ns)) = gens.iter().find(|(id, ns)| proven(&mut self.verifier, id, ns)) else {
                 tracing::warn!(node = name, generations = gens.len(), "gossip about a node with no valid certificate for it: ignored");
                 metrics::counter!("zerolayer_gossip_refused_total", "node" => c.node_id.clone(), "reason" => "certificate").increment(1);
                 continue;
@@ -198,7 +204,7 @@ impl Remote {
             let verifier = &self.verifier;
             let get = |key: &str| -> Option<&str> {
                 let v = ns.get(key)?;
-                let opened = verifier.open(name, generation, key, v);
+                let opened = verifier.open(name, generation, id.gossip_advertise_addr, key, v);
                 if opened.is_none() {
                     tracing::warn!(node = name, key, "a gossiped value without a valid signature: refused");
                     metrics::counter!("zerolayer_gossip_refused_total", "node" => c.node_id.clone(), "reason" => "signature").increment(1);

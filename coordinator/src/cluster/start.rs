@@ -122,6 +122,6 @@ async fn join(config: &ClusterConfig, node_id: &str, addr: Option<&str>, socket:
     let chitchat = chitchat::spawn_chitchat(cfg, initial, &transport).await?;
     relays.screen.attach(chitchat.chitchat());
     let leaf = mat.chain.first().ok_or_else(|| anyhow::anyhow!("{node_id}.pem holds no certificate"))?;
-    let signer = Signer::new(node_id, generation, leaf, &mat.key)?;
+    let signer = Signer::new(node_id, generation, addr, leaf, &mat.key)?;
     Ok(Net { generation, endpoint, peers, addr, chitchat, relays, signer, ca: mat.ca.clone() })
 }
