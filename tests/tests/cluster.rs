@@ -650,8 +650,9 @@ mod identity {
         let _g = heavy();
         let dir = zerolayer_tests::temp_dir("replay");
         tls::init(&dir, &["a".into(), "b".into(), "c".into()], false).unwrap();
-        let ((sa, aa), (sb, ab), (sf, af)) = (sock(), sock(), sock());
-        let cfg = config(&[("a", aa), ("b", ab)], &dir);
+        let ((sa, aa), (sb, ab), (_, ac), (sf, af)) = (sock(), sock(), sock(), sock());
+        // c is a node of the cluster, so its certificate may connect (the forger holds it).
+        let cfg = config(&[("a", aa), ("b", ab), ("c", ac)], &dir);
         let a = Cluster::start(&cfg, "a", &[], Some(sa), zerolayer_coordinator::quota::Quota::new(vec![])).await.unwrap();
         let b = Cluster::start(&cfg, "b", &[], Some(sb), zerolayer_coordinator::quota::Quota::new(vec![])).await.unwrap();
         for n in [&a, &b] {
@@ -671,7 +672,9 @@ mod identity {
             let v = b.own_gossip_for_tests(key).await.unwrap();
             forger.gossip_raw_for_tests(key, &v).await;
         }
-        tokio::time::sleep(Duration::from_secs(2)).await;
+        // The control: a holds the forger's newer generation of b, with b's certificate.
+        until("a holds the forged generation", Duration::from_secs(10), || a.link_stats().gossip_node_states >= 3).await;
+        tokio::time::sleep(Duration::from_secs(1)).await;
         assert_eq!(entry(&a, "b"), genuine, "b's entry at a is b's own generation and address");
         b.set_state(NodeState::Draining);
         until("a follows b itself", Duration::from_secs(10), || entry(&a, "b").iter().any(|(s, _, _)| *s == NodeState::Draining)).await;
