@@ -11,12 +11,14 @@
 //!   of the node for good;
 //! - any other delta chitchat's builder would refuse (a key before its node, a node twice,
 //!   versions not strictly increasing), so the two readers agree;
-//! - a delta about this node's own current (or a later) generation, or a digest that names a
-//!   later generation of it: only this node speaks for itself;
-//! - node ids that are not valid names (what a message says of a node the config does not
-//!   admit, when `allow_join` is off, is cut out of it and the rest goes on);
+//! - node ids that are not valid names;
 //! - growth past [`MAX_NODE_STATES`] node states, [`MAX_KEYS_PER_NODE`] keys in one node's
 //!   state, keys over [`MAX_KEY_BYTES`] or values over [`MAX_VALUE_BYTES`].
+//!
+//! Cut out of a message, the rest going on to chitchat: a delta about this node's own current
+//! (or a later) generation, a digest entry for a later generation of it (only this node
+//! speaks for itself), and, when `allow_join` is off, what it says of nodes the config does
+//! not name.
 //!
 //! [`check`] is pure (what chitchat already holds comes in through [`Known`]); [`Screen`] is
 //! the shell the relays call.
@@ -69,8 +71,6 @@ pub enum Refusal {
     Wire(#[from] WireError),
     #[error("node id {0:?}: not a valid name, or not a node of the config")]
     Node(String),
-    #[error("speaks for this node's own generation {0}")]
-    SelfClaim(u64),
     #[error("would hold more than {MAX_NODE_STATES} node states")]
     TooManyNodes,
     #[error("a delta chitchat would refuse: {0}")]
@@ -89,7 +89,6 @@ impl Refusal {
         match self {
             Refusal::Wire(_) => "wire",
             Refusal::Node(_) => "node",
-            Refusal::SelfClaim(_) => "self",
             Refusal::TooManyNodes => "nodes",
             Refusal::Delta(_) | Refusal::MaxBelowKey { .. } => "delta",
             Refusal::TooLarge(_) | Refusal::TooManyKeys(_) => "size",
@@ -114,25 +113,26 @@ fn delta(m: &Message) -> &[Op] {
 }
 
 /// Removes what the message says of nodes the config does not admit (when `allow_join` is
-/// off): their digest entries and their node deltas. Returns how many entries and ops went.
-/// Such nodes cannot connect, and the publisher ignores them; dropping the whole message
-/// instead would cut two nodes apart over one line of config that differs between them.
-fn strip_strangers(m: &mut Message, p: &Policy) -> usize {
-    if p.allow_join {
-        return 0;
-    }
-    let admitted = |id: &Id| p.configured.iter().any(|n| *n == id.node);
+/// off), and what it says for this node itself: a digest entry for a later generation of it,
+/// a delta about its current or a later one. Returns how many entries and ops went.
+/// Such nodes cannot connect, and the publisher ignores them; only this node speaks for
+/// itself. Cutting rather than dropping the whole message matters: a peer relaying a forged
+/// generation of this node (or a config that differs by one line) would otherwise cut this
+/// node off from every message that peer sends.
+fn strip(m: &mut Message, p: &Policy) -> usize {
+    let admitted = |id: &Id| p.allow_join || p.configured.iter().any(|n| *n == id.node);
+    let mine = |id: &Id, from: u64| id.node == p.me && id.generation >= from;
     let mut removed = 0;
     if let Message::Syn { digest, .. } | Message::SynAck { digest, .. } = m {
         let before = digest.len();
-        digest.retain(|(id, _)| admitted(id));
+        digest.retain(|(id, _)| admitted(id) && !mine(id, p.generation + 1));
         removed += before - digest.len();
     }
     if let Message::SynAck { delta, .. } | Message::Ack { delta } = m {
         let (before, mut keep) = (delta.len(), true);
         delta.retain(|op| {
             if let Op::Node { id, .. } = op {
-                keep = admitted(id);
+                keep = admitted(id) && !mine(id, p.generation);
             }
             keep
         });
@@ -141,20 +141,9 @@ fn strip_strangers(m: &mut Message, p: &Policy) -> usize {
     removed
 }
 
-/// Checks the node ids a message names: valid names, not this node's, not too many.
-fn check_ids(m: &Message, p: &Policy, known: &impl Known) -> Result<(), Refusal> {
+/// Checks the node ids a message names: not too many new ones.
+fn check_ids(m: &Message, known: &impl Known) -> Result<(), Refusal> {
     let (in_digest, in_delta) = ids(m);
-    for id in in_digest.iter().chain(&in_delta) {
-        if !valid_name(&id.node) {
-            return Err(Refusal::Node(id.node.chars().take(64).collect()));
-        }
-        if id.node == p.me && id.generation > p.generation {
-            return Err(Refusal::SelfClaim(id.generation));
-        }
-    }
-    if let Some(id) = in_delta.iter().find(|id| id.node == p.me && id.generation == p.generation) {
-        return Err(Refusal::SelfClaim(id.generation));
-    }
     let new: HashSet<&Id> = in_digest.iter().chain(&in_delta).copied().filter(|id| !known.knows(id)).collect();
     if known.node_states() + new.len() > MAX_NODE_STATES {
         return Err(Refusal::TooManyNodes);
@@ -197,8 +186,8 @@ fn check_node(id: &Id, ops: &[Op], known: &impl Known) -> Result<(), Refusal> {
 #[derive(Debug, PartialEq, Eq)]
 pub struct Screened {
     pub message: Message,
-    /// The message's bytes without its parts about nodes the config does not admit, when it
-    /// had any (chitchat then gets these instead of the original bytes).
+    /// The message's bytes without the parts [`strip`] cuts, when it had any (chitchat then
+    /// gets these instead of the original bytes).
     pub rewritten: Option<Vec<u8>>,
 }
 
@@ -209,8 +198,8 @@ pub fn check(bytes: &[u8], p: &Policy, known: &impl Known) -> Result<Screened, R
     if let Some(bad) = in_digest.iter().chain(&in_delta).find(|id| !valid_name(&id.node)) {
         return Err(Refusal::Node(bad.node.chars().take(64).collect()));
     }
-    let rewritten = (strip_strangers(&mut m, p) > 0).then(|| wire::write::encode(&m));
-    check_ids(&m, p, known)?;
+    let rewritten = (strip(&mut m, p) > 0).then(|| wire::write::encode(&m));
+    check_ids(&m, known)?;
     let ops = delta(&m);
     if matches!(ops.first(), Some(Op::Kv(_) | Op::SetMaxVersion(_))) {
         return Err(Refusal::Delta("a key before any node"));

@@ -72,19 +72,25 @@ fn deltas_chitchat_would_refuse_are_refused_here_too() {
     }
 }
 
-/// Only a node speaks for itself: no delta about its current generation, and no digest that
-/// names a later one (an eviction attempt). Older generations are ordinary gossip.
+/// Only a node speaks for itself: a delta about its current generation and a digest entry for
+/// a later one (an eviction attempt) are cut out, and the rest goes on. Older generations are
+/// ordinary gossip.
 #[test]
 fn a_peer_cannot_speak_for_this_node() {
     let k = known_b();
-    let me = ack(vec![node(id("a", 100)), kv("state", 1)]);
-    assert_eq!(check(&me, &policy(), &k), Err(Refusal::SelfClaim(100)));
-    let later = encode(&Message::Syn { cluster_id: "c".into(), digest: vec![(id("a", 101), NodeDigest { heartbeat: 1, last_gc_version: 0, max_version: 1 })] });
-    assert_eq!(check(&later, &policy(), &k), Err(Refusal::SelfClaim(101)));
-    let now = encode(&Message::Syn { cluster_id: "c".into(), digest: vec![(id("a", 100), NodeDigest { heartbeat: 1, last_gc_version: 0, max_version: 1 })] });
-    assert!(check(&now, &policy(), &k).is_ok());
-    let old = ack(vec![node(id("a", 99)), kv("state", 1)]);
-    assert!(check(&old, &policy(), &k).is_ok());
+    let d = NodeDigest { heartbeat: 1, last_gc_version: 0, max_version: 1 };
+    let me = Message::SynAck {
+        digest: vec![(id("a", 100), d), (id("a", 101), d), (id("b", 5), d)],
+        delta: vec![node(id("a", 100)), kv("state", 1), node(id("b", 5)), kv("state", 2), node(id("a", 99)), kv("state", 3)],
+    };
+    let cut = Message::SynAck {
+        digest: vec![(id("a", 100), d), (id("b", 5), d)],
+        delta: vec![node(id("b", 5)), kv("state", 2), node(id("a", 99)), kv("state", 3)],
+    };
+    let got = check(&encode(&me), &policy(), &k).unwrap();
+    assert_eq!(got.message, cut);
+    assert_eq!(got.rewritten.as_deref().map(wire::decode), Some(Ok(cut.clone())));
+    assert_eq!(check(&encode(&cut), &policy(), &k).unwrap().rewritten, None, "its own digest entry and older generations are ordinary");
 }
 
 /// Invalid names refuse the message; what it says of a node the config does not admit is cut
