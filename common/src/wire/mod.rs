@@ -178,6 +178,7 @@ mod tests {
             resume: vec![5, 6],
             pins: vec![CachePin { tokens: 640, ttl_secs: 300 }],
             cache_root: 0x1234_5678_9abc_def1,
+            claim: crate::job::TenantClaim { tenant: "team-a".into(), cache_salt: Some("s".into()) },
         };
         let s = Submit { origin_node: "a".into(), worker: "cpu0".into(), job };
         let f = encode_open(&Open::Submit(s.clone())).unwrap();
