@@ -2,10 +2,8 @@
 //! report, taken by any node's admin API and passed on over the cluster link (mutual TLS, a
 //! dial that must reach the named node) with the caller's key, never over plain HTTP. The
 //! receiving node checks the key against its own admin key and runs the call through the hook
-//! its front end registers ([`Cluster::on_admin`]), so this layer knows nothing of drains.
+//! its front end registers ([`Cluster::on_admin`], a [`super::handle::AdminCalls`]), so this layer knows nothing of drains.
 
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -21,9 +19,6 @@ pub const ADMIN_TIMEOUT: Duration = Duration::from_secs(30);
 pub const MAX_KEY_BYTES: usize = 1024;
 /// The actions a call may name.
 pub const ACTIONS: [&str; 3] = ["drain", "undrain", "report"];
-
-/// What runs an admin call on this node: the HTTP status and JSON body of its answer.
-pub type AdminCalls = Arc<dyn Fn(AdminCall) -> Pin<Box<dyn Future<Output = (u16, Vec<u8>)> + Send>> + Send + Sync>;
 
 /// Passes `call` on to `node`: its status and body.
 pub async fn ask(cluster: &Cluster, node: &str, call: AdminCall) -> anyhow::Result<(u16, Vec<u8>)> {

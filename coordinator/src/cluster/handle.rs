@@ -25,6 +25,10 @@ use crate::view::{ClusterView, NodeState, WorkerView};
 /// cache scope; `Err` refuses it).
 pub type Rederive = Arc<dyn Fn(zerolayer_common::Job) -> Result<zerolayer_common::Job, String> + Send + Sync>;
 
+/// What runs an admin call a peer passed on (see `admin`): the HTTP status and JSON body of
+/// its answer.
+pub type AdminCalls = Arc<dyn Fn(zerolayer_common::wire::AdminCall) -> std::pin::Pin<Box<dyn std::future::Future<Output = (u16, Vec<u8>)> + Send>> + Send + Sync>;
+
 pub type Lookups = Arc<dyn Fn(&zerolayer_common::wire::Lookup) -> (bool, Vec<u8>) + Send + Sync>;
 
 /// A worker on this node.
@@ -101,7 +105,7 @@ pub struct Cluster {
     /// What answers peers' lookups of stored responses (set once by the front end).
     pub(super) lookups: std::sync::OnceLock<Lookups>,
     /// What runs admin calls passed on by peers (set once by the front end).
-    pub(super) admin_calls: std::sync::OnceLock<super::admin::AdminCalls>,
+    pub(super) admin_calls: std::sync::OnceLock<AdminCalls>,
     /// What re-derives a forwarded job's tenant terms (set once by the front end).
     pub(super) rederive: std::sync::OnceLock<Rederive>,
 }
@@ -186,7 +190,7 @@ impl Cluster {
     }
 
     /// Registers what runs admin calls that peers pass on (the first registration holds).
-    pub fn on_admin(&self, run: super::admin::AdminCalls) {
+    pub fn on_admin(&self, run: AdminCalls) {
         let _ = self.admin_calls.set(run);
     }
 
