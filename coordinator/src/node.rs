@@ -132,29 +132,8 @@ impl Node {
             cache_secret,
             responses: Default::default(),
         });
-        // Peers' lookups of stored responses (weak: the cluster link outlives no front end).
-        let weak = Arc::downgrade(&frontend);
-        frontend.cluster.on_lookup(Arc::new(move |l| match weak.upgrade() {
-            Some(f) => crate::frontend::api::openai::responses::serve_lookup(&f, l),
-            None => (false, Vec::new()),
-        }));
-        // Forwarded jobs run under this node's config (the tenant's share, options and scope).
-        let weak = Arc::downgrade(&frontend);
-        frontend.cluster.on_forward(Arc::new(move |job| match weak.upgrade() {
-            Some(f) => f.guard.rederive(job, &f.cache_secret),
-            None => Err("this node is stopping".into()),
-        }));
-        // Admin calls peers pass on (drain, undrain, the report), checked against this node's key.
-        let weak = Arc::downgrade(&frontend);
-        frontend.cluster.on_admin(Arc::new(move |call| {
-            let f = weak.upgrade();
-            Box::pin(async move {
-                match f {
-                    Some(f) => crate::frontend::api::admin::serve_peer(f, call).await,
-                    None => (503, br#"{"type":"error","error":{"type":"overloaded_error","message":"this node is stopping"}}"#.to_vec()),
-                }
-            })
-        }));
+        // What peers ask of this front end (weak: the cluster link outlives no front end).
+        frontend.cluster.serve_peers(Arc::new(FrontendForPeers(Arc::downgrade(&frontend))));
         Ok(Node { frontend, hard_stop_tx })
     }
 
@@ -203,3 +182,32 @@ impl Node {
     }
 }
 
+/// The front end as peers see it (`cluster::handle::PeerCalls`): stored responses, admin calls
+/// checked against this node's key, and forwarded jobs under this node's config.
+struct FrontendForPeers(std::sync::Weak<Frontend>);
+
+const STOPPING: &[u8] = br#"{"type":"error","error":{"type":"overloaded_error","message":"this node is stopping"}}"#;
+
+impl crate::cluster::handle::PeerCalls for FrontendForPeers {
+    fn lookup(&self, l: &zerolayer_common::wire::Lookup) -> (bool, Vec<u8>) {
+        match self.0.upgrade() {
+            Some(f) => crate::frontend::api::openai::responses::serve_lookup(&f, l),
+            None => (false, Vec::new()),
+        }
+    }
+
+    fn admin(&self, call: zerolayer_common::wire::AdminCall) -> std::pin::Pin<Box<dyn Future<Output = (u16, Vec<u8>)> + Send>> {
+        let f = self.0.upgrade();
+        Box::pin(async move {
+            match f {
+                Some(f) => crate::frontend::api::admin::serve_peer(f, call).await,
+                None => (503, STOPPING.to_vec()),
+            }
+        })
+    }
+
+    fn rederive(&self, job: zerolayer_common::Job) -> Result<zerolayer_common::Job, String> {
+        let f = self.0.upgrade().ok_or("this node is stopping")?;
+        f.guard.rederive(job, &f.cache_secret)
+    }
+}

@@ -9,6 +9,7 @@ use serde_json::{json, Value};
 use tokio::time::timeout;
 use zerolayer_common::PlacementPolicy;
 use zerolayer_coordinator::view::NodeState;
+use zerolayer_coordinator::cluster::frames::read_reply;
 use zerolayer_tests::{ask, document, heavy, parse_sse, shuffled, Answer, TestCluster, LOREM};
 
 const PREFIXES: usize = 8;
@@ -334,11 +335,7 @@ async fn a_forwarded_job_runs_under_the_receivers_terms() {
             let (mut s, mut r) = conn.open_bi().await.unwrap();
             s.write_all(&wire::encode_open(&Open::Submit(Submit { origin_node: "a".into(), worker: "cpu0".into(), job })).unwrap()).await.unwrap();
             loop {
-                let mut len = [0u8; 4];
-                r.read_exact(&mut len).await.unwrap();
-                let mut body = vec![0u8; wire::frame_len(len).unwrap()];
-                r.read_exact(&mut body).await.unwrap();
-                match wire::decode_reply(&body).unwrap() {
+                match read_reply(&mut r).await.unwrap() {
                     Reply::Event(SeqEvent::Finished { usage, .. }) => return Ok(usage),
                     Reply::Refused { message, .. } => return Err(message),
                     _ => {}
@@ -451,11 +448,7 @@ mod mtls {
                 // use of the connection fails.
                 let (mut s, mut r) = conn.open_bi().await?;
                 s.write_all(&frame).await?;
-                let mut len = [0u8; 4];
-                r.read_exact(&mut len).await?;
-                let mut body = vec![0u8; zerolayer_common::wire::frame_len(len)?];
-                r.read_exact(&mut body).await?;
-                anyhow::Ok(zerolayer_common::wire::decode_reply(&body)?)
+                read_reply(&mut r).await
             }
         };
         let refused = timeout(Duration::from_secs(10), submit(mixed)).await.expect("refusal must be prompt");
@@ -567,11 +560,7 @@ mod identity {
             job: zerolayer_common::Job { request_id: "req_forged".into(), ..zerolayer_common::Job::new(vec![1, 2, 3], zerolayer_common::SamplingParams::greedy(4)) },
         };
         s.write_all(&zerolayer_common::wire::encode_open(&zerolayer_common::wire::Open::Submit(sub)).unwrap()).await.unwrap();
-        let mut len = [0u8; 4];
-        r.read_exact(&mut len).await.unwrap();
-        let mut body = vec![0u8; zerolayer_common::wire::frame_len(len).unwrap()];
-        r.read_exact(&mut body).await.unwrap();
-        let reply = zerolayer_common::wire::decode_reply(&body).unwrap();
+        let reply = read_reply(&mut r).await.unwrap();
         assert!(
             matches!(&reply, zerolayer_common::wire::Reply::Refused { message, .. } if message.contains("does not name node \"b\"")),
             "a frame as b over c's certificate is refused: {reply:?}"
@@ -719,11 +708,7 @@ mod identity {
             };
             let (mut s, mut r) = conn.open_bi().await.unwrap();
             s.write_all(&wire::encode_open(&Open::Import(h)).unwrap()).await.unwrap();
-            let mut len = [0u8; 4];
-            r.read_exact(&mut len).await.unwrap();
-            let mut body = vec![0u8; wire::frame_len(len).unwrap()];
-            r.read_exact(&mut body).await.unwrap();
-            match wire::decode_reply(&body).unwrap() {
+            match read_reply(&mut r).await.unwrap() {
                 Reply::Refused { message, .. } => message,
                 other => panic!("an import with no worker to take it: {other:?}"),
             }

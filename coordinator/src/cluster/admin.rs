@@ -2,7 +2,7 @@
 //! report, taken by any node's admin API and passed on over the cluster link (mutual TLS, a
 //! dial that must reach the named node) with the caller's key, never over plain HTTP. The
 //! receiving node checks the key against its own admin key and runs the call through the hook
-//! its front end registers ([`Cluster::on_admin`], a [`super::handle::AdminCalls`]), so this layer knows nothing of drains.
+//! its front end registers ([`Cluster::serve_peers`]), so this layer knows nothing of drains.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -33,9 +33,9 @@ pub async fn serve(cluster: Arc<Cluster>, call: AdminCall, mut send: quinn::Send
     let reply = if !ACTIONS.contains(&call.action.as_str()) || call.key.len() > MAX_KEY_BYTES {
         Reply::Refused { overloaded: false, message: format!("not an admin call: action {:?}", call.action.chars().take(32).collect::<String>()) }
     } else {
-        match cluster.admin_calls.get() {
-            Some(run) => {
-                let (status, body) = run(call).await;
+        match cluster.peer_calls.get() {
+            Some(calls) => {
+                let (status, body) = calls.admin(call).await;
                 Reply::Done { status, body }
             }
             None => Reply::Refused { overloaded: true, message: format!("node {} is still starting", cluster.node_id) },

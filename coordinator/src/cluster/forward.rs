@@ -15,7 +15,7 @@ use zerolayer_common::wire::{self, Open, Reply, Submit};
 use zerolayer_common::{SeqEvent, StopReason};
 use zerolayer_worker::WorkerError;
 
-use super::frames::{read_frame, write_reply};
+use super::frames::{read_frame, read_reply, write_reply};
 use super::handle::Cluster;
 use crate::view::NodeState;
 
@@ -79,8 +79,8 @@ pub async fn submit(cluster: &Cluster, node: &str, addr: std::net::SocketAddr, s
         let conn = net.peers.connect_node(addr, node).await?;
         let (mut send, mut recv) = conn.open_bi().await?;
         send.write_all(&frame).await?;
-        let first = read_frame(&mut recv).await?.ok_or_else(|| anyhow::anyhow!("stream closed before a reply"))?;
-        anyhow::Ok((send, recv, wire::decode_reply(&first)?))
+        let first = read_reply(&mut recv).await?;
+        anyhow::Ok((send, recv, first))
     };
     match tokio::time::timeout(ACCEPT_TIMEOUT, setup).await {
         Ok(Ok((send, recv, Reply::Accepted))) => Ok(RemoteStream { send, recv, node: node.to_string(), finished: false }),
@@ -107,10 +107,10 @@ pub async fn serve(cluster: Arc<Cluster>, sub: Submit, mut send: quinn::SendStre
         };
         // The tenant's terms are this node's: the sender's share, root and options are not
         // taken as sent.
-        let Some(rederive) = cluster.rederive.get() else {
+        let Some(calls) = cluster.peer_calls.get() else {
             return write_reply(&mut send, &refuse(true, format!("node {} is still starting", cluster.node_id))).await;
         };
-        let job = match rederive(sub.job) {
+        let job = match calls.rederive(sub.job) {
             Ok(job) => job,
             Err(why) => return write_reply(&mut send, &refuse(false, format!("node {}: {why}", cluster.node_id))).await,
         };

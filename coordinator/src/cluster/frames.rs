@@ -16,6 +16,12 @@ pub async fn read_frame(recv: &mut quinn::RecvStream) -> anyhow::Result<Option<V
     Ok(Some(body))
 }
 
+/// The next frame, decoded as a [`Reply`]; an error if the stream finished before one.
+pub async fn read_reply(recv: &mut quinn::RecvStream) -> anyhow::Result<Reply> {
+    let body = read_frame(recv).await?.ok_or_else(|| anyhow::anyhow!("stream closed before a reply"))?;
+    Ok(wire::decode_reply(&body)?)
+}
+
 pub async fn write_reply(send: &mut quinn::SendStream, r: &Reply) -> anyhow::Result<()> {
     send.write_all(&wire::encode_reply(r)?).await?;
     Ok(())

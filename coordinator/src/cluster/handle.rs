@@ -21,15 +21,17 @@ use crate::view::{ClusterView, NodeState, WorkerView};
 
 /// What answers a peer's lookup of a stored response on this node (see `super::lookup`):
 /// whether it found the entry, and its body.
-/// What a forwarded job becomes under this node's own config (its tenant's share, options and
-/// cache scope; `Err` refuses it).
-pub type Rederive = Arc<dyn Fn(zerolayer_common::Job) -> Result<zerolayer_common::Job, String> + Send + Sync>;
-
-/// What runs an admin call a peer passed on (see `admin`): the HTTP status and JSON body of
-/// its answer.
-pub type AdminCalls = Arc<dyn Fn(zerolayer_common::wire::AdminCall) -> std::pin::Pin<Box<dyn std::future::Future<Output = (u16, Vec<u8>)> + Send>> + Send + Sync>;
-
-pub type Lookups = Arc<dyn Fn(&zerolayer_common::wire::Lookup) -> (bool, Vec<u8>) + Send + Sync>;
+/// What the front end answers for peers, registered once with [`Cluster::serve_peers`]: the
+/// cluster wing calls it and knows nothing of what is stored, drained or configured.
+pub trait PeerCalls: Send + Sync {
+    /// A stored response asked for by another node: whether it was there, and its body.
+    fn lookup(&self, l: &zerolayer_common::wire::Lookup) -> (bool, Vec<u8>);
+    /// An admin call another node passed on: the HTTP status and JSON body of its answer.
+    fn admin(&self, call: zerolayer_common::wire::AdminCall) -> std::pin::Pin<Box<dyn std::future::Future<Output = (u16, Vec<u8>)> + Send>>;
+    /// A forwarded job under this node's own config (its tenant's share, options and cache
+    /// scope); `Err` refuses it.
+    fn rederive(&self, job: zerolayer_common::Job) -> Result<zerolayer_common::Job, String>;
+}
 
 /// A worker on this node.
 #[derive(Clone)]
@@ -102,12 +104,8 @@ pub struct Cluster {
     /// KV bytes each peer has in transfers to this node now (see `migrate::serve`); an entry
     /// goes when its transfers end, so there are at most as many as transfers running.
     pub(super) imports_in_flight: Mutex<std::collections::HashMap<String, u64>>,
-    /// What answers peers' lookups of stored responses (set once by the front end).
-    pub(super) lookups: std::sync::OnceLock<Lookups>,
-    /// What runs admin calls passed on by peers (set once by the front end).
-    pub(super) admin_calls: std::sync::OnceLock<AdminCalls>,
-    /// What re-derives a forwarded job's tenant terms (set once by the front end).
-    pub(super) rederive: std::sync::OnceLock<Rederive>,
+    /// What answers peers' calls (set once by the front end; until then they are refused).
+    pub(super) peer_calls: std::sync::OnceLock<Arc<dyn PeerCalls>>,
 }
 
 /// How much a node's link holds about its peers (all bounded; see `publisher`).
@@ -172,26 +170,14 @@ impl Cluster {
             quota,
             hosted_ranks: Mutex::new(std::collections::HashMap::new()),
             imports_in_flight: Mutex::new(std::collections::HashMap::new()),
-            lookups: std::sync::OnceLock::new(),
-            admin_calls: std::sync::OnceLock::new(),
-            rederive: std::sync::OnceLock::new(),
+            peer_calls: std::sync::OnceLock::new(),
         }
     }
 
-    /// Registers what answers peers' lookups of stored responses (the first registration holds).
-    pub fn on_lookup(&self, answer: Lookups) {
-        let _ = self.lookups.set(answer);
-    }
-
-    /// Registers what re-derives forwarded jobs under this node's config (the first
-    /// registration holds; until then forwarded jobs are refused as overloaded).
-    pub fn on_forward(&self, rederive: Rederive) {
-        let _ = self.rederive.set(rederive);
-    }
-
-    /// Registers what runs admin calls that peers pass on (the first registration holds).
-    pub fn on_admin(&self, run: AdminCalls) {
-        let _ = self.admin_calls.set(run);
+    /// Registers what answers peers' lookups, admin calls and forwarded jobs (the first
+    /// registration holds).
+    pub fn serve_peers(&self, calls: Arc<dyn PeerCalls>) {
+        let _ = self.peer_calls.set(calls);
     }
 
     /// This node's membership state.

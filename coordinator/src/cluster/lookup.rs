@@ -1,14 +1,14 @@
 //! Stored responses across the cluster: a node asks the node a response id names for it
 //! ([`Open::Lookup`], one bi-stream, one `Reply::Found`). The store itself belongs to the front
-//! end (`crate::frontend::stored`); it answers through the [`Lookups`](super::handle::Lookups) hook it registers with
-//! [`Cluster::on_lookup`], so this layer knows nothing of what is stored.
+//! end (`crate::frontend::stored`); it answers through the [`PeerCalls`](super::handle::PeerCalls) it registers with
+//! [`Cluster::serve_peers`], so this layer knows nothing of what is stored.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use zerolayer_common::wire::{self, Lookup, Open, Reply};
 
-use super::frames::{read_frame, write_reply};
+use super::frames::{read_reply, write_reply};
 use super::handle::Cluster;
 
 /// How long a lookup may take, dial included.
@@ -25,8 +25,7 @@ pub async fn exchange(cluster: &Cluster, node: &str, open: &Open, within: Durati
         let (mut send, mut recv) = conn.open_bi().await?;
         send.write_all(&frame).await?;
         let _ = send.finish();
-        let body = read_frame(&mut recv).await?.ok_or_else(|| anyhow::anyhow!("stream closed before a reply"))?;
-        anyhow::Ok(wire::decode_reply(&body)?)
+        read_reply(&mut recv).await
     };
     match tokio::time::timeout(within, exchange).await {
         Ok(Ok(Reply::Refused { message, .. })) => Err(anyhow::anyhow!("node {node} refused: {message}")),
@@ -48,9 +47,9 @@ pub async fn ask(cluster: &Cluster, node: &str, lookup: Lookup) -> anyhow::Resul
 
 /// Answers one lookup (its `Open::Lookup` frame already read, its sender checked).
 pub async fn serve(cluster: Arc<Cluster>, lookup: Lookup, mut send: quinn::SendStream, peer: std::net::SocketAddr) {
-    let reply = match cluster.lookups.get() {
-        Some(answer) => {
-            let (found, body) = answer(&lookup);
+    let reply = match cluster.peer_calls.get() {
+        Some(calls) => {
+            let (found, body) = calls.lookup(&lookup);
             Reply::Found { found, body }
         }
         None => Reply::Refused { overloaded: true, message: format!("node {} is still starting", cluster.node_id) },
