@@ -37,6 +37,12 @@ pub struct WorkerSignals {
     #[serde(default)]
     pub repreemptions_total: u64,
     pub generated_tokens_total: u64,
+    /// Speculative draft tokens verified, and of those kept (the acceptance rate is their
+    /// ratio; each kept token is a decode step saved).
+    #[serde(default)]
+    pub draft_tokens_total: u64,
+    #[serde(default)]
+    pub draft_accepted_total: u64,
     /// Output tokens per second over the last second or so.
     pub tokens_per_second: f32,
     /// Milliseconds since the worker started, at the time of this snapshot.

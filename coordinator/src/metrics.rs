@@ -76,6 +76,12 @@ pub fn render(node: &str, model: &str, workers: &[(String, WorkerSignals)], peer
     gauge("zerolayer_prefix_hit_ratio", "Prefix-cache hit ratio over recent admissions", "gauge", &|s| s.prefix_hit_ratio as f64);
     gauge("zerolayer_preemptions_total", "Sequences preempted by recompute", "counter", &|s| s.preemptions_total as f64);
     gauge("zerolayer_repreemptions_total", "Preemptions of sequences preempted before (preemption loops)", "counter", &|s| s.repreemptions_total as f64);
+    gauge("zerolayer_draft_tokens_total", "Speculative draft tokens verified", "counter", &|s| s.draft_tokens_total as f64);
+    gauge("zerolayer_draft_accepted_tokens_total", "Speculative draft tokens kept (equal to the sampler's draws)", "counter", &|s| s.draft_accepted_total as f64);
+    gauge("zerolayer_draft_rejected_tokens_total", "Speculative draft tokens rejected", "counter", &|s| s.draft_tokens_total.saturating_sub(s.draft_accepted_total) as f64);
+    gauge("zerolayer_draft_acceptance_ratio", "Kept / verified speculative draft tokens since the start", "gauge", &|s| {
+        if s.draft_tokens_total == 0 { 0.0 } else { s.draft_accepted_total as f64 / s.draft_tokens_total as f64 }
+    });
     gauge("zerolayer_tokens_per_second", "Output tokens per second, recent", "gauge", &|s| s.tokens_per_second as f64);
     gauge("vllm:num_requests_running", "Number of requests in the running batch", "gauge", &|s| s.running as f64);
     gauge("vllm:num_requests_waiting", "Number of requests waiting", "gauge", &|s| s.waiting as f64);

@@ -216,7 +216,7 @@ pub fn greedy(b: &mut dyn Backend, prompt: &[u32], n: usize, table: &[u32]) -> R
     let (mut ctx, mut pos, mut toks, mut all, mut logits) = (prompt.to_vec(), 0, Vec::new(), Vec::new(), Vec::new());
     let v = b.config().vocab_size;
     for _ in 0..n {
-        b.forward_into(&[ForwardItem { tokens: &ctx[pos..], start_pos: pos, block_table: table, want_logits: true }], &mut logits)?;
+        b.forward_into(&[ForwardItem { tokens: &ctx[pos..], start_pos: pos, block_table: table, logits: 1 }], &mut logits)?;
         let l = logits[..v].to_vec();
         let t = argmax(&l);
         pos = ctx.len();
@@ -258,8 +258,8 @@ pub fn equivalence(path: &std::path::Path, device: usize, label: &str) -> Res<Va
     // the host's selection over the CPU backend's logits, so a seeded draw is the same.
     let (p0, t2) = (&prompts[1], &table[..]);
     let two_rows = [
-        ForwardItem { tokens: p0, start_pos: 0, block_table: t2, want_logits: true },
-        ForwardItem { tokens: &prompts[2], start_pos: 0, block_table: &(64..128).collect::<Vec<u32>>(), want_logits: true },
+        ForwardItem { tokens: p0, start_pos: 0, block_table: t2, logits: 1 },
+        ForwardItem { tokens: &prompts[2], start_pos: 0, block_table: &(64..128).collect::<Vec<u32>>(), logits: 1 },
     ];
     let inv_t = 1.0 / 0.8f32;
     let picks = [Pick::TopK { k: 40, inv_t }, Pick::Greedy];
@@ -277,7 +277,7 @@ pub fn equivalence(path: &std::path::Path, device: usize, label: &str) -> Res<Va
     let tables: Vec<Vec<u32>> = (0..16u32).map(|i| (64 + i * 40..64 + i * 40 + 40).collect()).collect();
     let others: Vec<Vec<u32>> = (0..16u64).map(|i| (0..(5 + 11 * i)).map(|j| ((j * 31 + i * 7) % vocab) as u32).collect()).collect();
     let items: Vec<ForwardItem<'_>> = (0..16)
-        .map(|i| ForwardItem { tokens: if i == 5 { &prompts[0] } else { &others[i] }, start_pos: 0, block_table: &tables[i], want_logits: true })
+        .map(|i| ForwardItem { tokens: if i == 5 { &prompts[0] } else { &others[i] }, start_pos: 0, block_table: &tables[i], logits: 1 })
         .collect();
     let mut logits = Vec::new();
     gpu.forward_into(&items, &mut logits)?;
@@ -329,13 +329,13 @@ pub fn throughput(path: &std::path::Path, device: usize, label: &str) -> Res<Val
     for batch in [1usize, 16, 64] {
         let tables: Vec<Vec<u32>> = (0..batch as u32).map(|i| (i * 16..i * 16 + 16).collect()).collect();
         let prompts: Vec<Vec<u32>> = (0..batch as u64).map(|i| (0..ctx as u64).map(|j| ((j * 131 + i * 17) % vocab) as u32).collect()).collect();
-        let items: Vec<ForwardItem<'_>> = (0..batch).map(|i| ForwardItem { tokens: &prompts[i], start_pos: 0, block_table: &tables[i], want_logits: true }).collect();
+        let items: Vec<ForwardItem<'_>> = (0..batch).map(|i| ForwardItem { tokens: &prompts[i], start_pos: 0, block_table: &tables[i], logits: 1 }).collect();
         gpu.forward_into(&items, &mut logits)?;
         let steps = 32;
         let t0 = Instant::now();
         for s in 0..steps {
             let toks: Vec<[u32; 1]> = (0..batch).map(|i| [((s * 7 + i) as u64 % vocab) as u32]).collect();
-            let items: Vec<ForwardItem<'_>> = (0..batch).map(|i| ForwardItem { tokens: &toks[i], start_pos: ctx + s, block_table: &tables[i], want_logits: true }).collect();
+            let items: Vec<ForwardItem<'_>> = (0..batch).map(|i| ForwardItem { tokens: &toks[i], start_pos: ctx + s, block_table: &tables[i], logits: 1 }).collect();
             gpu.forward_into(&items, &mut logits)?;
         }
         let tps = (steps * batch) as f64 / t0.elapsed().as_secs_f64();
@@ -344,7 +344,7 @@ pub fn throughput(path: &std::path::Path, device: usize, label: &str) -> Res<Val
     }
     let tables: Vec<Vec<u32>> = (0..8u32).map(|i| (i * 40..i * 40 + 40).collect()).collect();
     let prompts: Vec<Vec<u32>> = (0..8u64).map(|i| (0..512u64).map(|j| ((j * 37 + i) % vocab) as u32).collect()).collect();
-    let items: Vec<ForwardItem<'_>> = (0..8).map(|i| ForwardItem { tokens: &prompts[i], start_pos: 0, block_table: &tables[i], want_logits: true }).collect();
+    let items: Vec<ForwardItem<'_>> = (0..8).map(|i| ForwardItem { tokens: &prompts[i], start_pos: 0, block_table: &tables[i], logits: 1 }).collect();
     gpu.forward_into(&items, &mut logits)?;
     let t0 = Instant::now();
     gpu.forward_into(&items, &mut logits)?;

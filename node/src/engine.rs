@@ -6,6 +6,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
+use zerolayer_common::config::Speculative;
 use zerolayer_common::{CachePin, Job, WorkerConfig, KvEvent, SamplingParams, SeqEvent, StopReason, Usage, WorkerSignals};
 
 use crate::error::{Result, WorkerError};
@@ -14,10 +15,12 @@ use crate::model::{recycle, ForwardItem, Model, ModelConfig};
 use crate::grammar::Constraint;
 use crate::sampler::{Pick, Picked, Sampler};
 use crate::scheduler::{Entry, Plan, Scheduler, SchedulerConfig, SeqId};
+use crate::speculate::{Drafter, Drafts};
 use crate::step_time::{StallFree, StepShape, StepTimeModel};
 use crate::stop::StopChecker;
 use crate::tokenizer::{IncrementalDecoder, Tokenizer};
 
+mod speculation;
 mod transfer;
 
 struct SeqState {
@@ -29,11 +32,21 @@ struct SeqState {
     constraint: Option<Constraint>,
     /// Prompt prefixes to pin once they are computed (`cache_control` TTLs).
     pins: Vec<CachePin>,
+    /// How long its next speculative draft may be.
+    drafter: Drafter,
 }
 
 impl SeqState {
-    fn new(params: SamplingParams, sampled: u64) -> Self {
-        SeqState { sampler: Sampler::new(&params, sampled), decoder: IncrementalDecoder::default(), stop: StopChecker::new(&params.stop_sequences), params, constraint: None, pins: Vec::new() }
+    fn new(params: SamplingParams, sampled: u64, max_draft: usize) -> Self {
+        SeqState {
+            sampler: Sampler::new(&params, sampled),
+            decoder: IncrementalDecoder::default(),
+            stop: StopChecker::new(&params.stop_sequences),
+            params,
+            constraint: None,
+            pins: Vec::new(),
+            drafter: Drafter::new(max_draft),
+        }
     }
 
     /// The text the newest token of `generated` completes (the token is `generated`'s last),
@@ -98,6 +111,12 @@ pub struct Engine {
     pending: Vec<(SeqId, SeqEvent)>,
     /// Set once the backend is gone (a lost rank): no sequence is admitted any more.
     unavailable: Option<String>,
+    /// Speculative decoding: the worker's choice and its longest draft.
+    speculative: Speculative,
+    max_draft: usize,
+    /// Draft tokens verified, and kept, since the start.
+    drafted_total: u64,
+    accepted_total: u64,
 }
 
 /// Runs at the start of every step that computes something, on the engine thread, with the
@@ -115,6 +134,7 @@ struct StepBufs {
     picks: Vec<Pick>,
     picked: Picked,
     items: Vec<ForwardItem<'static>>,
+    drafts: Drafts,
 }
 
 impl Engine {
@@ -166,6 +186,10 @@ impl Engine {
             },
             pending: Vec::new(),
             unavailable: None,
+            speculative: cfg.speculative,
+            max_draft: cfg.max_draft,
+            drafted_total: 0,
+            accepted_total: 0,
         })
     }
 
@@ -224,7 +248,7 @@ impl Engine {
         if let Some(bad) = prompt.iter().chain(&generated).copied().chain(biased).find(|&t| t as usize >= vocab) {
             return Err(WorkerError::Invalid(format!("token id {bad} is outside the vocabulary")));
         }
-        let mut st = SeqState::new(params, generated.len() as u64);
+        let mut st = SeqState::new(params, generated.len() as u64, self.max_draft);
         st.sampler.observe(&prompt, &generated);
         st.pins = pins;
         let mut ended = None;
@@ -304,10 +328,6 @@ impl Engine {
             }
         }
         let t0 = Instant::now();
-        let mut shape = StepShape::default();
-        for it in &plan.items {
-            shape.add(it.start, it.len);
-        }
         // Sequences with max_tokens == 0 only prefill; they need no logits.
         let want = &mut bufs.want;
         want.clear();
@@ -316,17 +336,27 @@ impl Engine {
             it.completes && s.generated() < s.max_tokens
         }));
         let want = &*want;
+        let drafts = &mut bufs.drafts;
+        self.draft(plan, want, drafts);
+        let drafts = &*drafts;
+        let mut shape = StepShape::default();
+        for (i, it) in plan.items.iter().enumerate() {
+            shape.add(it.start, it.len + drafts.len[i]);
+        }
+        // A row per logits row: a drafted decode has one per position of its chunk.
         bufs.picks.clear();
         let vocab = self.backend.config().vocab_size;
-        for (it, _) in plan.items.iter().zip(want).filter(|(_, &w)| w) {
+        for (i, it) in plan.items.iter().enumerate().filter(|&(i, _)| want[i]) {
             let st = self.states.get(&it.seq);
-            bufs.picks.push(st.filter(|st| st.constraint.is_none()).map_or(Pick::Host, |st| st.sampler.pick(vocab)));
+            let pick = st.filter(|st| st.constraint.is_none()).map_or(Pick::Host, |st| st.sampler.pick(vocab));
+            bufs.picks.extend(std::iter::repeat_n(pick, 1 + drafts.len[i]));
         }
         let rows = {
             let mut items: Vec<ForwardItem<'_>> = recycle(std::mem::take(&mut bufs.items));
-            items.extend(plan.items.iter().zip(want).map(|(it, &w)| {
+            items.extend(plan.items.iter().enumerate().map(|(i, it)| {
                 let s = self.sched.get(it.seq).unwrap();
-                ForwardItem { tokens: &s.tokens[it.start..it.start + it.len], start_pos: it.start, block_table: &s.blocks, want_logits: w }
+                let tokens = if drafts.len[i] > 0 { drafts.chunk(i) } else { &s.tokens[it.start..it.start + it.len] };
+                ForwardItem { tokens, start_pos: it.start, block_table: &s.blocks, logits: if want[i] { 1 + drafts.len[i] } else { 0 } }
             }));
             let rows = self.backend.forward_pick(&items, &bufs.picks, &mut self.logits, &mut bufs.picked);
             bufs.items = recycle(items);
@@ -341,7 +371,7 @@ impl Engine {
         };
         // Taken out for the sampling loop (which needs `&mut self`) and put back below.
         let logits_buf = std::mem::take(&mut self.logits);
-        out.tokens_computed = plan.items.iter().map(|it| it.len).sum();
+        out.tokens_computed = plan.items.iter().map(|it| it.len).sum::<usize>() + drafts.total();
         self.sched.on_computed(plan);
         self.pin_computed(plan);
         let (ev, overflowed) = self.sched.drain_kv_events();
@@ -351,7 +381,7 @@ impl Engine {
         self.kv_events.extend(ev);
 
         let mut row = 0;
-        for (it, &w) in plan.items.iter().zip(want) {
+        for (i, (it, &w)) in plan.items.iter().zip(want).enumerate() {
             if !it.completes {
                 continue;
             }
@@ -360,18 +390,24 @@ impl Engine {
                 self.finish(it.seq, StopReason::MaxTokens, &mut out);
                 continue;
             }
-            assert!(row < rows, "one logits row per wanted item");
+            let n = 1 + drafts.len[i];
+            assert!(row + n <= rows, "a logits row per wanted position");
             // A token the device picked (greedy), or candidates it selected (top-k), else the
-            // host samples the row's logits.
-            let r = match (bufs.picks[row], bufs.picked.token(row), bufs.picked.candidates(row)) {
-                (Pick::Greedy, Some(tok), _) => self.on_picked(it.seq, tok, &mut out),
-                (Pick::TopK { .. }, _, Some(candidates)) => self.on_candidates(it.seq, candidates, &mut out),
-                _ => self.on_token(it.seq, &logits_buf[row * vocab..(row + 1) * vocab], &mut out),
-            };
+            // host samples the row's logits; a draft's rows one after another, while they agree.
+            let (picks, picked) = (&bufs.picks, &bufs.picked);
+            let r = self.verify(it.seq, drafts.of(i), &mut out, |e, j, out| {
+                let r = row + j;
+                let tok = match (picks[r], picked.token(r), picked.candidates(r)) {
+                    (Pick::Greedy, Some(tok), _) => e.on_picked(it.seq, tok),
+                    (Pick::TopK { .. }, _, Some(candidates)) => e.on_candidates(it.seq, candidates),
+                    _ => e.on_token(it.seq, &logits_buf[r * vocab..(r + 1) * vocab])?,
+                };
+                Ok((tok, e.accept(it.seq, tok, out)?))
+            });
             if let Err(e) = r {
                 self.fail(&[it.seq], &e, &mut out);
             }
-            row += 1;
+            row += n;
         }
         self.logits = logits_buf;
         let took = t0.elapsed().as_secs_f64();
@@ -422,9 +458,9 @@ impl Engine {
         self.unavailable.as_deref()
     }
 
-    /// The per-token path, written once: sample, detokenize, check stop sequences, the end
-    /// token and `max_tokens`, emit the token's text, and finish the sequence if it is over.
-    fn on_token(&mut self, id: SeqId, logits: &[f32], out: &mut StepOutput) -> Result<()> {
+    /// The host's draw from a logits row (through the grammar, if the sequence has one, which
+    /// then takes the token); [`Engine::accept`] then appends it.
+    fn on_token(&mut self, id: SeqId, logits: &[f32]) -> Result<u32> {
         let st = self.states.get_mut(&id).expect("state for scheduled sequence");
         let tok = match &mut st.constraint {
             None => st.sampler.sample(logits, None),
@@ -434,37 +470,37 @@ impl Engine {
                 tok
             }
         };
-        self.accept(id, tok, out)
+        Ok(tok)
     }
 
     /// The token a device picked for a greedy sequence with no grammar (the argmax the sampler
     /// would have taken).
-    fn on_picked(&mut self, id: SeqId, tok: u32, out: &mut StepOutput) -> Result<()> {
+    fn on_picked(&mut self, id: SeqId, tok: u32) -> u32 {
         let st = self.states.get_mut(&id).expect("state for scheduled sequence");
-        st.sampler.take_greedy(tok);
-        self.accept(id, tok, out)
+        st.sampler.take_greedy(tok)
     }
 
     /// The top-k candidates a device selected for a sequence with no grammar: the host draws
     /// among them, as it would have from the whole row.
-    fn on_candidates(&mut self, id: SeqId, candidates: &[(u32, f32)], out: &mut StepOutput) -> Result<()> {
+    fn on_candidates(&mut self, id: SeqId, candidates: &[(u32, f32)]) -> u32 {
         let st = self.states.get_mut(&id).expect("state for scheduled sequence");
-        let tok = st.sampler.sample_top_k(candidates);
-        self.accept(id, tok, out)
+        st.sampler.sample_top_k(candidates)
     }
 
-    /// Appends `tok` to sequence `id`: its text, stop conditions and events.
-    fn accept(&mut self, id: SeqId, tok: u32, out: &mut StepOutput) -> Result<()> {
+    /// Appends `tok` to sequence `id`: its text, stop conditions and events. Returns whether
+    /// the sequence ended with it.
+    fn accept(&mut self, id: SeqId, tok: u32, out: &mut StepOutput) -> Result<bool> {
         let st = self.states.get_mut(&id).expect("state for scheduled sequence");
         self.sched.append_token(id, tok);
         self.generated_total += 1;
         let s = self.sched.get(id).expect("scheduled sequence");
         let (emit, reason) = st.advance(&self.tokenizer, &s.tokens[s.prompt_len..])?;
         out.events.push((id, SeqEvent::Delta { tokens: vec![tok], text: emit }));
+        let ended = reason.is_some();
         if let Some(r) = reason {
             self.finish(id, r, out);
         }
-        Ok(())
+        Ok(ended)
     }
 
     fn finish(&mut self, id: SeqId, reason: StopReason, out: &mut StepOutput) {
@@ -516,6 +552,8 @@ impl Engine {
             preemptions_total: st.preemptions_total,
             repreemptions_total: st.repreemptions_total,
             generated_tokens_total: self.generated_total,
+            draft_tokens_total: self.drafted_total,
+            draft_accepted_total: self.accepted_total,
             tokens_per_second: tps,
             at_ms: now.duration_since(self.started_at).as_millis() as u64,
         }

@@ -37,6 +37,7 @@ pub mod model;
 pub mod ranks;
 pub mod sampler;
 pub mod scheduler;
+pub mod speculate;
 pub mod step_time;
 pub mod synthetic;
 pub mod stop;

@@ -68,8 +68,10 @@ pub struct ForwardItem<'a> {
     pub start_pos: usize,
     /// Blocks covering positions `0..start_pos + tokens.len()`.
     pub block_table: &'a [u32],
-    /// Whether to return logits for the last token.
-    pub want_logits: bool,
+    /// Logits rows wanted, for the item's last `logits` tokens (0: none; 1: the last token, as
+    /// a decode or a prompt's last chunk; more: a speculative draft's verification, a row per
+    /// drafted position).
+    pub logits: usize,
 }
 
 #[derive(Default)]
@@ -247,8 +249,8 @@ impl Model {
     }
 
     /// Runs one engine step. Writes K/V for every token through the block tables and returns
-    /// the logits (`vocab_size` each) of the last token of every item with `want_logits`, in
-    /// item order. (Tests use this form; the engine uses [`Model::forward_into`].)
+    /// the logits rows (`vocab_size` each) every item asks for (`ForwardItem::logits`), in
+    /// item and position order. (Tests use this form; the engine uses [`Model::forward_into`].)
     pub fn forward(&mut self, cache: &mut KvCache, items: &[ForwardItem<'_>]) -> Result<Vec<Vec<f32>>> {
         let mut flat = Vec::new();
         let rows = self.forward_into(cache, items, &mut flat)?;
@@ -441,9 +443,7 @@ fn logit_rows(items: &[ForwardItem<'_>], rank: usize, out: &mut Vec<usize>) {
     let mut r = 0;
     for it in items {
         r += it.tokens.len();
-        if it.want_logits {
-            out.push(r - 1);
-        }
+        out.extend(r - it.logits.min(it.tokens.len())..r);
     }
 }
 

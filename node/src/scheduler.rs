@@ -396,13 +396,7 @@ impl Scheduler {
             let Some(s) = self.seqs.get_mut(&it.seq) else { continue };
             debug_assert_eq!(s.num_computed, it.start);
             s.num_computed = it.start + it.len;
-            extend_hashes(s, bs);
-            let full = s.num_computed / bs;
-            while s.num_registered < full {
-                let j = s.num_registered;
-                self.pool.register(s.blocks[j], s.name(j, bs));
-                s.num_registered += 1;
-            }
+            register_computed(&mut self.pool, s, bs);
         }
     }
 
@@ -446,6 +440,16 @@ impl Scheduler {
     }
 }
 
+/// Registers every full block of `s` computed so far in the prefix cache.
+fn register_computed(pool: &mut BlockPool, s: &mut Sequence, bs: usize) {
+    extend_hashes(s, bs);
+    while s.num_registered < s.num_computed / bs {
+        let j = s.num_registered;
+        pool.register(s.blocks[j], s.name(j, bs));
+        s.num_registered += 1;
+    }
+}
+
 fn extend_hashes(s: &mut Sequence, bs: usize) {
     let full = s.tokens.len() / bs;
     while s.hashes.len() < full {
@@ -455,6 +459,7 @@ fn extend_hashes(s: &mut Sequence, bs: usize) {
     }
 }
 
+mod draft;
 mod fair;
 mod pins;
 mod step;

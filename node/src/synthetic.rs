@@ -234,7 +234,7 @@ mod tests {
         assert_eq!(formats, [WeightFormat::Q8_0, WeightFormat::Q6K, WeightFormat::Q4K, WeightFormat::Q6K, WeightFormat::Q4_1, WeightFormat::Q4_0]);
         let mut cache = KvCache::new(&m.cfg, 16, zerolayer_common::config::KvDtype::F32, 8);
         let table: Vec<u32> = (0..8).collect();
-        let l = m.forward(&mut cache, &[ForwardItem { tokens: &[1, 20, 300, 4], start_pos: 0, block_table: &table, want_logits: true }]).unwrap().remove(0);
+        let l = m.forward(&mut cache, &[ForwardItem { tokens: &[1, 20, 300, 4], start_pos: 0, block_table: &table, logits: 1 }]).unwrap().remove(0);
         assert!(l.iter().all(|x| x.is_finite()));
         let (mn, mx) = l.iter().fold((f32::MAX, f32::MIN), |(a, b), &x| (a.min(x), b.max(x)));
         assert!(mx - mn > 1.0, "logits span {mn}..{mx}");
@@ -254,13 +254,13 @@ mod tests {
         let mut cache = KvCache::new(&m.cfg, 16, zerolayer_common::config::KvDtype::F32, 4);
         let tokens: Vec<u32> = (1..=20).collect();
         for bad in [[0u32, 4], [u32::MAX, 1], [4_000_000, 0]] {
-            let e = m.forward(&mut cache, &[ForwardItem { tokens: &tokens, start_pos: 0, block_table: &bad, want_logits: true }]).unwrap_err();
+            let e = m.forward(&mut cache, &[ForwardItem { tokens: &tokens, start_pos: 0, block_table: &bad, logits: 1 }]).unwrap_err();
             assert!(e.to_string().contains("outside the cache"), "{e}");
         }
         // Reading back blocks 0 and 1 from a later position too.
-        let e = m.forward(&mut cache, &[ForwardItem { tokens: &[7], start_pos: 20, block_table: &[9, 1], want_logits: true }]).unwrap_err();
+        let e = m.forward(&mut cache, &[ForwardItem { tokens: &[7], start_pos: 20, block_table: &[9, 1], logits: 1 }]).unwrap_err();
         assert!(e.to_string().contains("block 9 is outside the cache (4 blocks)"), "{e}");
-        let ok = m.forward(&mut cache, &[ForwardItem { tokens: &tokens, start_pos: 0, block_table: &[2, 3, 77, u32::MAX], want_logits: true }]).unwrap();
+        let ok = m.forward(&mut cache, &[ForwardItem { tokens: &tokens, start_pos: 0, block_table: &[2, 3, 77, u32::MAX], logits: 1 }]).unwrap();
         assert!(ok[0].iter().all(|x| x.is_finite()));
     }
 

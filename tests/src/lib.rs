@@ -545,7 +545,7 @@ pub fn greedy_on(b: &mut dyn zerolayer_worker::backend::Backend, prompt: &[u32],
     let (mut ctx, mut pos, mut toks, mut all) = (prompt.to_vec(), 0, Vec::new(), Vec::new());
     let mut logits = Vec::new();
     for _ in 0..n {
-        let item = zerolayer_worker::model::ForwardItem { tokens: &ctx[pos..], start_pos: pos, block_table: table, want_logits: true };
+        let item = zerolayer_worker::model::ForwardItem { tokens: &ctx[pos..], start_pos: pos, block_table: table, logits: 1 };
         let rows = b.forward_into(&[item], &mut logits).unwrap();
         assert_eq!(rows, 1);
         let l = logits[..b.config().vocab_size].to_vec();

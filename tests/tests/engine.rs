@@ -47,7 +47,7 @@ fn reference_equivalence_with_candle_quantized_llama() {
         for step in 0..32 {
             let new = &ctx[pos..];
             let ours = model
-                .forward(&mut cache, &[ForwardItem { tokens: new, start_pos: pos, block_table: &table, want_logits: true }])
+                .forward(&mut cache, &[ForwardItem { tokens: new, start_pos: pos, block_table: &table, logits: 1 }])
                 .unwrap()
                 .remove(0);
             // The reference runs token by token (its decode path). candle's matmul picks a
@@ -193,7 +193,7 @@ fn alone_and_batched(dtype: KvDtype) -> Vec<Vec<f32>> {
     let mut alone = vec![];
     let mut pos = 0;
     for _ in 0..=STEPS {
-        let out = model.forward(&mut cache, &[ForwardItem { tokens: &seq[pos..], start_pos: pos, block_table: &table, want_logits: true }]).unwrap();
+        let out = model.forward(&mut cache, &[ForwardItem { tokens: &seq[pos..], start_pos: pos, block_table: &table, logits: 1 }]).unwrap();
         pos = seq.len();
         seq.push(argmax(&out[0]));
         alone.push(out[0].clone());
@@ -214,7 +214,7 @@ fn alone_and_batched(dtype: KvDtype) -> Vec<Vec<f32>> {
     let mut round = 0;
     while batched.len() <= STEPS {
         let t_end = if t_pos < target.len() { cuts.iter().copied().find(|&c| c > t_pos).unwrap() } else { seq.len() };
-        let mut items = vec![ForwardItem { tokens: &seq[t_pos..t_end], start_pos: t_pos, block_table: &t_table, want_logits: t_end == seq.len() }];
+        let mut items = vec![ForwardItem { tokens: &seq[t_pos..t_end], start_pos: t_pos, block_table: &t_table, logits: usize::from(t_end == seq.len()) }];
         let mut o_ends = [0usize; 3];
         for k in 0..3 {
             if k == 2 && round < 2 {
@@ -223,10 +223,10 @@ fn alone_and_batched(dtype: KvDtype) -> Vec<Vec<f32>> {
             }
             let end = if o_pos[k] < others[k].len() { (o_pos[k] + 11 + 5 * k).min(others[k].len()) } else { o_seqs[k].len() };
             o_ends[k] = end;
-            items.push(ForwardItem { tokens: &o_seqs[k][o_pos[k]..end], start_pos: o_pos[k], block_table: &o_tables[k], want_logits: end == o_seqs[k].len() });
+            items.push(ForwardItem { tokens: &o_seqs[k][o_pos[k]..end], start_pos: o_pos[k], block_table: &o_tables[k], logits: usize::from(end == o_seqs[k].len()) });
         }
         let out = model.forward(&mut cache, &items).unwrap();
-        let t_wanted = items[0].want_logits;
+        let t_wanted = items[0].logits > 0;
         drop(items);
         let mut rows = out.into_iter();
         if t_wanted {

@@ -16,7 +16,7 @@ const PROMPT: &str = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>
 fn logits(model: &mut Model, ids: &[u32]) -> Vec<f32> {
     let mut cache = KvCache::new(&model.cfg, 16, zerolayer_common::config::KvDtype::F32, 8);
     let table: Vec<u32> = (0..8).collect();
-    model.forward(&mut cache, &[ForwardItem { tokens: ids, start_pos: 0, block_table: &table, want_logits: true }]).unwrap().remove(0)
+    model.forward(&mut cache, &[ForwardItem { tokens: ids, start_pos: 0, block_table: &table, logits: 1 }]).unwrap().remove(0)
 }
 
 fn rel_l2(a: &[f32], b: &[f32]) -> f64 {

@@ -77,7 +77,7 @@ fn gemma3_forward_follows_llama_cpp_and_is_batch_invariant() {
         let prompt = ids_of(&r["prompt_ids"]);
         let mut cache = KvCache::new(model.shard_cfg(), 16, KvDtype::F32, prompt.len() / 16 + 2);
         let table: Vec<u32> = (0..(prompt.len() / 16 + 2) as u32).collect();
-        let logits = model.forward(&mut cache, &[ForwardItem { tokens: &prompt, start_pos: 0, block_table: &table, want_logits: true }]).unwrap().remove(0);
+        let logits = model.forward(&mut cache, &[ForwardItem { tokens: &prompt, start_pos: 0, block_table: &table, logits: 1 }]).unwrap().remove(0);
         let top = r["top_logits"].as_array().unwrap();
         let ours = (0..logits.len()).max_by(|&a, &b| logits[a].total_cmp(&logits[b])).unwrap();
         assert_eq!(ours as u64, top[0][0].as_u64().unwrap(), "prompt {i} ({} tokens): the most likely next token", prompt.len());

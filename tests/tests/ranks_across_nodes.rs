@@ -129,7 +129,7 @@ async fn a_group_across_nodes_computes_what_it_computes_on_one_node() {
     let stale = tokio::task::spawn_blocking(move || {
         let mut group = group;
         let mut logits = Vec::new();
-        group.forward_into(&[ForwardItem { tokens: &[1, 2, 3], start_pos: 0, block_table: &[0], want_logits: true }], &mut logits).is_err()
+        group.forward_into(&[ForwardItem { tokens: &[1, 2, 3], start_pos: 0, block_table: &[0], logits: 1 }], &mut logits).is_err()
     });
     assert!(tokio::time::timeout(Duration::from_secs(20), stale).await.expect("the replaced group answers").unwrap(), "a replaced group fails");
     let worker = &leader.frontend.workers[0];

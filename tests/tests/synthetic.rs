@@ -52,7 +52,7 @@ fn synthetic_qwen3_and_llama31_follow_llama_cpp_exactly() {
             let blocks = prompt.len() / 16 + 2;
             let mut cache = KvCache::new(model.shard_cfg(), 16, KvDtype::F32, blocks);
             let table: Vec<u32> = (0..blocks as u32).collect();
-            let logits = model.forward(&mut cache, &[ForwardItem { tokens: &prompt, start_pos: 0, block_table: &table, want_logits: true }]).unwrap().remove(0);
+            let logits = model.forward(&mut cache, &[ForwardItem { tokens: &prompt, start_pos: 0, block_table: &table, logits: 1 }]).unwrap().remove(0);
             for t in r["top_logits"].as_array().unwrap() {
                 let (id, want) = (t[0].as_u64().unwrap() as usize, t[1].as_f64().unwrap() as f32);
                 assert!((logits[id] - want).abs() < 1e-3, "{name}: prompt {i}: logit of {id} is {} where llama.cpp's is {want}", logits[id]);

@@ -129,7 +129,7 @@ fn tp_is_deterministic_and_batch_invariant() {
     let mut logits = Vec::new();
     let v = b.config().vocab_size;
     for step in 0..8 {
-        let items: Vec<ForwardItem<'_>> = (0..3).map(|i| ForwardItem { tokens: &ctx[i][pos[i]..], start_pos: pos[i], block_table: &tables[i], want_logits: true }).collect();
+        let items: Vec<ForwardItem<'_>> = (0..3).map(|i| ForwardItem { tokens: &ctx[i][pos[i]..], start_pos: pos[i], block_table: &tables[i], logits: 1 }).collect();
         assert_eq!(b.forward_into(&items, &mut logits).unwrap(), 3);
         assert_eq!(logits[v..2 * v], l_alone[step][..], "step {step}: the batched row differs from the same prompt alone");
         for i in 0..3 {

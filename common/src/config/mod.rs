@@ -13,7 +13,7 @@ pub mod keys;
 mod validate;
 mod worker;
 pub use access::{AuthSection, CacheScope, KeyConfig, LimitsSection, Tenant, TenantLimits};
-pub use worker::{KvDtype, WorkerConfig};
+pub use worker::{KvDtype, Speculative, WorkerConfig, MAX_DRAFT};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {

@@ -1,7 +1,7 @@
 //! What a configuration may not say: each rule refuses a config at load, naming the node,
 //! worker or field at fault, so a node never starts on a config it would misread.
 
-use super::{ClusterConfig, ConfigError, KvDtype};
+use super::{ClusterConfig, ConfigError, KvDtype, MAX_DRAFT};
 
 impl ClusterConfig {
     /// Checks every rule; the first broken one is the error.
@@ -52,6 +52,9 @@ impl ClusterConfig {
                     if all_named && !self.all_models().any(|x| &x.id == m) {
                         return bad(format!("worker {}/{}: model {m:?} is not a [model] or [[models]] id", n.id, w.id));
                     }
+                }
+                if w.max_draft > MAX_DRAFT {
+                    return bad(format!("worker {}/{}: max_draft must be at most {MAX_DRAFT}", n.id, w.id));
                 }
                 if !(0.0..=1.0).contains(&w.pinned_kv_share) {
                     return bad(format!("worker {}/{}: pinned_kv_share must be in 0..=1", n.id, w.id));

@@ -67,6 +67,29 @@ pub struct WorkerConfig {
     /// stays cached for its TTL (refreshed on each hit) whatever LRU pressure other traffic
     /// brings; the rest of the cache is LRU's alone. 0 turns pinning off.
     pub pinned_kv_share: f64,
+    /// Speculative decoding: `ngram` (the default) drafts a decoding sequence's next tokens from
+    /// its own prompt and output (prompt lookup) and verifies the draft in the step's batch,
+    /// keeping the longest prefix the sampler agrees with; the output is exactly what plain
+    /// decoding gives, greedy or seeded, since each verified row is computed as a decode would
+    /// compute it (batch invariance) and drawn with the same `(seed, step)`. `off` decodes one
+    /// token per step.
+    pub speculative: Speculative,
+    /// Most tokens a draft proposes (the step computes a draft of k tokens as k + 1 rows).
+    pub max_draft: usize,
+}
+
+/// The most `max_draft` may say: a longer draft costs a step more rows than prompt lookup's
+/// acceptance repays.
+pub const MAX_DRAFT: usize = 16;
+
+/// How a worker speculates (`speculative`).
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq, Hash)]
+#[serde(rename_all = "lowercase")]
+pub enum Speculative {
+    /// Prompt lookup: n-gram drafts from the sequence's own tokens.
+    #[default]
+    Ngram,
+    Off,
 }
 
 /// The element type of a worker's KV cache (`kv_dtype`).
@@ -129,6 +152,8 @@ impl Default for WorkerConfig {
             min_prefill_chunk: 32,
             reserve_output_tokens: 128,
             pinned_kv_share: 0.5,
+            speculative: Speculative::Ngram,
+            max_draft: 8,
         }
     }
 }

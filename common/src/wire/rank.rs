@@ -50,7 +50,8 @@ pub struct RankItem {
     pub tokens: u32,
     pub table: u32,
     pub start_pos: u32,
-    pub want_logits: bool,
+    /// Logits rows wanted: for the item's last `logits` tokens (0: none).
+    pub logits: u32,
 }
 
 /// A frame on a rank stream after the join (module docs).
@@ -110,7 +111,7 @@ mod tests {
 
     #[test]
     fn rank_frames_round_trip_and_bad_batches_are_refused() {
-        let items = vec![RankItem { tokens: 3, table: 2, start_pos: 0, want_logits: true }, RankItem { tokens: 1, table: 1, start_pos: 9, want_logits: false }];
+        let items = vec![RankItem { tokens: 3, table: 2, start_pos: 0, logits: 1 }, RankItem { tokens: 1, table: 1, start_pos: 9, logits: 0 }];
         for m in [
             RankMsg::Joining,
             RankMsg::Ready { num_blocks: 64, weight_bytes: 1 << 30 },

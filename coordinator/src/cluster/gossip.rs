@@ -166,6 +166,9 @@ pub fn decode_signals(v: &str) -> Result<WorkerSignals, GossipError> {
     if !s.tokens_per_second.is_finite() || s.tokens_per_second < 0.0 {
         return bad(format!("tokens_per_second {}", s.tokens_per_second));
     }
+    if s.draft_accepted_total > s.draft_tokens_total {
+        return bad(format!("draft tokens kept {} > verified {}", s.draft_accepted_total, s.draft_tokens_total));
+    }
     if s.memory_used_bytes > s.memory_limit_bytes {
         return bad(format!("memory used {} > limit {}", s.memory_used_bytes, s.memory_limit_bytes));
     }
@@ -452,6 +455,7 @@ mod tests {
             |s: &mut WorkerSignals| s.prefix_hit_ratio = -0.5,
             |s: &mut WorkerSignals| s.tokens_per_second = -1.0,
             |s: &mut WorkerSignals| s.memory_used_bytes = 10,
+            |s: &mut WorkerSignals| s.draft_accepted_total = 1,
         ] {
             let mut s = good.clone();
             f(&mut s);

@@ -191,7 +191,7 @@ impl Cuda {
     }
 
     /// One step on the device: the CPU forward's sequence of operations (see
-    /// `Model::forward_into`). The logits come back to `logits` when `want_logits`; each row's
+    /// `Model::forward_into`). The logits come back to `logits` for each item's last `logits` tokens; each row's
     /// argmax to `tokens` when given.
     fn run(&mut self, rows: &StepRows, logits: &mut Vec<f32>, picks: &[Pick], picked: &mut Picked) -> std::result::Result<usize, zerolayer_kernels::cuda::GpuError> {
         let (g, s, c) = (&self.gpu, &mut self.s, &self.shard_cfg);

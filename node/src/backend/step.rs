@@ -43,7 +43,7 @@ pub trait Backend: Send {
         self.shape().kv
     }
     /// Runs one step: writes K/V for every token through the block tables, and writes the logits
-    /// of the last token of every item with `want_logits` into `logits` (rows × vocabulary),
+    /// of the last `logits` tokens of every item into `logits` (rows × vocabulary),
     /// returning the number of rows.
     fn forward_into(&mut self, items: &[ForwardItem<'_>], logits: &mut Vec<f32>) -> Result<usize>;
     /// [`Backend::forward_into`], where a device may make part of each logits row's draw
@@ -117,9 +117,8 @@ pub(crate) fn step_rows(items: &[ForwardItem<'_>], max_pos: usize, block_size: u
             r.table_at.push(at);
         }
         r.max_ctx = r.max_ctx.max(end);
-        if it.want_logits && !it.tokens.is_empty() {
-            r.last.push(r.tokens.len() as i32 - 1);
-        }
+        let n = r.tokens.len() as i32;
+        r.last.extend(n - it.logits.min(it.tokens.len()) as i32..n);
     }
     Ok(r)
 }
@@ -133,15 +132,15 @@ mod tests {
         let t1 = [3u32, 9];
         let t2 = [5u32];
         let items = [
-            ForwardItem { tokens: &[1, 2, 3], start_pos: 0, block_table: &t1, want_logits: true },
-            ForwardItem { tokens: &[7], start_pos: 4, block_table: &t2, want_logits: false },
+            ForwardItem { tokens: &[1, 2, 3], start_pos: 0, block_table: &t1, logits: 1 },
+            ForwardItem { tokens: &[7], start_pos: 4, block_table: &t2, logits: 0 },
         ];
         // Block size 4: the second item's position 4 is in its table's second block, which it lacks.
         assert!(step_rows(&items, 64, 4, 16, 100).unwrap_err().to_string().contains("block table covers"));
         let t2 = [5u32, 6];
         let items = [
-            ForwardItem { tokens: &[1, 2, 3], start_pos: 0, block_table: &t1, want_logits: true },
-            ForwardItem { tokens: &[7], start_pos: 4, block_table: &t2, want_logits: false },
+            ForwardItem { tokens: &[1, 2, 3], start_pos: 0, block_table: &t1, logits: 1 },
+            ForwardItem { tokens: &[7], start_pos: 4, block_table: &t2, logits: 0 },
         ];
         let r = step_rows(&items, 64, 4, 16, 100).unwrap();
         assert_eq!(r.tokens, [1, 2, 3, 7]);

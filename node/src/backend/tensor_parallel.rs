@@ -27,7 +27,7 @@ struct Batch {
     tokens: Vec<u32>,
     tables: Vec<u32>,
     /// Per item: its tokens and its block table (ranges of the two vectors), start, logits.
-    items: Vec<(Range<usize>, Range<usize>, usize, bool)>,
+    items: Vec<(Range<usize>, Range<usize>, usize, usize)>,
 }
 
 impl Batch {
@@ -37,7 +37,7 @@ impl Batch {
             let (t0, b0) = (b.tokens.len(), b.tables.len());
             b.tokens.extend_from_slice(it.tokens);
             b.tables.extend_from_slice(it.block_table);
-            b.items.push((t0..b.tokens.len(), b0..b.tables.len(), it.start_pos, it.want_logits));
+            b.items.push((t0..b.tokens.len(), b0..b.tables.len(), it.start_pos, it.logits));
         }
         b
     }
@@ -45,7 +45,7 @@ impl Batch {
     fn items(&self) -> Vec<ForwardItem<'_>> {
         self.items
             .iter()
-            .map(|(t, tb, start, want)| ForwardItem { tokens: &self.tokens[t.clone()], start_pos: *start, block_table: &self.tables[tb.clone()], want_logits: *want })
+            .map(|(t, tb, start, want)| ForwardItem { tokens: &self.tokens[t.clone()], start_pos: *start, block_table: &self.tables[tb.clone()], logits: *want })
             .collect()
     }
 }

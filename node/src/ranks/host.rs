@@ -76,7 +76,7 @@ pub fn serve(config: &ClusterConfig, wc: &WorkerConfig, j: &RankJoin, me: &str, 
                 let fi: Vec<ForwardItem<'_>> = items
                     .iter()
                     .zip(ranges)
-                    .map(|(it, (t, b))| ForwardItem { tokens: &tokens[t], start_pos: it.start_pos as usize, block_table: &tables[b], want_logits: it.want_logits })
+                    .map(|(it, (t, b))| ForwardItem { tokens: &tokens[t], start_pos: it.start_pos as usize, block_table: &tables[b], logits: it.logits as usize })
                     .collect();
                 let r = rank.forward_into(&fi, &mut logits);
                 if broken.load(Ordering::Acquire) {

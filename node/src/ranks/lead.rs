@@ -63,7 +63,7 @@ impl Backend for RemoteRank {
             .map(|it| {
                 tokens.extend_from_slice(it.tokens);
                 tables.extend_from_slice(it.block_table);
-                RankItem { tokens: it.tokens.len() as u32, table: it.block_table.len() as u32, start_pos: it.start_pos as u32, want_logits: it.want_logits }
+                RankItem { tokens: it.tokens.len() as u32, table: it.block_table.len() as u32, start_pos: it.start_pos as u32, logits: it.logits as u32 }
             })
             .collect();
         let error = self.ask(RankMsg::Forward { tokens, tables, items }, |a| match a {
