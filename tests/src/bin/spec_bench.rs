@@ -1,6 +1,6 @@
 //! Speculative decoding against plain decoding, on the engine (no HTTP), in one run.
 //!
-//! `cargo run --release -p zerolayer-tests --bin spec_bench -- [--model qwen|smollm2] [--threads N] [--rounds N]`
+//! `cargo run -p zerolayer-tests --bin spec_bench -- [--model qwen|smollm2] [--threads N] [--rounds N]`
 //!
 //! Three workloads, each run with `speculative = "ngram"` and `"off"` alternately, `--rounds`
 //! times (default 3), reporting the median decode tokens/s of each and their ratio:
