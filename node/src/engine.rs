@@ -15,7 +15,7 @@ use crate::model::{recycle, ForwardItem, Model, ModelConfig};
 use crate::grammar::Constraint;
 use crate::sampler::{Pick, Picked, Sampler};
 use crate::scheduler::{Entry, Plan, Scheduler, SchedulerConfig, SeqId};
-use crate::speculate::{Drafter, Drafts};
+use crate::speculate::{Drafter, Drafts, RecentOutputs};
 use crate::step_time::{StallFree, StepShape, StepTimeModel};
 use crate::stop::StopChecker;
 use crate::tokenizer::{IncrementalDecoder, Tokenizer};
@@ -117,6 +117,8 @@ pub struct Engine {
     /// Draft tokens verified, and kept, since the start.
     drafted_total: u64,
     accepted_total: u64,
+    /// Finished sequences' outputs, by cache scope, for drafts.
+    recent: RecentOutputs,
 }
 
 /// Runs at the start of every step that computes something, on the engine thread, with the
@@ -190,6 +192,7 @@ impl Engine {
             max_draft: cfg.max_draft,
             drafted_total: 0,
             accepted_total: 0,
+            recent: RecentOutputs::default(),
         })
     }
 
@@ -506,6 +509,7 @@ impl Engine {
     fn finish(&mut self, id: SeqId, reason: StopReason, out: &mut StepOutput) {
         self.states.remove(&id);
         if let Some(s) = self.sched.remove(id) {
+            self.recent.push(s.cache_root, &s.tokens[s.prompt_len..]);
             out.events.push((id, SeqEvent::Finished { reason, usage: usage_of(&s) }));
         }
     }

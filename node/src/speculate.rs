@@ -1,5 +1,6 @@
-//! Speculative decoding's drafts (pure): prompt lookup over a sequence's own tokens, and how
-//! long a draft each sequence gets from its record of acceptance.
+//! Speculative decoding's drafts (pure): prompt lookup over a sequence's own tokens, then over
+//! its scope's recent outputs on the worker, and how long a draft each sequence gets from its
+//! record of acceptance.
 //!
 //! A draft is only a guess. The engine computes a drafted sequence's last token and its k
 //! draft tokens as one chunk of k + 1 rows, each computed exactly as a decode would compute it
@@ -16,6 +17,8 @@ const MIN_NGRAM: usize = 2;
 const LOOKBACK: usize = 32_768;
 /// The longest a sequence waits between drafts after misses (steps).
 const MAX_COOLDOWN: u32 = 32;
+/// Output tokens a worker keeps of its finished sequences for drafts ([`RecentOutputs`]).
+pub const RECENT_TOKENS: usize = 16_384;
 
 /// Prompt lookup: the tokens that followed the most recent earlier occurrence of the longest
 /// n-gram (`MAX_NGRAM` down to `MIN_NGRAM` tokens) that ends `tokens`, at most `max` of them,
@@ -28,13 +31,65 @@ pub fn ngram_draft(tokens: &[u32], max: usize, out: &mut Vec<u32>) {
     }
     let from = len.saturating_sub(LOOKBACK);
     for n in (MIN_NGRAM..=MAX_NGRAM.min(len.saturating_sub(1))).rev() {
-        let tail = &tokens[len - n..];
         // Occurrences that start at `i` and end before the tail itself starts repeating it.
-        let found = (from..len - n).rev().find(|&i| &tokens[i..i + n] == tail);
-        if let Some(i) = found {
-            let next = i + n;
+        if let Some(next) = continuation(&tokens[from..], &tokens[len - n..]) {
+            let next = from + next;
             out.extend_from_slice(&tokens[next..(next + max).min(len)]);
             return;
+        }
+    }
+}
+
+/// Where the tokens after the last occurrence of `tail` in `hay` start, leaving out one at
+/// `hay`'s very end (so something follows it).
+fn continuation(hay: &[u32], tail: &[u32]) -> Option<usize> {
+    let n = tail.len();
+    let found = (0..hay.len().saturating_sub(n)).rev().find(|&i| &hay[i..i + n] == tail);
+    found.map(|i| i + n)
+}
+
+/// The outputs of a worker's recently finished sequences, each under its cache scope (the
+/// chain root of its tenant and `cache_salt`), newest last, at most [`RECENT_TOKENS`] tokens
+/// in all: an agent's next turn often repeats what its last one wrote. A sequence drafts only
+/// from its own scope's outputs, so how fast a draft makes it says nothing of another tenant's.
+#[derive(Default)]
+pub struct RecentOutputs {
+    outputs: std::collections::VecDeque<(u64, Vec<u32>)>,
+    tokens: usize,
+}
+
+impl RecentOutputs {
+    /// Keeps `output` (its last [`RECENT_TOKENS`] tokens) under `scope`, forgetting the oldest
+    /// outputs past the bound.
+    pub fn push(&mut self, scope: u64, output: &[u32]) {
+        if output.len() <= MIN_NGRAM {
+            return;
+        }
+        let output = &output[output.len().saturating_sub(RECENT_TOKENS)..];
+        self.tokens += output.len();
+        self.outputs.push_back((scope, output.to_vec()));
+        while self.tokens > RECENT_TOKENS {
+            let (_, gone) = self.outputs.pop_front().expect("tokens are counted in outputs");
+            self.tokens -= gone.len();
+        }
+    }
+
+    /// Like [`ngram_draft`], looking for the n-gram ending `tokens` in the outputs kept under
+    /// `scope`, newest first.
+    pub fn draft(&self, scope: u64, tokens: &[u32], max: usize, out: &mut Vec<u32>) {
+        out.clear();
+        let len = tokens.len();
+        if max == 0 {
+            return;
+        }
+        for n in (MIN_NGRAM..=MAX_NGRAM.min(len)).rev() {
+            let tail = &tokens[len - n..];
+            for (_, o) in self.outputs.iter().rev().filter(|(s, _)| *s == scope) {
+                if let Some(next) = continuation(o, tail) {
+                    out.extend_from_slice(&o[next..(next + max).min(o.len())]);
+                    return;
+                }
+            }
         }
     }
 }
@@ -142,6 +197,35 @@ mod tests {
         assert!(out.is_empty());
         ngram_draft(&[1, 2, 1, 2], 0, &mut out);
         assert!(out.is_empty());
+    }
+
+    #[test]
+    fn recent_outputs_draft_within_their_scope_newest_first_and_bounded() {
+        let mut r = RecentOutputs::default();
+        let mut out = Vec::new();
+        r.push(1, &[10, 11, 12, 13, 14]);
+        r.push(2, &[10, 11, 99, 98]);
+        r.push(1, &[7]);
+        // Scope 1's output continues "10 11" with "12 13"; scope 2's newer one is not scope 1's.
+        r.draft(1, &[5, 10, 11], 2, &mut out);
+        assert_eq!(out, [12, 13]);
+        r.draft(2, &[5, 10, 11], 8, &mut out);
+        assert_eq!(out, [99, 98]);
+        r.draft(3, &[5, 10, 11], 8, &mut out);
+        assert!(out.is_empty(), "no output of scope 3");
+        // Newest first within a scope.
+        r.push(1, &[10, 11, 50]);
+        r.draft(1, &[10, 11], 8, &mut out);
+        assert_eq!(out, [50]);
+        // Bounded: a flood of new outputs pushes the old ones out.
+        for _ in 0..RECENT_TOKENS / 8 + 1 {
+            r.push(4, &[0; 8]);
+        }
+        assert!(r.tokens <= RECENT_TOKENS);
+        r.draft(1, &[10, 11], 8, &mut out);
+        assert!(out.is_empty(), "scope 1's outputs are gone");
+        r.push(5, &vec![3; RECENT_TOKENS * 2]);
+        assert_eq!((r.tokens, r.outputs.len()), (RECENT_TOKENS, 1));
     }
 
     #[test]

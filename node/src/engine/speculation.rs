@@ -33,6 +33,9 @@ impl Engine {
                 let room = (s.max_tokens - s.generated()).saturating_sub(1).min(max_seq.saturating_sub(s.tokens.len()));
                 let budget = st.drafter.budget().min(room).min(left);
                 ngram_draft(&s.tokens, budget, &mut d.scratch);
+                if d.scratch.is_empty() {
+                    self.recent.draft(s.cache_root, &s.tokens, budget, &mut d.scratch);
+                }
                 if !d.scratch.is_empty() {
                     k = self.sched.reserve_draft(it.seq, d.scratch.len());
                 }
