@@ -8,7 +8,7 @@ use serde_json::Value;
 use zerolayer_common::config::{element_shape, known_keys};
 
 /// Each table of the config: its heading, the struct that holds it, and the file defining it.
-const TABLES: [(&str, &str, &str); 9] = [
+const TABLES: [(&str, &str, &str); 10] = [
     ("[model] and [[models]]", "ModelSection", "mod.rs"),
     ("[server]", "ServerSection", "mod.rs"),
     ("[auth]", "AuthSection", "access.rs"),
@@ -16,6 +16,7 @@ const TABLES: [(&str, &str, &str); 9] = [
     ("[limits]", "LimitsSection", "access.rs"),
     ("[cluster]", "ClusterSection", "mod.rs"),
     ("[placement]", "PlacementConfig", "mod.rs"),
+    ("[logging]", "LoggingSection", "logging.rs"),
     ("[[nodes]]", "NodeConfig", "mod.rs"),
     ("[[nodes.workers]]", "WorkerConfig", "worker.rs"),
 ];
@@ -54,6 +55,7 @@ fn defaults(heading: &str) -> Value {
         "[limits]" => known["limits"].clone(),
         "[cluster]" => known["cluster"].clone(),
         "[placement]" => known["placement"].clone(),
+        "[logging]" => known["logging"].clone(),
         "[[nodes]]" => element_shape("nodes").unwrap(),
         _ => element_shape("nodes.workers").unwrap(),
     }

@@ -5,7 +5,7 @@
 //!
 //! Three wings, each a folder, over a shared vocabulary; a module uses only those before it
 //! (`module_graph` tests it, on the modules and on these top-level wings):
-//! - the vocabulary: [`error`], [`clock`], [`view`] (the cluster as placement reads it: what
+//! - the vocabulary: [`error`], [`clock`], [`logs`] (log lines, redacted), [`view`] (the cluster as placement reads it: what
 //!   [`cluster`] publishes and [`routing`] reads), [`metrics`], [`status`] (the CLI's table);
 //!   [`quota`] (per-key limits held cluster-wide) and [`auth`] (keys and callers);
 //! - [`cluster`]: QUIC with mutual TLS, chitchat membership and gossip, forwarding, migration,
@@ -26,6 +26,7 @@ pub mod clock;
 pub mod cluster;
 pub mod error;
 pub mod frontend;
+pub mod logs;
 pub mod metrics;
 pub mod node;
 pub mod quota;

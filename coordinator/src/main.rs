@@ -103,12 +103,7 @@ enum ClusterCmd {
 }
 
 fn init_logs(format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
-    let logs = tracing_subscriber::fmt().with_env_filter(filter);
-    match format {
-        LogFormat::Text => logs.init(),
-        LogFormat::Json => logs.json().with_current_span(true).with_span_list(false).init(),
-    }
+    zerolayer_coordinator::logs::init(matches!(format, LogFormat::Json));
 }
 
 fn main() -> anyhow::Result<()> {

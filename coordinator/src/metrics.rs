@@ -26,6 +26,16 @@ pub fn handle() -> &'static PrometheusHandle {
     })
 }
 
+/// Series that only events move (moves, drains, diagnoses) start at zero, so that dashboards and alerts
+/// see a flat line rather than no data before the first event.
+pub fn zeroes(node: &str) {
+    for kind in ["kv", "replay", "exhausted"] {
+        metrics::counter!("zerolayer_migrations_total", "node" => node.to_string(), "kind" => kind).increment(0);
+    }
+    metrics::counter!("zerolayer_drain_moves_total", "node" => node.to_string()).increment(0);
+    metrics::counter!("zerolayer_cache_miss_diagnoses_total", "node" => node.to_string(), "reason" => "none").increment(0);
+}
+
 pub fn request_done(node: &str, endpoint: &'static str, status: u16) {
     metrics::counter!("zerolayer_requests_total", "node" => node.to_string(), "endpoint" => endpoint, "status" => status.to_string())
         .increment(1);
@@ -39,6 +49,16 @@ pub fn ttft(node: &str, secs: f64) {
 pub fn inter_token(node: &str, secs: f64) {
     metrics::histogram!("zerolayer_inter_token_latency_seconds", "node" => node.to_string()).record(secs);
     metrics::histogram!("vllm:inter_token_latency_seconds", "node" => node.to_string()).record(secs);
+}
+
+/// A finished request's phases (`prepare`, `queue`, `prefill`, `decode`, and `migrate` when it
+/// moved), and its whole time.
+pub fn phases(node: &str, phases: &[(&'static str, std::time::Duration)], total: std::time::Duration) {
+    for (phase, d) in phases {
+        metrics::histogram!("zerolayer_request_phase_seconds", "node" => node.to_string(), "phase" => *phase).record(d.as_secs_f64());
+    }
+    metrics::histogram!("zerolayer_request_duration_seconds", "node" => node.to_string()).record(total.as_secs_f64());
+    metrics::histogram!("vllm:e2e_request_latency_seconds", "node" => node.to_string()).record(total.as_secs_f64());
 }
 
 pub fn tokens(node: &str, input: u64, cached: u64, output: u64) {

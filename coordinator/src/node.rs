@@ -50,6 +50,8 @@ impl Node {
         // Install the metrics recorder before anything records: series recorded earlier would go
         // to the no-op recorder and be lost.
         crate::metrics::handle();
+        crate::metrics::zeroes(node_id);
+        crate::logs::configure(&config.logging)?;
         let mut workers = Vec::new();
         // Per model id: the front end a local worker loaded, and the context a request may use
         // (the model's, or less where a local worker's KV cache holds fewer tokens).

@@ -10,9 +10,11 @@ use std::path::{Path, PathBuf};
 
 mod access;
 pub mod keys;
+mod logging;
 mod validate;
 mod worker;
 pub use access::{AuthSection, CacheScope, KeyConfig, LimitsSection, Tenant, TenantLimits};
+pub use logging::{compile as compile_pattern, LoggingSection, Redaction};
 pub use worker::{KvDtype, Speculative, WorkerConfig, MAX_DRAFT};
 
 #[derive(Debug, thiserror::Error)]
@@ -38,6 +40,8 @@ pub struct ClusterConfig {
     pub limits: LimitsSection,
     pub cluster: ClusterSection,
     pub placement: PlacementConfig,
+    /// What log lines may hold (`[logging]`).
+    pub logging: LoggingSection,
     pub nodes: Vec<NodeConfig>,
 }
 
@@ -279,6 +283,7 @@ impl Default for ClusterConfig {
             limits: LimitsSection::default(),
             cluster: ClusterSection::default(),
             placement: PlacementConfig::default(),
+            logging: LoggingSection::default(),
             nodes: vec![NodeConfig::default()],
         }
     }

@@ -114,6 +114,7 @@ impl ClusterConfig {
         if !(p.overlap_weight >= 0.0 && p.queue_weight >= 0.0 && p.remote_hop_blocks >= 0.0 && p.balance_rel_threshold >= 1.0) {
             return bad("placement: weights must be >= 0 and balance_rel_threshold >= 1".into());
         }
+        self.logging.validate().map_err(ConfigError::Invalid)?;
         super::access::validate(&self.auth, &self.limits).map_err(ConfigError::Invalid)
     }
 }

@@ -10,7 +10,8 @@
 //!   run;
 //! - [`service`]: the [`service::Frontend`] every handler calls (admission, preparation off the
 //!   runtime, then [`crate::routing`]); [`stored`]: the responses this node keeps for the
-//!   Responses API's `previous_response_id`;
+//!   Responses API's `previous_response_id`; [`timing`]: where a request's time went
+//!   (`server-timing`);
 //! - [`api`]: the axum router, one folder per API; [`fuzzing`]: the front end as one function,
 //!   for the fuzz targets.
 //!
@@ -26,4 +27,5 @@ pub mod prompt;
 pub mod request;
 pub mod service;
 pub mod stored;
+pub mod timing;
 pub mod tools;

@@ -64,6 +64,19 @@ impl Served {
     pub fn prepare(&self, mut req: GenerationRequest, purpose: Purpose) -> Result<Prepared, ApiError> {
         self.check_length(&req)?;
         let ids = self.prompt_ids(&req)?;
+        if tracing::enabled!(tracing::Level::DEBUG) {
+            let last = match &req.raw {
+                Some(crate::frontend::request::RawPrompt::Text(t)) => t.as_str(),
+                Some(_) => "",
+                None => req.turns.last().map_or("", |t| t.text.as_str()),
+            };
+            let mut from = last.len().saturating_sub(512);
+            while !last.is_char_boundary(from) {
+                from -= 1;
+            }
+            let tail = &last[from..];
+            tracing::debug!(target: "zerolayer_coordinator::frontend::prompt", model = %self.info.id, prompt_tokens = ids.len(), last_turn = %tail, "prompt prepared");
+        }
         let breakpoints = match purpose {
             Purpose::Generate => {
                 self.constrain(&mut req)?;

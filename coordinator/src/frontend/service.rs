@@ -23,6 +23,7 @@ use crate::routing::orchestrator::{OrchestratorMsg, DrainReport};
 use crate::error::ApiError;
 use crate::frontend::pipeline::{Prepared, Served};
 use crate::frontend::request::{resolve_max_tokens, CacheTtl};
+use crate::frontend::timing::Timing;
 use crate::routing::resume::LiveSequence;
 use crate::view::NodeState;
 
@@ -33,6 +34,8 @@ pub struct Accepted {
     /// `NODE_ID/WORKER_ID` of the first worker, for the `zerolayer-worker` header.
     pub served_by: String,
     pub started_at: Instant,
+    /// Where its time goes, phase by phase (`server-timing`).
+    pub timing: Timing,
     /// What the prompt was made of, for `diagnostics.previous_message_id` later.
     pub fingerprint: Arc<Fingerprint>,
     /// The key's concurrency slot and the handle its output tokens are charged through.
@@ -48,6 +51,8 @@ pub struct Accepted {
 pub struct Admitted {
     pub ticket: Ticket,
     permit: OwnedSemaphorePermit,
+    /// When it was let in: where its `server-timing` begins.
+    arrived: Instant,
 }
 
 pub struct Frontend {
@@ -159,7 +164,7 @@ impl Frontend {
             .clone()
             .try_acquire_owned()
             .map_err(|_| ApiError::Overloaded("Overloaded: too many requests in flight on this node".into()))?;
-        Ok(Admitted { ticket, permit })
+        Ok(Admitted { ticket, permit, arrived: Instant::now() })
     }
 
     /// Runs `f` (parsing a body, rendering and tokenizing a prompt) on the preparation pool, off
@@ -175,7 +180,7 @@ impl Frontend {
     /// The prepared request's `breakpoints` are its `cache_control` positions in tokens: the
     /// worker pins each prefix for its TTL, and usage is split at them.
     pub async fn start(&self, admitted: Admitted, caller: &Caller, prepared: Prepared, request_id: &str) -> Result<Accepted, ApiError> {
-        let Admitted { ticket, permit } = admitted;
+        let Admitted { ticket, permit, arrived } = admitted;
         let Prepared { req, ids, breakpoints } = prepared;
         if req.params.ignore_eos && !self.guard.tenant(caller).allow_ignore_eos {
             return Err(ApiError::Permission("ignore_eos is not enabled for this API key (an operator option: allow_ignore_eos in [[auth.keys]])".into()));
@@ -197,7 +202,8 @@ impl Frontend {
         let job = Job { request_id: request_id.to_string(), model: model.id, prompt: ids, params, share: Share::of(&tenant.name, tenant.weight), pins, resume: Vec::new(), cache_root: scope_root(&self.cache_secret, &scope), claim: zerolayer_common::TenantClaim { tenant: tenant.name.clone(), cache_salt: req.cache_salt.clone() } };
         let placed = self.dispatch.submit(&job, &[], None).await?;
         let served_by = placed.served_by();
-        Ok(Accepted { stream: LiveSequence::new(self.dispatch.clone(), job, placed), prompt_tokens, served_by, started_at, fingerprint, ticket, breakpoints, _permit: permit })
+        let timing = Timing::new(arrived, Instant::now());
+        Ok(Accepted { stream: LiveSequence::new(self.dispatch.clone(), job, placed), prompt_tokens, served_by, started_at, timing, fingerprint, ticket, breakpoints, _permit: permit })
     }
 
     /// Keeps a response's prompt fingerprint under its message id.

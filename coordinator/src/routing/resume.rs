@@ -13,6 +13,7 @@
 //! error it would have had without the moves.
 
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use zerolayer_common::{Job, SeqEvent, StopReason, Usage};
 
@@ -31,11 +32,15 @@ pub struct LiveSequence {
     /// Nodes this sequence was lost on (not tried again).
     lost_on: Vec<String>,
     finished: bool,
+    /// When it last left a worker, until its continuation's next token.
+    left_at: Option<Instant>,
+    /// Time spent between leaving a worker and the continuation's next token, all moves.
+    migrating: Duration,
 }
 
 impl LiveSequence {
     pub fn new(dispatch: Arc<Dispatcher>, job: Job, at: Placed) -> Self {
-        LiveSequence { dispatch, job, at, started: None, moves: 0, lost_on: Vec::new(), finished: false }
+        LiveSequence { dispatch, job, at, started: None, moves: 0, lost_on: Vec::new(), finished: false, left_at: None, migrating: Duration::ZERO }
     }
 
     /// `NODE/WORKER` serving the sequence now.
@@ -46,6 +51,11 @@ impl LiveSequence {
     /// How many times the sequence continued elsewhere.
     pub fn moves(&self) -> u32 {
         self.moves
+    }
+
+    /// Time spent continuing elsewhere: from leaving a worker to the continuation's next token.
+    pub fn migrate_time(&self) -> Duration {
+        self.migrating + self.left_at.map_or(Duration::ZERO, |t| t.elapsed())
     }
 
     /// The next event for the client, or `None` once the sequence is over. Continuations are
@@ -65,10 +75,14 @@ impl LiveSequence {
                     return Some(ev);
                 }
                 SeqEvent::Delta { ref tokens, .. } => {
+                    if let Some(t) = self.left_at.take() {
+                        self.migrating += t.elapsed();
+                    }
                     self.job.resume.extend_from_slice(tokens);
                     return Some(ev);
                 }
                 SeqEvent::Finished { reason, usage } if reason.continues_elsewhere() => {
+                    self.left_at.get_or_insert_with(Instant::now);
                     if let Err(e) = self.continue_elsewhere(reason).await {
                         self.finished = true;
                         return Some(SeqEvent::Finished { reason: StopReason::Error(e), usage: self.usage(usage) });
@@ -76,6 +90,9 @@ impl LiveSequence {
                 }
                 SeqEvent::Finished { reason, usage } => {
                     self.finished = true;
+                    if let Some(t) = self.left_at.take() {
+                        self.migrating += t.elapsed();
+                    }
                     if self.moves > 0 {
                         tracing::info!(request_id = %self.job.request_id, moves = self.moves, served_by = %self.served_by(), "request finished after moving");
                         metrics::histogram!("zerolayer_request_moves", "node" => self.dispatch.node_id.clone()).record(self.moves as f64);

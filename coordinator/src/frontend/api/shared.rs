@@ -19,6 +19,7 @@ use crate::auth::Caller;
 use crate::frontend::pipeline::{Prepared, Purpose};
 use crate::frontend::request::GenerationRequest;
 use crate::frontend::service::{Accepted, Frontend};
+use crate::frontend::timing::Split;
 use crate::error::ApiError;
 use crate::metrics;
 
@@ -162,11 +163,31 @@ pub struct Following {
     timer: TokenTimer,
 }
 
+/// Sets the `server-timing` header: a whole response's [`Split::header`], or a stream's
+/// [`stream_timing`].
+pub fn server_timing(mut resp: Response, value: &str) -> Response {
+    if let Ok(v) = HeaderValue::from_str(value) {
+        resp.headers_mut().insert("server-timing", v);
+    }
+    resp
+}
+
+/// A stream's `server-timing` value: only the preparation is over when its headers leave (the
+/// whole split comes in its final event, from [`Following::split`]).
+pub fn stream_timing(acc: &Accepted) -> String {
+    acc.timing.split(Instant::now(), std::time::Duration::ZERO).stream_header()
+}
+
 impl Following {
     pub fn new(c: AppState, acc: Accepted) -> Self {
         let timer = TokenTimer::new(&c.node_id, acc.started_at);
         let hard_stop = c.hard_stop.clone();
         Following { c, acc, hard_stop, timer }
+    }
+
+    /// Where the request's time went, up to now (or its end, once finished).
+    pub fn split(&self) -> Split {
+        self.acc.timing.split(Instant::now(), self.acc.stream.migrate_time())
     }
 
     /// The next thing to answer: an event, an idle `ping` interval, or the end.
@@ -178,12 +199,24 @@ impl Following {
         };
         match ev {
             Some(ev) => {
+                let now = Instant::now();
                 match &ev {
+                    SeqEvent::Started { .. } => self.acc.timing.on_admitted(now),
                     SeqEvent::Delta { tokens, .. } => {
+                        if !tokens.is_empty() {
+                            self.acc.timing.on_tokens(now);
+                        }
                         self.timer.on_tokens(tokens.len());
                         self.acc.ticket.charge_output(tokens.len() as u64);
                     }
                     SeqEvent::Finished { usage, reason } if !matches!(reason, StopReason::Error(_)) => {
+                        self.acc.timing.on_finished(now);
+                        let split = self.split();
+                        let mut phases = split.phases().to_vec();
+                        if !split.migrate.is_zero() {
+                            phases.push(("migrate", split.migrate));
+                        }
+                        metrics::phases(&self.c.node_id, &phases, split.total);
                         metrics::tokens(&self.c.node_id, usage.prompt_tokens_uncached as u64, usage.prompt_tokens_cached as u64, usage.output_tokens as u64);
                         tracing::info!(
                             target: "zerolayer_coordinator::usage",
@@ -193,7 +226,7 @@ impl Following {
                             "request finished"
                         );
                     }
-                    _ => {}
+                    SeqEvent::Finished { .. } => self.acc.timing.on_finished(now),
                 }
                 Next::Event(ev)
             }
@@ -202,8 +235,8 @@ impl Following {
     }
 }
 
-/// Collects a whole sequence (non-streaming responses).
-pub async fn collect(c: &AppState, acc: Accepted) -> Result<(String, StopReason, Usage), ApiError> {
+/// Collects a whole sequence (non-streaming responses), with where its time went.
+pub async fn collect(c: &AppState, acc: Accepted) -> Result<(String, StopReason, Usage, Split), ApiError> {
     let mut f = Following::new(c.clone(), acc);
     let mut text = String::new();
     loop {
@@ -211,7 +244,7 @@ pub async fn collect(c: &AppState, acc: Accepted) -> Result<(String, StopReason,
             Next::Event(SeqEvent::Delta { text: t, .. }) => text.push_str(&t),
             Next::Event(SeqEvent::Started { .. }) | Next::Idle => {}
             Next::Event(SeqEvent::Finished { reason: StopReason::Error(e), .. }) => return Err(failed(Some(&e))),
-            Next::Event(SeqEvent::Finished { reason, usage }) => return Ok((text, reason, usage)),
+            Next::Event(SeqEvent::Finished { reason, usage }) => return Ok((text, reason, usage, f.split())),
             Next::ShutDown => return Err(shut_down()),
             Next::Lost => return Err(failed(None)),
         }

@@ -154,12 +154,13 @@ pub async fn messages(
     let diagnostics = diagnostics.as_ref().map(|previous| diagnostics_json(&c, previous, &acc));
     c.remember(&msg_id, acc.fingerprint.clone());
     if stream {
+        let timing = shared::stream_timing(&acc);
         let s = MessageStream::new(c.clone(), acc, msg_id, model, context_management, &offered, diagnostics);
-        return finish(&c, "messages", shared::sse_response(s, MessageStream::step), Some(&served_by));
+        return finish(&c, "messages", shared::server_timing(shared::sse_response(s, MessageStream::step), &timing), Some(&served_by));
     }
     let breakpoints = acc.breakpoints.clone();
     let resp = match collect(&c, acc).await {
-        Ok((text, reason, usage)) => {
+        Ok((text, reason, usage, split)) => {
             let (content, calls) = content_blocks(&offered, text);
             let (stop_reason, stop_sequence) = stop_fields(&reason, calls);
             let mut body = json!({
@@ -172,7 +173,7 @@ pub async fn messages(
             if context_management {
                 body["context_management"] = json!({"applied_edits": []});
             }
-            Json(body).into_response()
+            shared::server_timing(Json(body).into_response(), &split.header())
         }
         Err(e) => e.into_anthropic(&rid.0),
     };
@@ -330,7 +331,7 @@ impl MessageStream {
                     let calls = self.parser.as_ref().map_or(0, |p| p.calls);
                     let (stop_reason, stop_sequence) = stop_fields(&reason, calls);
                     let mut delta = json!({"type": "message_delta", "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                               "usage": {"output_tokens": usage.output_tokens.max(self.output_tokens)}});
+                               "usage": {"output_tokens": usage.output_tokens.max(self.output_tokens), "server_timing": self.seq.split().json()}});
                     if self.context_management {
                         delta["context_management"] = json!({"applied_edits": []});
                     }

@@ -114,16 +114,20 @@ pub async fn completions(
     let served_by = acc.served_by.clone();
     let (id, created) = (new_id("cmpl-"), unix_now());
     if stream {
+        let timing = shared::stream_timing(&acc);
         let s = TextStream { seq: Following::new(c.clone(), acc), head: Chunks { id, object: "text_completion", created, model, include_usage } };
-        return finish(&c, "completions", shared::sse_response(s, TextStream::step), Some(&served_by));
+        return finish(&c, "completions", shared::server_timing(shared::sse_response(s, TextStream::step), &timing), Some(&served_by));
     }
     let resp = match collect(&c, acc).await {
-        Ok((text, reason, usage)) => Json(json!({
-            "id": id, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish_reason(&reason)}],
-            "usage": usage_json(&usage),
-        }))
-        .into_response(),
+        Ok((text, reason, usage, split)) => shared::server_timing(
+            Json(json!({
+                "id": id, "object": "text_completion", "created": created, "model": model,
+                "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish_reason(&reason)}],
+                "usage": usage_json(&usage),
+            }))
+            .into_response(),
+            &split.header(),
+        ),
         Err(e) => e.into_openai(),
     };
     finish(&c, "completions", resp, Some(&served_by))
@@ -155,7 +159,7 @@ impl TextStream {
                 SeqEvent::Finished { reason: StopReason::Error(e), .. } => return (vec![Event::default().data(failed(Some(&e)).openai_body().to_string())], None),
                 SeqEvent::Finished { reason, usage } => {
                     let mut out = vec![self.chunk("", json!(finish_reason(&reason)))];
-                    self.head.end(&usage, &mut out);
+                    self.head.end(&usage, self.seq.split().json(), &mut out);
                     return (out, None);
                 }
             }

@@ -86,18 +86,19 @@ pub async fn chat_completions(
     let id = new_id("chatcmpl-");
     let created = unix_now();
     if stream {
+        let timing = shared::stream_timing(&acc);
         let s = ChunkStream::new(c.clone(), acc, Chunks { id, object: "chat.completion.chunk", created, model, include_usage }, &offered);
-        return finish(&c, "chat_completions", shared::sse_response(s, ChunkStream::step), Some(&served_by));
+        return finish(&c, "chat_completions", shared::server_timing(shared::sse_response(s, ChunkStream::step), &timing), Some(&served_by));
     }
     let resp = match collect(&c, acc).await {
-        Ok((text, reason, usage)) => {
+        Ok((text, reason, usage, split)) => {
             let (message, calls) = message(&offered, text);
-            Json(json!({
+            let body = json!({
                 "id": id, "object": "chat.completion", "created": created, "model": model,
                 "choices": [{"index": 0, "message": message, "finish_reason": finish_reason(&reason, calls), "logprobs": null}],
                 "usage": usage_json(&usage),
-            }))
-            .into_response()
+            });
+            shared::server_timing(Json(body).into_response(), &split.header())
         }
         Err(e) => e.into_openai(),
     };
@@ -121,10 +122,13 @@ impl Chunks {
         Event::default().data(json!({"id": self.id, "object": self.object, "created": self.created, "model": self.model, "choices": choices}).to_string())
     }
 
-    /// The stream's end: the usage chunk when it was asked for, then `[DONE]`.
-    pub fn end(&self, usage: &Usage, out: &mut Vec<Event>) {
+    /// The stream's end: the usage chunk when it was asked for (with where the request's time
+    /// went, `usage.server_timing`), then `[DONE]`.
+    pub fn end(&self, usage: &Usage, timing: Value, out: &mut Vec<Event>) {
         if self.include_usage {
-            let body = json!({"id": self.id, "object": self.object, "created": self.created, "model": self.model, "choices": [], "usage": usage_json(usage)});
+            let mut usage = usage_json(usage);
+            usage["server_timing"] = timing;
+            let body = json!({"id": self.id, "object": self.object, "created": self.created, "model": self.model, "choices": [], "usage": usage});
             out.push(Event::default().data(body.to_string()));
         }
         out.push(Event::default().data("[DONE]"));
@@ -210,7 +214,7 @@ impl ChunkStream {
                     self.pieces(rest, &mut out);
                     let calls = self.parser.as_ref().map_or(0, |p| p.calls);
                     out.push(self.chunk(json!({}), json!(finish_reason(&reason, calls))));
-                    self.head.end(&usage, &mut out);
+                    self.head.end(&usage, self.seq.split().json(), &mut out);
                     return (out, None);
                 }
             }

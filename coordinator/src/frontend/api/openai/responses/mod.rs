@@ -64,14 +64,15 @@ async fn respond(c: &AppState, rid: &RequestId, caller: &Caller, body: Result<By
     let served_by = acc.served_by.clone();
     let head = Head { id: ResponseId::new(&c.node_id).id, created_at: unix_now(), model, echo };
     if stream {
+        let timing = shared::stream_timing(&acc);
         let s = stream::ResponseStream::new(c.clone(), acc, head, keep, &offered);
-        return Ok((shared::sse_response(s, stream::ResponseStream::step), served_by));
+        return Ok((shared::server_timing(shared::sse_response(s, stream::ResponseStream::step), &timing), served_by));
     }
-    let (text, reason, usage) = collect(c, acc).await?;
+    let (text, reason, usage, split) = collect(c, acc).await?;
     let (state, incomplete) = output::status(&reason);
     let response = head.object(state, incomplete, output::items(&offered, &text), Some(&usage));
     keep.keep(c, &response);
-    Ok((Json(response).into_response(), served_by))
+    Ok((shared::server_timing(Json(response).into_response(), &split.header()), served_by))
 }
 
 /// `GET /v1/responses/{id}`: a stored response of the caller's tenant.

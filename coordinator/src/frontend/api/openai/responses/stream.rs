@@ -119,8 +119,9 @@ impl ResponseStream {
             self.close(out);
         }
         let (state, incomplete) = status(reason);
-        let response = self.head.object(state, incomplete, std::mem::take(&mut self.items), Some(usage));
+        let mut response = self.head.object(state, incomplete, std::mem::take(&mut self.items), Some(usage));
         self.keep.keep(&self.seq.c, &response);
+        response["usage"]["server_timing"] = self.seq.split().json();
         let ty = if state == "completed" { "response.completed" } else { "response.incomplete" };
         out.push(self.event(ty, json!({"response": response})));
     }
