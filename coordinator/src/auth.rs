@@ -54,8 +54,8 @@ impl Guard {
     pub fn from_config(cfg: &ClusterConfig) -> anyhow::Result<Self> {
         let mut tenants = cfg.tenants()?;
         let keys = tenants.iter().map(|t| t.key.clone().into_bytes()).collect();
-        tenants.push(Tenant { name: "open".into(), key: String::new(), weight: 1.0, allow_ignore_eos: true, cache_scope: CacheScope::Shared, limits: cfg.default_limits() });
-        tenants.push(Tenant { name: "admin".into(), key: String::new(), weight: 1.0, allow_ignore_eos: true, cache_scope: CacheScope::Shared, limits: TenantLimits::default() });
+        tenants.push(Tenant { name: "open".into(), key: String::new(), weight: 1.0, allow_ignore_eos: true, allow_fallback: true, cache_scope: CacheScope::Shared, limits: cfg.default_limits() });
+        tenants.push(Tenant { name: "admin".into(), key: String::new(), weight: 1.0, allow_ignore_eos: true, allow_fallback: true, cache_scope: CacheScope::Shared, limits: TenantLimits::default() });
         let quota = Quota::new(tenants.iter().map(|t| (t.name.clone(), t.limits)).collect());
         Ok(Guard { keys, admin: cfg.auth.admin_key.clone().map(String::into_bytes), tenants, quota })
     }

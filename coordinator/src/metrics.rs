@@ -26,9 +26,13 @@ pub fn handle() -> &'static PrometheusHandle {
     })
 }
 
-/// Series that only events move (moves, drains, diagnoses) start at zero, so that dashboards and alerts
-/// see a flat line rather than no data before the first event.
-pub fn zeroes(node: &str) {
+/// Series that only events move (moves, drains, diagnoses, fallbacks: each configured pair)
+/// start at zero, so that dashboards and alerts see a flat line rather than no data before the
+/// first event.
+pub fn zeroes(node: &str, fallbacks: &[(String, String)]) {
+    for (from, to) in fallbacks {
+        metrics::counter!("zerolayer_fallbacks_total", "node" => node.to_string(), "from" => from.clone(), "to" => to.clone()).increment(0);
+    }
     for kind in ["kv", "replay", "exhausted"] {
         metrics::counter!("zerolayer_migrations_total", "node" => node.to_string(), "kind" => kind).increment(0);
     }

@@ -50,7 +50,8 @@ impl Node {
         // Install the metrics recorder before anything records: series recorded earlier would go
         // to the no-op recorder and be lost.
         crate::metrics::handle();
-        crate::metrics::zeroes(node_id);
+        let fallbacks: Vec<(String, String)> = config.all_models().flat_map(|m| config.fallbacks(&m.id).into_iter().map(|f| (m.id.clone(), f.id.clone()))).collect();
+        crate::metrics::zeroes(node_id, &fallbacks);
         crate::logs::configure(&config.logging)?;
         let mut workers = Vec::new();
         // Per model id: the front end a local worker loaded, and the context a request may use

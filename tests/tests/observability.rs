@@ -157,12 +157,17 @@ async fn every_dashboard_query_names_an_exposed_metric() {
     }
     assert!(queries.len() >= 20, "{} queries", queries.len());
     let named: BTreeSet<String> = queries.iter().flat_map(|(_, q)| metric_names(q)).collect();
-    for needed in ["zerolayer_prefix_hit_ratio", "zerolayer_kv_fragmentation_ratio", "zerolayer_memory_used_bytes", "zerolayer_time_to_first_token_seconds_bucket", "zerolayer_inter_token_latency_seconds_bucket", "zerolayer_requests_total", "zerolayer_migrations_total"] {
+    for needed in ["zerolayer_prefix_hit_ratio", "zerolayer_kv_fragmentation_ratio", "zerolayer_memory_used_bytes", "zerolayer_time_to_first_token_seconds_bucket", "zerolayer_inter_token_latency_seconds_bucket", "zerolayer_requests_total", "zerolayer_migrations_total", "zerolayer_fallbacks_total"] {
         assert!(named.contains(needed), "the dashboard shows no {needed}");
     }
 
-    // A node that served one request exposes every one of them.
-    let s = TestServer::start(|_| {}).await;
+    // A node that served one request exposes every one of them (with a fallback configured,
+    // as the fallback panel assumes).
+    let s = TestServer::start(|c| {
+        c.models.push(zerolayer_common::config::ModelSection { path: model_path(), id: "backup".into(), ..Default::default() });
+        c.model.fallback = Some("backup".into());
+    })
+    .await;
     let c = http_client(120);
     let r = c.post(s.url("/v1/messages")).json(&messages_body("Count from one to ten.", 16, false)).send().await.unwrap();
     assert_eq!(r.status(), 200);

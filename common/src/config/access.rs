@@ -49,6 +49,9 @@ pub struct KeyConfig {
     /// Whether this key may send `ignore_eos` (keep generating past end tokens; benchmarks).
     /// Off for every key unless the operator turns it on; an open (keyless) node allows it.
     pub allow_ignore_eos: bool,
+    /// Whether this key's requests may be served by a model's `fallback` when the model they
+    /// name cannot take them (on by default; off: the error, as without a fallback).
+    pub allow_fallback: bool,
     /// Whose cached prompt prefixes this key's requests see: `"key"` (its own only: no other
     /// key can read them, or learn by timing or `cache_read_input_tokens` that it sent them) or
     /// `"shared"` (one namespace with every other key of the shared scope). A request's
@@ -73,6 +76,7 @@ impl Default for KeyConfig {
             key: String::new(),
             weight: 1.0,
             allow_ignore_eos: false,
+            allow_fallback: true,
             cache_scope: CacheScope::Key,
             requests_per_minute: None,
             tokens_per_minute: None,
@@ -136,6 +140,7 @@ pub struct Tenant {
     pub key: String,
     pub weight: f64,
     pub allow_ignore_eos: bool,
+    pub allow_fallback: bool,
     pub cache_scope: CacheScope,
     pub limits: TenantLimits,
 }
@@ -196,7 +201,7 @@ pub fn tenants(auth: &AuthSection, limits: &LimitsSection) -> Result<Vec<Tenant>
         .unnamed_keys()?
         .into_iter()
         .enumerate()
-        .map(|(i, key)| Tenant { name: format!("key#{i}"), key, weight: 1.0, allow_ignore_eos: false, cache_scope: CacheScope::Shared, limits: base })
+        .map(|(i, key)| Tenant { name: format!("key#{i}"), key, weight: 1.0, allow_ignore_eos: false, allow_fallback: true, cache_scope: CacheScope::Shared, limits: base })
         .collect();
     for k in &auth.keys {
         let or = |v: Option<u32>, d: u32| v.unwrap_or(d);
@@ -205,6 +210,7 @@ pub fn tenants(auth: &AuthSection, limits: &LimitsSection) -> Result<Vec<Tenant>
             key: k.key.clone(),
             weight: k.weight,
             allow_ignore_eos: k.allow_ignore_eos,
+            allow_fallback: k.allow_fallback,
             cache_scope: k.cache_scope,
             limits: TenantLimits {
                 requests_per_minute: or(k.requests_per_minute, base.requests_per_minute),

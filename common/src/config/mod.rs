@@ -159,6 +159,9 @@ impl Default for PlacementConfig {
     }
 }
 
+/// The longest chain of `fallback` models.
+pub const MAX_FALLBACKS: usize = 3;
+
 /// The served model.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(default)]
@@ -180,13 +183,17 @@ pub struct ModelSection {
     /// control tokens. Off (the default): what clients write is text, and only the chat
     /// template's own scaffolding yields control tokens, so no one can forge a turn.
     pub special_tokens_in_content: bool,
+    /// The model that serves this one's requests when no worker of the cluster can take them
+    /// (all draining, dead, or past their admission limits): a model id. Fallbacks chain, at
+    /// most 3 long, with no cycle. A key with `allow_fallback = false` gets the error instead.
+    pub fallback: Option<String>,
 }
 
 /// Empty: what a `[[models]]` entry's missing fields are (a `display_name` left empty is the
 /// id). `[model]`'s missing fields come from [`ModelSection::default_model`] instead.
 impl Default for ModelSection {
     fn default() -> Self {
-        ModelSection { path: PathBuf::new(), tokenizer: None, id: String::new(), aliases: vec![], display_name: String::new(), special_tokens_in_content: false }
+        ModelSection { path: PathBuf::new(), tokenizer: None, id: String::new(), aliases: vec![], display_name: String::new(), special_tokens_in_content: false, fallback: None }
     }
 }
 
@@ -369,6 +376,21 @@ impl ClusterConfig {
     /// Every model the cluster serves: `[model]`, then `[[models]]`.
     pub fn all_models(&self) -> impl Iterator<Item = &ModelSection> {
         std::iter::once(&self.model).chain(&self.models)
+    }
+
+    /// The models that serve `id`'s requests when it cannot, in order (its `fallback`, that
+    /// one's, …; at most [`MAX_FALLBACKS`], validated free of cycles).
+    pub fn fallbacks(&self, id: &str) -> Vec<&ModelSection> {
+        let mut out: Vec<&ModelSection> = Vec::new();
+        let mut at = self.all_models().find(|m| m.id == id);
+        while let Some(next) = at.and_then(|m| m.fallback.as_deref()) {
+            at = self.all_models().find(|m| m.id == next);
+            match at {
+                Some(m) if m.id != id && !out.iter().any(|o| o.id == m.id) && out.len() < MAX_FALLBACKS => out.push(m),
+                _ => break,
+            }
+        }
+        out
     }
 
     /// The model worker `w` loads.

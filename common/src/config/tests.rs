@@ -173,3 +173,27 @@ fn every_typo_is_named_with_the_nearest_key() {
     assert_eq!(shown, ["unknown key `auth.keys[0].wieght` (did you mean `weight`?)", "unknown key `nodes[0].workers[0].kv_cach_mb` (did you mean `kv_cache_mb`?)"]);
     assert!(keys::unknown_keys(&known_keys(), &known_keys(), &element_shape).is_empty(), "the defaults are all known");
 }
+
+#[test]
+fn fallbacks_chain_without_loops() {
+    let cfg = |fallbacks: &[(&str, &str)]| {
+        let mut t = String::from("[model]\npath='a.gguf'\nid='a'\n");
+        for id in ["b", "c", "d", "e"] {
+            t.push_str(&format!("[[models]]\npath='{id}.gguf'\nid='{id}'\n"));
+        }
+        for (from, to) in fallbacks {
+            t = t.replace(&format!("id='{from}'\n"), &format!("id='{from}'\nfallback='{to}'\n"));
+        }
+        ClusterConfig::from_toml(&format!("{t}[[nodes]]\nid='n'\n[[nodes.workers]]\nid='cpu0'\n"))
+    };
+    let c = cfg(&[("a", "b"), ("b", "c"), ("c", "d")]).unwrap();
+    assert_eq!(c.fallbacks("a").iter().map(|m| m.id.as_str()).collect::<Vec<_>>(), ["b", "c", "d"]);
+    assert_eq!(c.fallbacks("c").iter().map(|m| m.id.as_str()).collect::<Vec<_>>(), ["d"]);
+    assert!(c.fallbacks("e").is_empty());
+    let long = cfg(&[("a", "b"), ("b", "c"), ("c", "d"), ("d", "e")]).unwrap_err().to_string();
+    assert!(long.contains("at most 3"), "{long}");
+    let looped = cfg(&[("a", "b"), ("b", "a")]).unwrap_err().to_string();
+    assert!(looped.contains("loop"), "{looped}");
+    assert!(cfg(&[("a", "a")]).unwrap_err().to_string().contains("loop"));
+    assert!(cfg(&[("a", "zz")]).unwrap_err().to_string().contains("not a model id"));
+}

@@ -1,7 +1,7 @@
 //! What a configuration may not say: each rule refuses a config at load, naming the node,
 //! worker or field at fault, so a node never starts on a config it would misread.
 
-use super::{ClusterConfig, ConfigError, KvDtype, MAX_DRAFT};
+use super::{ClusterConfig, ConfigError, KvDtype, MAX_DRAFT, MAX_FALLBACKS};
 
 impl ClusterConfig {
     /// Checks every rule; the first broken one is the error.
@@ -22,6 +22,9 @@ impl ClusterConfig {
                     return bad(format!("model name {name:?} is used twice"));
                 }
             }
+        }
+        if all_named {
+            self.validate_fallbacks().map_err(ConfigError::Invalid)?;
         }
         let dtypes: std::collections::HashSet<KvDtype> = self.nodes.iter().flat_map(|n| n.workers.iter().map(|w| w.kv_dtype)).collect();
         if dtypes.len() > 1 {
@@ -116,5 +119,28 @@ impl ClusterConfig {
         }
         self.logging.validate().map_err(ConfigError::Invalid)?;
         super::access::validate(&self.auth, &self.limits).map_err(ConfigError::Invalid)
+    }
+
+    /// Each `fallback` names another model, and following them never loops nor runs past
+    /// [`MAX_FALLBACKS`].
+    fn validate_fallbacks(&self) -> Result<(), String> {
+        for m in self.all_models() {
+            let mut seen = vec![m.id.as_str()];
+            let mut at = m;
+            while let Some(next) = at.fallback.as_deref() {
+                let Some(n) = self.all_models().find(|x| x.id == next) else {
+                    return Err(format!("model {:?}: fallback {next:?} is not a model id of this config", at.id));
+                };
+                if seen.contains(&n.id.as_str()) {
+                    return Err(format!("model {:?}: its fallbacks loop ({} -> {next})", m.id, seen.join(" -> ")));
+                }
+                seen.push(&n.id);
+                if seen.len() > MAX_FALLBACKS + 1 {
+                    return Err(format!("model {:?}: fallbacks chain at most {MAX_FALLBACKS} models ({})", m.id, seen.join(" -> ")));
+                }
+                at = n;
+            }
+        }
+        Ok(())
     }
 }

@@ -27,12 +27,21 @@ use crate::frontend::timing::Timing;
 use crate::routing::resume::LiveSequence;
 use crate::view::NodeState;
 
+/// Who serves a request, as its response's headers say.
+#[derive(Clone, Debug)]
+pub struct Serving {
+    /// `NODE_ID/WORKER_ID` of the first worker (`zerolayer-worker`).
+    pub worker: String,
+    /// The model the request named, when its fallback serves it (`zerolayer-fallback-from`).
+    pub fallback_from: Option<String>,
+}
+
 /// A sequence accepted by a worker.
 pub struct Accepted {
     pub stream: LiveSequence,
     pub prompt_tokens: usize,
-    /// `NODE_ID/WORKER_ID` of the first worker, for the `zerolayer-worker` header.
-    pub served_by: String,
+    /// Who serves it, for the response's headers.
+    pub served_by: Serving,
     pub started_at: Instant,
     /// Where its time goes, phase by phase (`server-timing`).
     pub timing: Timing,
@@ -201,9 +210,23 @@ impl Frontend {
         let pins = breakpoints.iter().map(|&(tokens, ttl)| CachePin { tokens: tokens as u32, ttl_secs: ttl.secs() }).collect();
         let job = Job { request_id: request_id.to_string(), model: model.id, prompt: ids, params, share: Share::of(&tenant.name, tenant.weight), pins, resume: Vec::new(), cache_root: scope_root(&self.cache_secret, &scope), claim: zerolayer_common::TenantClaim { tenant: tenant.name.clone(), cache_salt: req.cache_salt.clone() } };
         let placed = self.dispatch.submit(&job, &[], None).await?;
-        let served_by = placed.served_by();
+        let served_by = Serving { worker: placed.served_by(), fallback_from: None };
         let timing = Timing::new(arrived, Instant::now());
         Ok(Accepted { stream: LiveSequence::new(self.dispatch.clone(), job, placed), prompt_tokens, served_by, started_at, timing, fingerprint, ticket, breakpoints, _permit: permit })
+    }
+
+    /// The model that serves a request for `model` (an id) with this prompt when no worker of
+    /// the cluster can take it now: the first of its fallbacks that some worker can take, by
+    /// the same placement decision over the published snapshot. `None`: the model itself can
+    /// (or the key opted out, or no fallback can either): the request goes on as it is.
+    pub fn fallback_for(&self, caller: &Caller, model: &str, prompt_tokens: usize, max_tokens: usize) -> Option<String> {
+        if self.dispatch.can_take(model, prompt_tokens, max_tokens) || !self.guard.tenant(caller).allow_fallback {
+            return None;
+        }
+        let to = self.config.fallbacks(model).into_iter().find(|m| self.dispatch.can_take(&m.id, prompt_tokens, max_tokens))?.id.clone();
+        metrics::counter!("zerolayer_fallbacks_total", "node" => self.node_id.clone(), "from" => model.to_string(), "to" => to.clone()).increment(1);
+        tracing::info!(from = model, to = %to, "no worker can take the model now: its fallback serves the request");
+        Some(to)
     }
 
     /// Keeps a response's prompt fingerprint under its message id.

@@ -121,6 +121,15 @@ impl Dispatcher {
     /// Places `job` (continuing after its `resume` tokens, if any) on a worker of a node not in
     /// `exclude` and submits it. With `prefer`, that worker is tried first (the target a drain
     /// moved the sequence's KV to).
+    /// Whether some worker of `model` in the cluster can take a request of this size now: the
+    /// placement decision over the published snapshot, without placing anything.
+    pub fn can_take(&self, model: &str, prompt_tokens: usize, max_tokens: usize) -> bool {
+        let mut view = self.view();
+        view.workers.retain(|w| w.model == model);
+        let summary = RequestSummary { block_hashes: Vec::new(), prompt_tokens, max_tokens };
+        matches!(placement::place(&view, &summary, &self.config.placement, 0), Decision::Place { .. })
+    }
+
     pub async fn submit(&self, job: &Job, exclude: &[String], prefer: Option<(&str, &str)>) -> Result<Placed, ApiError> {
         let tokens = job.tokens();
         let summary = RequestSummary { block_hashes: block_hashes_from(job.cache_root, &tokens, self.block_size), prompt_tokens: tokens.len(), max_tokens: job.remaining_tokens() };

@@ -18,7 +18,7 @@ use zerolayer_common::{SeqEvent, StopReason, Usage};
 use crate::auth::Caller;
 use crate::frontend::pipeline::{Prepared, Purpose};
 use crate::frontend::request::GenerationRequest;
-use crate::frontend::service::{Accepted, Frontend};
+use crate::frontend::service::{Accepted, Frontend, Serving};
 use crate::frontend::timing::Split;
 use crate::error::ApiError;
 use crate::metrics;
@@ -52,11 +52,16 @@ pub fn json_body(body: Result<Bytes, BytesRejection>, max: usize) -> Result<Valu
     serde_json::from_slice(&bytes).map_err(|e| ApiError::invalid(format!("invalid JSON body: {e}")))
 }
 
-/// Counts the response in the metrics and names the worker that served it.
-pub fn finish(c: &Frontend, endpoint: &'static str, mut resp: Response, served_by: Option<&str>) -> Response {
+/// Counts the response in the metrics, names the worker that served it, and the model the
+/// request named when a fallback served it.
+pub fn finish(c: &Frontend, endpoint: &'static str, mut resp: Response, served_by: Option<&Serving>) -> Response {
     metrics::request_done(&c.node_id, endpoint, resp.status().as_u16());
-    if let Some(s) = served_by.and_then(|s| HeaderValue::from_str(s).ok()) {
-        resp.headers_mut().insert("zerolayer-worker", s);
+    let Some(s) = served_by else { return resp };
+    if let Ok(v) = HeaderValue::from_str(&s.worker) {
+        resp.headers_mut().insert("zerolayer-worker", v);
+    }
+    if let Some(v) = s.fallback_from.as_deref().and_then(|m| HeaderValue::from_str(m).ok()) {
+        resp.headers_mut().insert("zerolayer-fallback-from", v);
     }
     resp
 }
@@ -136,9 +141,19 @@ pub async fn admit_and_start<T: Send + 'static>(
     parse: impl FnOnce(&Frontend) -> Result<(GenerationRequest, T), ApiError> + Send + 'static,
 ) -> Result<Started<T>, ApiError> {
     let admitted = c.admit(caller, true)?;
-    let (prepared, extra) = prepare(c, Purpose::Generate, not_found, parse).await?;
+    let (mut prepared, extra) = prepare(c, Purpose::Generate, not_found, parse).await?;
+    let named = c.served(&prepared.req.model).map(|s| s.info.id.clone()).unwrap_or_default();
+    let max_tokens = prepared.req.max_tokens.unwrap_or(0) as usize;
+    let fallback = c.fallback_for(caller, &named, prepared.ids.len(), max_tokens);
+    if let Some(to) = &fallback {
+        // The fallback has its own template and tokenizer: the request is prepared anew for it.
+        let (mut req, c2, to2) = (prepared.req, c.clone(), to.clone());
+        req.model = to.clone();
+        prepared = c.prepare(move || c2.served(&to2).ok_or_else(|| not_found(&to2))?.prepare(req, Purpose::Generate)).await??;
+    }
     let (model, stream) = (prepared.req.model.clone(), prepared.req.stream);
-    let acc = c.start(admitted, caller, prepared, request_id).await?;
+    let mut acc = c.start(admitted, caller, prepared, request_id).await?;
+    acc.served_by.fallback_from = fallback.map(|_| named);
     Ok(Started { acc, model, stream, extra })
 }
 

@@ -27,6 +27,7 @@ use crate::auth::Caller;
 use crate::clock::unix_now;
 use crate::error::ApiError;
 use crate::frontend::api::shared::{self, collect, finish, json_body, AppState, RequestId};
+use crate::frontend::service::Serving;
 use crate::frontend::stored::ResponseId;
 use output::Head;
 
@@ -50,7 +51,7 @@ pub async fn create(State(c): State<AppState>, Extension(rid): Extension<Request
 }
 
 /// The response, and the worker that served it.
-async fn respond(c: &AppState, rid: &RequestId, caller: &Caller, body: Result<Bytes, BytesRejection>) -> Result<(Response, String), ApiError> {
+async fn respond(c: &AppState, rid: &RequestId, caller: &Caller, body: Result<Bytes, BytesRejection>) -> Result<(Response, Serving), ApiError> {
     let tenant = c.guard.tenant(caller).name.clone();
     let max = c.config.server.max_body_bytes;
     let body = c.prepare(move || json_body(body, max)).await??;
