@@ -208,7 +208,10 @@ impl Usage {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum SeqEvent {
     /// The prompt is admitted; `cached` prompt tokens came from the prefix cache.
-    Started { prompt_tokens: u32, cached_tokens: u32 },
+    /// `since_admitted_us`: microseconds from the start of the step that admitted it until this
+    /// event left the worker (its first step's compute), so that a follower can tell the
+    /// time it waited from the time it computed.
+    Started { prompt_tokens: u32, cached_tokens: u32, since_admitted_us: u32 },
     /// New tokens and the text they completed (text may be empty while a multi-byte character
     /// or a possible stop sequence is held back).
     Delta { tokens: Vec<u32>, text: String },

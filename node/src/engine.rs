@@ -272,7 +272,7 @@ impl Engine {
         tokens.extend(generated);
         if let Some(reason) = ended {
             let usage = Usage { prompt_tokens_uncached: prompt_len as u32, prompt_tokens_cached: 0, output_tokens: output as u32 };
-            self.pending.push((id, SeqEvent::Started { prompt_tokens: prompt_len as u32, cached_tokens: 0 }));
+            self.pending.push((id, SeqEvent::Started { prompt_tokens: prompt_len as u32, cached_tokens: 0, since_admitted_us: 0 }));
             self.pending.push((id, SeqEvent::Finished { reason, usage }));
             return Ok(());
         }
@@ -301,10 +301,19 @@ impl Engine {
     /// forward, or of one sequence's detokenization) ends only the sequences it touched, with
     /// an error event; the engine goes on.
     pub fn step(&mut self) -> Result<StepOutput> {
+        let began = Instant::now();
         let mut bufs = std::mem::take(&mut self.bufs);
         let r = self.step_with(&mut bufs);
         self.bufs = bufs;
-        r
+        let mut out = r?;
+        // The prompts this step admitted leave with the step's time: computing, not waiting.
+        let took = began.elapsed().as_micros().min(u32::MAX as u128) as u32;
+        for (_, ev) in &mut out.events {
+            if let SeqEvent::Started { since_admitted_us, .. } = ev {
+                *since_admitted_us = took;
+            }
+        }
+        Ok(out)
     }
 
     fn step_with(&mut self, bufs: &mut StepBufs) -> Result<StepOutput> {
@@ -314,7 +323,7 @@ impl Engine {
         let mut out = StepOutput { events: std::mem::take(&mut self.pending), ..Default::default() };
         for &id in &plan.started {
             let s = self.sched.get(id).unwrap();
-            out.events.push((id, SeqEvent::Started { prompt_tokens: s.prompt_len as u32, cached_tokens: s.cached_prompt_tokens as u32 }));
+            out.events.push((id, SeqEvent::Started { prompt_tokens: s.prompt_len as u32, cached_tokens: s.cached_prompt_tokens as u32, since_admitted_us: 0 }));
             self.hit_window.push_back((s.cached_prompt_tokens as u64, s.prompt_len as u64));
             if self.hit_window.len() > 64 {
                 self.hit_window.pop_front();

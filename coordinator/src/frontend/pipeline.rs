@@ -64,7 +64,7 @@ impl Served {
     pub fn prepare(&self, mut req: GenerationRequest, purpose: Purpose) -> Result<Prepared, ApiError> {
         self.check_length(&req)?;
         let ids = self.prompt_ids(&req)?;
-        if tracing::enabled!(tracing::Level::DEBUG) {
+        if tracing::enabled!(target: "zerolayer_coordinator::frontend::prompt", tracing::Level::DEBUG) {
             let last = match &req.raw {
                 Some(crate::frontend::request::RawPrompt::Text(t)) => t.as_str(),
                 Some(_) => "",

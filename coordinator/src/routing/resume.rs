@@ -67,7 +67,7 @@ impl LiveSequence {
         loop {
             let ev = self.at.stream.recv().await.unwrap_or_else(|| lost("the worker ended the stream without a result"));
             match ev {
-                SeqEvent::Started { prompt_tokens, cached_tokens } => {
+                SeqEvent::Started { prompt_tokens, cached_tokens, .. } => {
                     if self.started.is_some() {
                         continue;
                     }

@@ -216,7 +216,10 @@ impl Following {
             Some(ev) => {
                 let now = Instant::now();
                 match &ev {
-                    SeqEvent::Started { .. } => self.acc.timing.on_admitted(now),
+                    SeqEvent::Started { since_admitted_us, .. } => {
+                        let computing = std::time::Duration::from_micros(*since_admitted_us as u64);
+                        self.acc.timing.on_admitted(now.checked_sub(computing).unwrap_or(now));
+                    }
                     SeqEvent::Delta { tokens, .. } => {
                         if !tokens.is_empty() {
                             self.acc.timing.on_tokens(now);

@@ -295,7 +295,7 @@ impl MessageStream {
                 Next::Lost => return (vec![Self::error(failed(None))], None),
             };
             match ev {
-                SeqEvent::Started { prompt_tokens, cached_tokens } => {
+                SeqEvent::Started { prompt_tokens, cached_tokens, .. } => {
                     self.started = true;
                     let u = Usage { prompt_tokens_uncached: prompt_tokens - cached_tokens, prompt_tokens_cached: cached_tokens, output_tokens: 0 };
                     return (vec![self.message_start(&u), Self::ping()], Some(self));
