@@ -152,6 +152,9 @@ pub enum StopReason {
     /// prefix cache now holds the first `kv_tokens` tokens of its KV (0: the move carried no KV,
     /// and the continuation recomputes). Never reaches a client.
     Moved { node: String, worker: String, kv_tokens: u32 },
+    /// An output policy rule matched: the answer stops before the matching text, and an audit
+    /// record names the match. Set by the coordinator that holds the client, never by a worker.
+    Refused { rule: String, audit_id: String },
 }
 
 impl StopReason {
@@ -166,6 +169,7 @@ impl StopReason {
             StopReason::EndTurn => "end_turn",
             StopReason::MaxTokens => "max_tokens",
             StopReason::StopSequence(_) => "stop_sequence",
+            StopReason::Refused { .. } => "refusal",
             StopReason::Cancelled | StopReason::Error(_) | StopReason::Lost(_) | StopReason::Moved { .. } => "end_turn",
         }
     }
@@ -181,6 +185,7 @@ impl fmt::Display for StopReason {
             StopReason::Error(e) => write!(f, "error: {e}"),
             StopReason::Lost(e) => write!(f, "lost: {e}"),
             StopReason::Moved { node, worker, kv_tokens } => write!(f, "moved to {node}/{worker} with {kv_tokens} tokens of KV"),
+            StopReason::Refused { rule, audit_id } => write!(f, "refused by policy rule {rule} (audit id {audit_id})"),
         }
     }
 }

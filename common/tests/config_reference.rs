@@ -8,7 +8,7 @@ use serde_json::Value;
 use zerolayer_common::config::{element_shape, known_keys};
 
 /// Each table of the config: its heading, the struct that holds it, and the file defining it.
-const TABLES: [(&str, &str, &str); 10] = [
+const TABLES: [(&str, &str, &str); 12] = [
     ("[model] and [[models]]", "ModelSection", "mod.rs"),
     ("[server]", "ServerSection", "mod.rs"),
     ("[auth]", "AuthSection", "access.rs"),
@@ -17,6 +17,8 @@ const TABLES: [(&str, &str, &str); 10] = [
     ("[cluster]", "ClusterSection", "mod.rs"),
     ("[placement]", "PlacementConfig", "mod.rs"),
     ("[logging]", "LoggingSection", "logging.rs"),
+    ("[policy]", "PolicySection", "policy.rs"),
+    ("[[policy.rules]]", "PolicyRule", "policy.rs"),
     ("[[nodes]]", "NodeConfig", "mod.rs"),
     ("[[nodes.workers]]", "WorkerConfig", "worker.rs"),
 ];
@@ -56,6 +58,8 @@ fn defaults(heading: &str) -> Value {
         "[cluster]" => known["cluster"].clone(),
         "[placement]" => known["placement"].clone(),
         "[logging]" => known["logging"].clone(),
+        "[policy]" => known["policy"].clone(),
+        "[[policy.rules]]" => element_shape("policy.rules").unwrap(),
         "[[nodes]]" => element_shape("nodes").unwrap(),
         _ => element_shape("nodes.workers").unwrap(),
     }
@@ -83,7 +87,7 @@ fn render() -> String {
                 Value::Array(a) if a.iter().any(Value::is_object) => format!("see {heading}.{field}"),
                 v => format!("`{v}`"),
             };
-            let default = if field == "workers" || field == "keys" { "see below".to_string() } else { default };
+            let default = if field == "workers" || field == "keys" && *heading == "[auth]" || field == "rules" { "see below".to_string() } else { default };
             out.push_str(&format!("| `{field}` | {default} | {} |\n", doc.replace('|', "\\|")));
         }
     }

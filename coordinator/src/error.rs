@@ -26,6 +26,9 @@ pub enum ApiError {
     Overloaded(String),
     #[error("{0}")]
     Unavailable(String),
+    /// A policy rule refused the request's input (400; the audit id in a header).
+    #[error("the request was refused by policy rule \"{rule}\" (audit id {audit_id})")]
+    PolicyRefused { rule: String, audit_id: String },
 }
 
 impl ApiError {
@@ -35,7 +38,7 @@ impl ApiError {
 
     pub fn status(&self) -> StatusCode {
         match self {
-            ApiError::InvalidRequest(_) => StatusCode::BAD_REQUEST,
+            ApiError::InvalidRequest(_) | ApiError::PolicyRefused { .. } => StatusCode::BAD_REQUEST,
             ApiError::Authentication(_) => StatusCode::UNAUTHORIZED,
             ApiError::Permission(_) => StatusCode::FORBIDDEN,
             ApiError::NotFound(_) => StatusCode::NOT_FOUND,
@@ -50,7 +53,7 @@ impl ApiError {
     /// The Anthropic error `type`; stable, also used as a metric label.
     pub fn error_type(&self) -> &'static str {
         match self {
-            ApiError::InvalidRequest(_) => "invalid_request_error",
+            ApiError::InvalidRequest(_) | ApiError::PolicyRefused { .. } => "invalid_request_error",
             ApiError::Authentication(_) => "authentication_error",
             ApiError::Permission(_) => "permission_error",
             ApiError::NotFound(_) => "not_found_error",
@@ -75,7 +78,7 @@ impl ApiError {
     /// OpenAI's error body.
     pub fn openai_body(&self) -> serde_json::Value {
         let t = match self {
-            ApiError::InvalidRequest(_) | ApiError::NotFound(_) | ApiError::RequestTooLarge(_) => "invalid_request_error",
+            ApiError::InvalidRequest(_) | ApiError::PolicyRefused { .. } | ApiError::NotFound(_) | ApiError::RequestTooLarge(_) => "invalid_request_error",
             ApiError::Authentication(_) => "authentication_error",
             ApiError::Permission(_) => "permission_error",
             ApiError::RateLimited { .. } => "rate_limit_exceeded",
@@ -114,6 +117,11 @@ impl ApiError {
     fn add_headers(&self, r: &mut Response) {
         if let ApiError::RateLimited { retry_after_secs, .. } = self {
             r.headers_mut().insert("retry-after", (*retry_after_secs).into());
+        }
+        if let ApiError::PolicyRefused { audit_id, .. } = self {
+            if let Ok(v) = axum::http::HeaderValue::from_str(audit_id) {
+                r.headers_mut().insert("zerolayer-policy-audit-id", v);
+            }
         }
     }
 }

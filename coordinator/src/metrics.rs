@@ -26,10 +26,14 @@ pub fn handle() -> &'static PrometheusHandle {
     })
 }
 
-/// Series that only events move (moves, drains, diagnoses, fallbacks: each configured pair)
+/// Series that only events move (moves, drains, diagnoses, fallbacks and policy matches: each
+/// configured pair and rule)
 /// start at zero, so that dashboards and alerts see a flat line rather than no data before the
 /// first event.
-pub fn zeroes(node: &str, fallbacks: &[(String, String)]) {
+pub fn zeroes(node: &str, fallbacks: &[(String, String)], rules: &[(String, &'static str)]) {
+    for (rule, direction) in rules {
+        metrics::counter!("zerolayer_policy_matches_total", "node" => node.to_string(), "rule" => rule.clone(), "direction" => *direction).increment(0);
+    }
     for (from, to) in fallbacks {
         metrics::counter!("zerolayer_fallbacks_total", "node" => node.to_string(), "from" => from.clone(), "to" => to.clone()).increment(0);
     }

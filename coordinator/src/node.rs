@@ -51,7 +51,13 @@ impl Node {
         // to the no-op recorder and be lost.
         crate::metrics::handle();
         let fallbacks: Vec<(String, String)> = config.all_models().flat_map(|m| config.fallbacks(&m.id).into_iter().map(|f| (m.id.clone(), f.id.clone()))).collect();
-        crate::metrics::zeroes(node_id, &fallbacks);
+        let rules: Vec<(String, &'static str)> = config
+            .policy
+            .rules
+            .iter()
+            .flat_map(|r| [(r.applies_to.input(), "input"), (r.applies_to.output(), "output")].into_iter().filter(|(on, _)| *on).map(|(_, d)| (r.name.clone(), d)))
+            .collect();
+        crate::metrics::zeroes(node_id, &fallbacks, &rules);
         crate::logs::configure(&config.logging)?;
         let mut workers = Vec::new();
         // Per model id: the front end a local worker loaded, and the context a request may use
@@ -120,6 +126,7 @@ impl Node {
         // The secret under which cache scopes are named: the cluster CA's (every node derives
         // the same one), or this process's own without a cluster.
         let cache_secret = cluster.cache_secret().unwrap_or_else(rand::random);
+        let policy = crate::frontend::policy::Policy::new(&config.policy).map_err(|e| anyhow::anyhow!(e))?;
         let frontend = Arc::new(Frontend {
             node_id,
             config,
@@ -134,6 +141,8 @@ impl Node {
             recent: Default::default(),
             cache_secret,
             responses: Default::default(),
+            policy,
+            audit: Default::default(),
         });
         // What peers ask of this front end (weak: the cluster link outlives no front end).
         frontend.cluster.serve_peers(Arc::new(FrontendForPeers(Arc::downgrade(&frontend))));

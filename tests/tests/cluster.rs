@@ -297,7 +297,7 @@ async fn admin_calls_for_another_node_go_over_the_cluster_link() {
     use zerolayer_common::wire::AdminCall;
     use zerolayer_coordinator::frontend::api::admin::serve_peer;
     for key in ["", "sk-wrong"] {
-        let (status, body) = serve_peer(b.frontend.clone(), AdminCall { origin_node: "a".into(), action: "drain".into(), key: key.into() }).await;
+        let (status, body) = serve_peer(b.frontend.clone(), AdminCall { origin_node: "a".into(), action: "drain".into(), key: key.into(), arg: String::new() }).await;
         let body: Value = serde_json::from_slice(&body).unwrap();
         assert_eq!((status, body["error"]["type"].as_str()), (401, Some("authentication_error")), "key {key:?}: {body}");
     }

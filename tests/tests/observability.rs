@@ -162,15 +162,16 @@ async fn every_dashboard_query_names_an_exposed_metric() {
     }
     assert!(queries.len() >= 20, "{} queries", queries.len());
     let named: BTreeSet<String> = queries.iter().flat_map(|(_, q)| metric_names(q)).collect();
-    for needed in ["zerolayer_prefix_hit_ratio", "zerolayer_kv_fragmentation_ratio", "zerolayer_memory_used_bytes", "zerolayer_time_to_first_token_seconds_bucket", "zerolayer_inter_token_latency_seconds_bucket", "zerolayer_requests_total", "zerolayer_migrations_total", "zerolayer_fallbacks_total"] {
+    for needed in ["zerolayer_prefix_hit_ratio", "zerolayer_kv_fragmentation_ratio", "zerolayer_memory_used_bytes", "zerolayer_time_to_first_token_seconds_bucket", "zerolayer_inter_token_latency_seconds_bucket", "zerolayer_requests_total", "zerolayer_migrations_total", "zerolayer_fallbacks_total", "zerolayer_policy_matches_total"] {
         assert!(named.contains(needed), "the dashboard shows no {needed}");
     }
 
-    // A node that served one request exposes every one of them (with a fallback configured,
-    // as the fallback panel assumes).
+    // A node that served one request exposes every one of them (with a fallback and a policy
+    // rule configured, as their panels assume).
     let s = TestServer::start(|c| {
         c.models.push(zerolayer_common::config::ModelSection { path: model_path(), id: "backup".into(), ..Default::default() });
         c.model.fallback = Some("backup".into());
+        c.policy.rules = vec![zerolayer_common::config::PolicyRule { name: "r".into(), pattern: "never-said".into(), applies_to: zerolayer_common::config::AppliesTo::Both, keys: vec![] }];
     })
     .await;
     let c = http_client(120);

@@ -11,10 +11,12 @@ use std::path::{Path, PathBuf};
 mod access;
 pub mod keys;
 mod logging;
+mod policy;
 mod validate;
 mod worker;
 pub use access::{AuthSection, CacheScope, KeyConfig, LimitsSection, Tenant, TenantLimits};
 pub use logging::{compile as compile_pattern, LoggingSection, Redaction};
+pub use policy::{AppliesTo, PolicyRule, PolicySection};
 pub use worker::{KvDtype, Speculative, WorkerConfig, MAX_DRAFT};
 
 #[derive(Debug, thiserror::Error)]
@@ -42,6 +44,8 @@ pub struct ClusterConfig {
     pub placement: PlacementConfig,
     /// What log lines may hold (`[logging]`).
     pub logging: LoggingSection,
+    /// What clients may send and answers may say (`[[policy.rules]]`).
+    pub policy: PolicySection,
     pub nodes: Vec<NodeConfig>,
 }
 
@@ -291,6 +295,7 @@ impl Default for ClusterConfig {
             cluster: ClusterSection::default(),
             placement: PlacementConfig::default(),
             logging: LoggingSection::default(),
+            policy: PolicySection::default(),
             nodes: vec![NodeConfig::default()],
         }
     }
@@ -484,6 +489,7 @@ pub fn element_shape(path: &str) -> Option<serde_json::Value> {
         "nodes" => shape(NodeConfig::default()),
         "nodes.workers" => shape(WorkerConfig::default()),
         "auth.keys" => shape(KeyConfig::default()),
+        "policy.rules" => shape(PolicyRule::default()),
         _ => return None,
     })
 }

@@ -118,6 +118,8 @@ impl ClusterConfig {
             return bad("placement: weights must be >= 0 and balance_rel_threshold >= 1".into());
         }
         self.logging.validate().map_err(ConfigError::Invalid)?;
+        let key_names: Vec<&str> = self.auth.keys.iter().map(|k| k.name.as_str()).collect();
+        self.policy.validate(&key_names).map_err(ConfigError::Invalid)?;
         super::access::validate(&self.auth, &self.limits).map_err(ConfigError::Invalid)
     }
 

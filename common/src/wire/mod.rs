@@ -97,10 +97,13 @@ pub enum Open {
 pub struct AdminCall {
     /// The node that passes it on.
     pub origin_node: String,
-    /// `drain`, `undrain` or `report` (the receiver refuses anything else).
+    /// `drain`, `undrain`, `report`, `audit` or `audit_since` (the receiver refuses anything
+    /// else).
     pub action: String,
     /// The key the caller presented (`x-api-key` or bearer), empty for none.
     pub key: String,
+    /// The action's argument: an audit id, or milliseconds since the epoch (empty for none).
+    pub arg: String,
 }
 
 /// A stored response asked of the node that keeps it, for the tenant the asking node
@@ -214,7 +217,7 @@ mod tests {
         let j = RankJoin { origin_node: "a".into(), worker: "tp0".into(), rank: 1, size: 2, block_size: 16, num_blocks: 64, nccl_id: vec![7; 128] };
         let f = encode_open(&Open::Rank(j.clone())).unwrap();
         assert_eq!(decode_open(&f[4..]).unwrap(), Open::Rank(j));
-        let a = AdminCall { origin_node: "a".into(), action: "drain".into(), key: "k".into() };
+        let a = AdminCall { origin_node: "a".into(), action: "drain".into(), key: "k".into(), arg: String::new() };
         let f = encode_open(&Open::Admin(a.clone())).unwrap();
         assert_eq!(decode_open(&f[4..]).unwrap(), Open::Admin(a));
         let l = Lookup { origin_node: "a".into(), id: "resp_1".into(), tenant: "alice".into(), delete: false };

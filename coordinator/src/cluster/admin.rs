@@ -17,8 +17,10 @@ use super::lookup::exchange;
 pub const ADMIN_TIMEOUT: Duration = Duration::from_secs(30);
 /// The longest key a call may carry.
 pub const MAX_KEY_BYTES: usize = 1024;
+/// The longest argument a call may carry.
+pub const MAX_ARG_BYTES: usize = 256;
 /// The actions a call may name.
-pub const ACTIONS: [&str; 3] = ["drain", "undrain", "report"];
+pub const ACTIONS: [&str; 5] = ["drain", "undrain", "report", "audit", "audit_since"];
 
 /// Passes `call` on to `node`: its status and body.
 pub async fn ask(cluster: &Cluster, node: &str, call: AdminCall) -> anyhow::Result<(u16, Vec<u8>)> {
@@ -30,7 +32,7 @@ pub async fn ask(cluster: &Cluster, node: &str, call: AdminCall) -> anyhow::Resu
 
 /// Answers one admin call (its `Open::Admin` frame already read, its sender checked).
 pub async fn serve(cluster: Arc<Cluster>, call: AdminCall, mut send: quinn::SendStream, peer: std::net::SocketAddr) {
-    let reply = if !ACTIONS.contains(&call.action.as_str()) || call.key.len() > MAX_KEY_BYTES {
+    let reply = if !ACTIONS.contains(&call.action.as_str()) || call.key.len() > MAX_KEY_BYTES || call.arg.len() > MAX_ARG_BYTES {
         Reply::Refused { overloaded: false, message: format!("not an admin call: action {:?}", call.action.chars().take(32).collect::<String>()) }
     } else {
         match cluster.peer_calls.get() {

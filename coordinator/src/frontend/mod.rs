@@ -11,18 +11,21 @@
 //! - [`service`]: the [`service::Frontend`] every handler calls (admission, preparation off the
 //!   runtime, then [`crate::routing`]); [`stored`]: the responses this node keeps for the
 //!   Responses API's `previous_response_id`; [`timing`]: where a request's time went
-//!   (`server-timing`);
+//!   (`server-timing`); [`policy`]: input and output rules (pure); [`audit`]: the records of
+//!   their matches;
 //! - [`api`]: the axum router, one folder per API; [`fuzzing`]: the front end as one function,
 //!   for the fuzz targets.
 //!
 //! Uses the routing and cluster wings; neither of them uses this one.
 
 pub mod api;
+pub mod audit;
 pub mod caching;
 pub mod constrain;
 pub mod diagnostics;
 pub mod fuzzing;
 pub mod pipeline;
+pub mod policy;
 pub mod prompt;
 pub mod request;
 pub mod service;

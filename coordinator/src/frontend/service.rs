@@ -24,6 +24,9 @@ use crate::error::ApiError;
 use crate::frontend::pipeline::{Prepared, Served};
 use crate::frontend::request::{resolve_max_tokens, CacheTtl};
 use crate::frontend::timing::Timing;
+use crate::frontend::audit::{self, AuditLog, Record};
+use crate::frontend::policy::{Match, OutputGuard, Policy};
+use crate::frontend::request::{GenerationRequest, RawPrompt};
 use crate::routing::resume::LiveSequence;
 use crate::view::NodeState;
 
@@ -45,6 +48,12 @@ pub struct Accepted {
     pub started_at: Instant,
     /// Where its time goes, phase by phase (`server-timing`).
     pub timing: Timing,
+    /// The output rules that watch its answer (`None`: none covers its key).
+    pub guard: Option<OutputGuard>,
+    /// Its key's name, its request id and model id, for an audit record.
+    pub tenant: String,
+    pub request_id: String,
+    pub model: String,
     /// What the prompt was made of, for `diagnostics.previous_message_id` later.
     pub fingerprint: Arc<Fingerprint>,
     /// The key's concurrency slot and the handle its output tokens are charged through.
@@ -87,6 +96,10 @@ pub struct Frontend {
     pub cache_secret: [u8; 32],
     /// The responses this node stored (the Responses API's `store`; bounded).
     pub responses: crate::frontend::stored::ResponseStore,
+    /// `[[policy.rules]]`, compiled.
+    pub policy: Policy,
+    /// The policy matches of the requests this node served (bounded).
+    pub audit: AuditLog,
 }
 
 /// A coordinator's admission state: the in-flight cap, and the preparation pool's slots.
@@ -212,7 +225,23 @@ impl Frontend {
         let placed = self.dispatch.submit(&job, &[], None).await?;
         let served_by = Serving { worker: placed.served_by(), fallback_from: None };
         let timing = Timing::new(arrived, Instant::now());
-        Ok(Accepted { stream: LiveSequence::new(self.dispatch.clone(), job, placed), prompt_tokens, served_by, started_at, timing, fingerprint, ticket, breakpoints, _permit: permit })
+        let guard = self.policy.output(&tenant.name);
+        let model = job.model.clone();
+        Ok(Accepted {
+            stream: LiveSequence::new(self.dispatch.clone(), job, placed),
+            prompt_tokens,
+            served_by,
+            started_at,
+            timing,
+            guard,
+            tenant: tenant.name.clone(),
+            request_id: request_id.to_string(),
+            model,
+            fingerprint,
+            ticket,
+            breakpoints,
+            _permit: permit,
+        })
     }
 
     /// The model that serves a request for `model` (an id) with this prompt when no worker of
@@ -227,6 +256,45 @@ impl Frontend {
         metrics::counter!("zerolayer_fallbacks_total", "node" => self.node_id.clone(), "from" => model.to_string(), "to" => to.clone()).increment(1);
         tracing::info!(from = model, to = %to, "no worker can take the model now: its fallback serves the request");
         Some(to)
+    }
+
+    /// Refuses a request whose client text (system prompt, messages, a raw prompt) an input rule
+    /// for the caller's key matches: 400, with an audit record.
+    pub fn check_input(&self, caller: &Caller, req: &GenerationRequest, request_id: &str) -> Result<(), ApiError> {
+        if self.policy.is_empty() {
+            return Ok(());
+        }
+        let tenant = self.guard.tenant(caller).name.clone();
+        let raw = match &req.raw {
+            Some(RawPrompt::Text(t)) => Some(t.as_str()),
+            _ => None,
+        };
+        let texts = req.system.as_deref().into_iter().chain(req.turns.iter().map(|t| t.text.as_str())).chain(raw);
+        let Some(m) = self.policy.check_input(&tenant, texts) else { return Ok(()) };
+        let audit_id = self.audit_match(&tenant, &m, "input", request_id, &req.model);
+        Err(ApiError::PolicyRefused { rule: m.rule, audit_id })
+    }
+
+    /// Keeps the audit record of a policy match, counts it, and returns its id.
+    pub fn audit_match(&self, tenant: &str, m: &Match, direction: &'static str, request_id: &str, model: &str) -> String {
+        let now = std::time::SystemTime::now();
+        let time_ms = now.duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
+        let id = audit::new_id(&self.node_id);
+        let record = Record {
+            id: id.clone(),
+            time_ms,
+            time: crate::clock::rfc3339_system(now),
+            key: tenant.to_string(),
+            rule: m.rule.clone(),
+            direction: direction.to_string(),
+            span: m.redacted.clone(),
+            request_id: request_id.to_string(),
+            model: model.to_string(),
+        };
+        self.audit.push(record, time_ms);
+        metrics::counter!("zerolayer_policy_matches_total", "node" => self.node_id.clone(), "rule" => m.rule.clone(), "direction" => direction).increment(1);
+        tracing::info!(rule = %m.rule, direction, audit_id = %id, key = tenant, "a policy rule matched");
+        id
     }
 
     /// Keeps a response's prompt fingerprint under its message id.

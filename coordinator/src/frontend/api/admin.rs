@@ -104,11 +104,13 @@ fn action_of(method: &Method, action: &str) -> Option<&'static str> {
     }
 }
 
-/// Runs an admin action on this node.
-async fn run(c: &Frontend, action: &str) -> Result<Value, ApiError> {
+/// Runs an admin action on this node (`arg`: an audit id, or milliseconds since the epoch).
+async fn run(c: &Frontend, action: &str, arg: &str) -> Result<Value, ApiError> {
     let report = match action {
         "drain" => c.drain().await?,
         "undrain" => c.undrain().await?,
+        "audit" => return local_record(c, arg),
+        "audit_since" => return local_since(c, arg),
         _ => c.drain_report().await?,
     };
     Ok(json!(report))
@@ -126,20 +128,20 @@ pub async fn drain(
     let r = async {
         let act = action_of(&method, &action).ok_or_else(|| ApiError::NotFound(format!("{method} /admin/nodes/{node}/{action} does not exist")))?;
         if node != "self" && node != c.node_id {
-            return pass_on(&c, &node, act, &headers).await;
+            return pass_on(&c, &node, act, "", &headers).await;
         }
-        Ok(Json(run(&c, act).await?).into_response())
+        Ok(Json(run(&c, act, "").await?).into_response())
     };
     r.await.unwrap_or_else(|e: ApiError| e.into_anthropic(&rid.0))
 }
 
 /// Passes an admin call on to `node` over the cluster link, with the caller's key.
-async fn pass_on(c: &Frontend, node: &str, action: &str, headers: &HeaderMap) -> Result<Response, ApiError> {
+pub(super) async fn pass_on(c: &Frontend, node: &str, action: &str, arg: &str, headers: &HeaderMap) -> Result<Response, ApiError> {
     if !c.cluster.nodes().iter().any(|n| n.id == node) {
         return Err(ApiError::NotFound(format!("node {node} is not in the cluster")));
     }
     let key = crate::auth::Guard::presented(headers).map(|k| String::from_utf8_lossy(k).into_owned()).unwrap_or_default();
-    let call = zerolayer_common::wire::AdminCall { origin_node: c.node_id.clone(), action: action.into(), key };
+    let call = zerolayer_common::wire::AdminCall { origin_node: c.node_id.clone(), action: action.into(), key, arg: arg.into() };
     let (status, body) = crate::cluster::admin::ask(&c.cluster, node, call).await.map_err(|e| ApiError::Unavailable(format!("{e:#}")))?;
     let status = StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY);
     Ok((status, [("content-type", "application/json")], body).into_response())
@@ -156,7 +158,7 @@ pub async fn serve_peer(c: std::sync::Arc<Frontend>, call: zerolayer_common::wir
     }
     let rid = format!("req_admin_{}", call.origin_node);
     let outcome = match c.guard.authorize_admin(&headers) {
-        Ok(_) => run(&c, &call.action).await,
+        Ok(_) => run(&c, &call.action, &call.arg).await,
         Err(e) => Err(e),
     };
     match outcome {
@@ -168,4 +170,20 @@ pub async fn serve_peer(c: std::sync::Arc<Frontend>, call: zerolayer_common::wir
             (status, body)
         }
     }
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+}
+
+/// This node's record `id`.
+pub fn local_record(c: &Frontend, id: &str) -> Result<Value, ApiError> {
+    let r = c.audit.get(id, now_ms()).ok_or_else(|| ApiError::NotFound(format!("policy audit record {id} not found")))?;
+    Ok(json!(r))
+}
+
+/// This node's records at or after `since` (milliseconds since the epoch; empty: all).
+pub fn local_since(c: &Frontend, since: &str) -> Result<Value, ApiError> {
+    let since = if since.is_empty() { 0 } else { since.parse::<u64>().map_err(|_| ApiError::invalid("since: expected milliseconds since the Unix epoch"))? };
+    Ok(json!(c.audit.since(since, now_ms())))
 }

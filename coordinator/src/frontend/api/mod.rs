@@ -7,6 +7,7 @@
 //! place, `crate::error`); streams end with an SSE `error` event if anything fails after the 200.
 
 pub mod admin;
+pub mod audit;
 pub mod anthropic;
 pub mod models;
 pub mod openai;
@@ -39,6 +40,8 @@ pub fn router(state: AppState) -> Router {
         .route("/admin/status", get(admin::status))
         .route("/admin/cluster", get(admin::cluster))
         .route("/admin/nodes/{node}/{action}", get(admin::drain).post(admin::drain))
+        .route("/admin/policy/audit", get(audit::since))
+        .route("/admin/policy/audit/{id}", get(audit::record))
         .route_layer(middleware::from_fn_with_state(state.clone(), admin_guard));
     Router::new()
         .merge(api)

@@ -19,6 +19,7 @@ use crate::auth::Caller;
 use crate::frontend::pipeline::{Prepared, Purpose};
 use crate::frontend::request::GenerationRequest;
 use crate::frontend::service::{Accepted, Frontend, Serving};
+use crate::frontend::policy::{Match, OutputGuard, Verdict};
 use crate::frontend::timing::Split;
 use crate::error::ApiError;
 use crate::metrics;
@@ -142,6 +143,7 @@ pub async fn admit_and_start<T: Send + 'static>(
 ) -> Result<Started<T>, ApiError> {
     let admitted = c.admit(caller, true)?;
     let (mut prepared, extra) = prepare(c, Purpose::Generate, not_found, parse).await?;
+    c.check_input(caller, &prepared.req, request_id)?;
     let named = c.served(&prepared.req.model).map(|s| s.info.id.clone()).unwrap_or_default();
     let max_tokens = prepared.req.max_tokens.unwrap_or(0) as usize;
     let fallback = c.fallback_for(caller, &named, prepared.ids.len(), max_tokens);
@@ -176,6 +178,14 @@ pub struct Following {
     acc: Accepted,
     hard_stop: tokio::sync::watch::Receiver<bool>,
     timer: TokenTimer,
+    /// The output rules watching the answer: text leaves only where no match can begin.
+    guard: Option<OutputGuard>,
+    /// An event to answer before reading the sequence again (the end after held text, or a
+    /// refusal).
+    pending: Option<SeqEvent>,
+    /// The prompt's split as first admitted, and the tokens generated, for a refusal's usage.
+    started: (u32, u32),
+    generated: u32,
 }
 
 /// Sets the `server-timing` header: a whole response's [`Split::header`], or a stream's
@@ -185,6 +195,26 @@ pub fn server_timing(mut resp: Response, value: &str) -> Response {
         resp.headers_mut().insert("server-timing", v);
     }
     resp
+}
+
+/// A whole response's headers for how it went: `server-timing`, and the audit id when an output
+/// rule stopped it.
+pub fn outcome_headers(resp: Response, split: &Split, reason: &StopReason) -> Response {
+    let mut resp = server_timing(resp, &split.header());
+    if let StopReason::Refused { audit_id, .. } = reason {
+        if let Ok(v) = HeaderValue::from_str(audit_id) {
+            resp.headers_mut().insert("zerolayer-policy-audit-id", v);
+        }
+    }
+    resp
+}
+
+/// What a stream's last event says of an output rule that stopped it: `{rule, audit_id}`.
+pub fn policy_json(reason: &StopReason) -> Option<Value> {
+    match reason {
+        StopReason::Refused { rule, audit_id } => Some(serde_json::json!({"rule": rule, "audit_id": audit_id})),
+        _ => None,
+    }
 }
 
 /// A stream's `server-timing` value: only the preparation is over when its headers leave (the
@@ -197,7 +227,9 @@ impl Following {
     pub fn new(c: AppState, acc: Accepted) -> Self {
         let timer = TokenTimer::new(&c.node_id, acc.started_at);
         let hard_stop = c.hard_stop.clone();
-        Following { c, acc, hard_stop, timer }
+        let mut acc = acc;
+        let guard = acc.guard.take();
+        Following { c, acc, hard_stop, timer, guard, pending: None, started: (0, 0), generated: 0 }
     }
 
     /// Where the request's time went, up to now (or its end, once finished).
@@ -207,25 +239,35 @@ impl Following {
 
     /// The next thing to answer: an event, an idle `ping` interval, or the end.
     pub async fn next(&mut self, ping: Option<std::time::Duration>) -> Next {
-        let ev = tokio::select! {
-            ev = self.acc.stream.recv() => ev,
-            _ = tokio::time::sleep(ping.unwrap_or_default()), if ping.is_some() => return Next::Idle,
-            _ = stopped(&mut self.hard_stop) => return Next::ShutDown,
+        let ev = match self.pending.take() {
+            Some(ev) => Some(ev),
+            None => tokio::select! {
+                ev = self.acc.stream.recv() => ev,
+                _ = tokio::time::sleep(ping.unwrap_or_default()), if ping.is_some() => return Next::Idle,
+                _ = stopped(&mut self.hard_stop) => return Next::ShutDown,
+            },
         };
         match ev {
             Some(ev) => {
                 let now = Instant::now();
-                match &ev {
-                    SeqEvent::Started { since_admitted_us, .. } => {
+                let mut ev = match ev {
+                    SeqEvent::Finished { ref reason, .. } if self.guard.is_some() && !matches!(reason, StopReason::Error(_) | StopReason::Cancelled) => self.guard_end(ev),
+                    ev => ev,
+                };
+                match &mut ev {
+                    SeqEvent::Started { since_admitted_us, prompt_tokens, cached_tokens } => {
                         let computing = std::time::Duration::from_micros(*since_admitted_us as u64);
                         self.acc.timing.on_admitted(now.checked_sub(computing).unwrap_or(now));
+                        self.started = (*prompt_tokens, *cached_tokens);
                     }
-                    SeqEvent::Delta { tokens, .. } => {
+                    SeqEvent::Delta { tokens, text } => {
                         if !tokens.is_empty() {
                             self.acc.timing.on_tokens(now);
                         }
+                        self.generated += tokens.len() as u32;
                         self.timer.on_tokens(tokens.len());
                         self.acc.ticket.charge_output(tokens.len() as u64);
+                        self.guard_delta(text);
                     }
                     SeqEvent::Finished { usage, reason } if !matches!(reason, StopReason::Error(_)) => {
                         self.acc.timing.on_finished(now);
@@ -250,6 +292,51 @@ impl Following {
             }
             None => Next::Lost,
         }
+    }
+
+    /// New text through the output rules: what may leave now replaces it. A match ends the
+    /// answer after the text before it.
+    fn guard_delta(&mut self, text: &mut String) {
+        let Some(g) = self.guard.as_mut() else { return };
+        match g.push(text) {
+            Verdict::Release(t) => *text = t,
+            Verdict::Stop { release, m } => {
+                *text = release;
+                self.refuse(m);
+            }
+        }
+    }
+
+    /// The sequence ended: the text the rules still hold goes first (unless a match is in it),
+    /// then the end.
+    fn guard_end(&mut self, end: SeqEvent) -> SeqEvent {
+        let Some(mut g) = self.guard.take() else { return end };
+        let text = match g.finish() {
+            Verdict::Release(t) => {
+                self.pending = Some(end);
+                t
+            }
+            Verdict::Stop { release, m } => {
+                self.refuse(m);
+                release
+            }
+        };
+        match self.pending.take() {
+            Some(next) if text.is_empty() => next,
+            next => {
+                self.pending = next;
+                SeqEvent::Delta { tokens: Vec::new(), text }
+            }
+        }
+    }
+
+    /// An output rule matched: an audit record, and the answer ends next with `Refused`.
+    fn refuse(&mut self, m: Match) {
+        self.guard = None;
+        let audit_id = self.c.audit_match(&self.acc.tenant, &m, "output", &self.acc.request_id, &self.acc.model);
+        let (prompt, cached) = self.started;
+        let usage = Usage { prompt_tokens_uncached: prompt.saturating_sub(cached), prompt_tokens_cached: cached, output_tokens: self.generated };
+        self.pending = Some(SeqEvent::Finished { reason: StopReason::Refused { rule: m.rule, audit_id }, usage });
     }
 }
 

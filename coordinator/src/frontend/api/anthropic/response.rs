@@ -99,7 +99,7 @@ fn usage_json(u: &Usage, breakpoints: &[(usize, CacheTtl)]) -> Value {
 /// `max_tokens` ends in `tool_use`.
 fn stop_fields(reason: &StopReason, calls: usize) -> (Value, Value) {
     match reason {
-        StopReason::MaxTokens => (json!(reason.as_anthropic()), Value::Null),
+        StopReason::MaxTokens | StopReason::Refused { .. } => (json!(reason.as_anthropic()), Value::Null),
         _ if calls > 0 => (json!("tool_use"), Value::Null),
         StopReason::StopSequence(s) => (json!("stop_sequence"), json!(s)),
         r => (json!(r.as_anthropic()), Value::Null),
@@ -173,7 +173,7 @@ pub async fn messages(
             if context_management {
                 body["context_management"] = json!({"applied_edits": []});
             }
-            shared::server_timing(Json(body).into_response(), &split.header())
+            shared::outcome_headers(Json(body).into_response(), &split, &reason)
         }
         Err(e) => e.into_anthropic(&rid.0),
     };
@@ -334,6 +334,9 @@ impl MessageStream {
                                "usage": {"output_tokens": usage.output_tokens.max(self.output_tokens), "server_timing": self.seq.split().json()}});
                     if self.context_management {
                         delta["context_management"] = json!({"applied_edits": []});
+                    }
+                    if let Some(p) = shared::policy_json(&reason) {
+                        delta["policy"] = p;
                     }
                     out.push(named_event("message_delta", delta));
                     out.push(named_event("message_stop", json!({"type": "message_stop"})));

@@ -93,6 +93,7 @@ pub fn parse(body: &Value) -> Result<CompletionRequest, ApiError> {
 fn finish_reason(r: &StopReason) -> &'static str {
     match r {
         StopReason::MaxTokens => "length",
+        StopReason::Refused { .. } => "content_filter",
         _ => "stop",
     }
 }
@@ -119,14 +120,15 @@ pub async fn completions(
         return finish(&c, "completions", shared::server_timing(shared::sse_response(s, TextStream::step), &timing), Some(&served_by));
     }
     let resp = match collect(&c, acc).await {
-        Ok((text, reason, usage, split)) => shared::server_timing(
+        Ok((text, reason, usage, split)) => shared::outcome_headers(
             Json(json!({
                 "id": id, "object": "text_completion", "created": created, "model": model,
                 "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish_reason(&reason)}],
                 "usage": usage_json(&usage),
             }))
             .into_response(),
-            &split.header(),
+            &split,
+            &reason,
         ),
         Err(e) => e.into_openai(),
     };
@@ -158,7 +160,7 @@ impl TextStream {
                 SeqEvent::Delta { text, .. } => return (vec![self.chunk(&text, Value::Null)], Some(self)),
                 SeqEvent::Finished { reason: StopReason::Error(e), .. } => return (vec![Event::default().data(failed(Some(&e)).openai_body().to_string())], None),
                 SeqEvent::Finished { reason, usage } => {
-                    let mut out = vec![self.chunk("", json!(finish_reason(&reason)))];
+                    let mut out = vec![self.head.finish_event(json!([{"index": 0, "text": "", "logprobs": null, "finish_reason": finish_reason(&reason)}]), &reason)];
                     self.head.end(&usage, self.seq.split().json(), &mut out);
                     return (out, None);
                 }

@@ -22,6 +22,7 @@ use crate::frontend::tools::{split_calls, CallParser, Calls, Piece};
 fn finish_reason(r: &StopReason, calls: usize) -> &'static str {
     match r {
         StopReason::MaxTokens => "length",
+        StopReason::Refused { .. } => "content_filter",
         _ if calls > 0 => "tool_calls",
         _ => "stop",
     }
@@ -98,7 +99,7 @@ pub async fn chat_completions(
                 "choices": [{"index": 0, "message": message, "finish_reason": finish_reason(&reason, calls), "logprobs": null}],
                 "usage": usage_json(&usage),
             });
-            shared::server_timing(Json(body).into_response(), &split.header())
+            shared::outcome_headers(Json(body).into_response(), &split, &reason)
         }
         Err(e) => e.into_openai(),
     };
@@ -120,6 +121,16 @@ impl Chunks {
     /// One chunk with these `choices`.
     pub fn event(&self, choices: Value) -> Event {
         Event::default().data(json!({"id": self.id, "object": self.object, "created": self.created, "model": self.model, "choices": choices}).to_string())
+    }
+
+    /// The chunk with `finish_reason` (and, when an output rule stopped the answer, `policy`:
+    /// the rule and its audit id).
+    pub fn finish_event(&self, choices: Value, reason: &StopReason) -> Event {
+        let mut body = json!({"id": self.id, "object": self.object, "created": self.created, "model": self.model, "choices": choices});
+        if let Some(p) = super::super::shared::policy_json(reason) {
+            body["policy"] = p;
+        }
+        Event::default().data(body.to_string())
     }
 
     /// The stream's end: the usage chunk when it was asked for (with where the request's time
@@ -213,7 +224,7 @@ impl ChunkStream {
                     let mut out = Vec::new();
                     self.pieces(rest, &mut out);
                     let calls = self.parser.as_ref().map_or(0, |p| p.calls);
-                    out.push(self.chunk(json!({}), json!(finish_reason(&reason, calls))));
+                    out.push(self.head.finish_event(json!([{"index": 0, "delta": {}, "finish_reason": finish_reason(&reason, calls), "logprobs": null}]), &reason));
                     self.head.end(&usage, self.seq.split().json(), &mut out);
                     return (out, None);
                 }

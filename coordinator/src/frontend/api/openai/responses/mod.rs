@@ -71,9 +71,12 @@ async fn respond(c: &AppState, rid: &RequestId, caller: &Caller, body: Result<By
     }
     let (text, reason, usage, split) = collect(c, acc).await?;
     let (state, incomplete) = output::status(&reason);
-    let response = head.object(state, incomplete, output::items(&offered, &text), Some(&usage));
+    let mut response = head.object(state, incomplete, output::items(&offered, &text), Some(&usage));
+    if let Some(p) = shared::policy_json(&reason) {
+        response["policy"] = p;
+    }
     keep.keep(c, &response);
-    Ok((shared::server_timing(Json(response).into_response(), &split.header()), served_by))
+    Ok((shared::outcome_headers(Json(response).into_response(), &split, &reason), served_by))
 }
 
 /// `GET /v1/responses/{id}`: a stored response of the caller's tenant.

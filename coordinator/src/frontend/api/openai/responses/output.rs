@@ -67,6 +67,7 @@ pub fn items(calls: &Calls, text: &str) -> Vec<Value> {
 pub fn status(reason: &StopReason) -> (&'static str, Value) {
     match reason {
         StopReason::MaxTokens => ("incomplete", json!({"reason": "max_output_tokens"})),
+        StopReason::Refused { .. } => ("incomplete", json!({"reason": "content_filter"})),
         _ => ("completed", Value::Null),
     }
 }

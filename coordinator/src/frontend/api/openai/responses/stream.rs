@@ -122,6 +122,9 @@ impl ResponseStream {
         let mut response = self.head.object(state, incomplete, std::mem::take(&mut self.items), Some(usage));
         self.keep.keep(&self.seq.c, &response);
         response["usage"]["server_timing"] = self.seq.split().json();
+        if let Some(p) = crate::frontend::api::shared::policy_json(reason) {
+            response["policy"] = p;
+        }
         let ty = if state == "completed" { "response.completed" } else { "response.incomplete" };
         out.push(self.event(ty, json!({"response": response})));
     }
