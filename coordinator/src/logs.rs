@@ -109,10 +109,11 @@ where
     }
 }
 
-/// The binary's logs: `RUST_LOG` (default `info`), to stderr.
+/// The binary's logs: `RUST_LOG` (default `info`), on stdout (where a container's logs are
+/// collected, and where `zerolayer up` has always written its ready line).
 pub fn init(json: bool) {
     let filter = std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into());
-    init_with(json, &filter, io::stderr);
+    init_with(json, &filter, io::stdout);
 }
 
 #[cfg(test)]
