@@ -233,17 +233,20 @@ async fn rolling_restart_and_a_killed_process_fail_no_request() {
         let (http, survivors, undisturbed) = (http.clone(), survivors.clone(), undisturbed.clone());
         inflight.push(tokio::spawn(async move {
             let (status, text, by) = ask_where(&http, &survivors, k, &fresh(k, k % 2 == 0)).await;
-            (k, status, text == undisturbed[k], text, by)
+            (k, status, text == undisturbed[k], text, by, Instant::now())
         }));
     }
     tokio::time::sleep(Duration::from_millis(400)).await;
     Command::new("kill").args(["-KILL", &victim]).status().unwrap();
+    let killed_at = Instant::now();
     let mut on_victim = 0;
     for t in inflight {
-        let (k, status, same, text, by) = tokio::time::timeout(Duration::from_secs(300), t).await.expect("finishes").unwrap();
+        let (k, status, same, text, by, done) = tokio::time::timeout(Duration::from_secs(300), t).await.expect("finishes").unwrap();
         assert_eq!(status, 200, "request {k} after the kill: {text}");
         assert!(same, "request {k} (first on {by}): the replay gives the undisturbed output ({text:?})");
-        on_victim += usize::from(by.starts_with("n3/"));
+        // Started on n3 and done well after it died: it was running there, and was replayed. (One
+        // done before the kill, as drafts make short answers quick, needed no replay.)
+        on_victim += usize::from(by.starts_with("n3/") && done > killed_at + Duration::from_millis(100));
     }
     println!("{on_victim} of 8 requests were running on n3 when it was killed");
     assert!(on_victim >= 1, "some requests ran on the killed node");
