@@ -2,7 +2,6 @@
 //! trace-level log capture (to prove keys never reach the logs), which must not affect other
 //! tests' timing or memory.
 
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use serde_json::{json, Value};
@@ -14,25 +13,12 @@ fn ok_body() -> Value {
     json!({"model": MODEL, "max_tokens": 1, "temperature": 0, "messages": [{"role": "user", "content": "Hi"}]})
 }
 
-/// Captures everything the process logs, to check that keys never appear.
-#[derive(Clone, Default)]
-struct Capture(Arc<Mutex<Vec<u8>>>);
-impl std::io::Write for Capture {
-    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(b);
-        Ok(b.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn auth_rate_limits_and_keys_never_logged() {
     let _g = heavy();
-    let logs = Capture::default();
-    let sink = logs.clone();
-    let _ = tracing_subscriber::fmt().with_env_filter("trace").with_writer(move || sink.clone()).try_init();
+    // Captures everything the process logs, to check that keys never appear.
+    let logs = LogCapture::default();
+    let _ = tracing_subscriber::fmt().with_env_filter("trace").with_writer(logs.clone()).try_init();
     let user = "sk-user-0123456789abcdef";
     let heavy_user = "sk-heavy-0123456789abcdef";
     let admin = "sk-admin-fedcba9876543210";
@@ -121,7 +107,7 @@ async fn auth_rate_limits_and_keys_never_logged() {
     assert!(e.get("type").is_none() && e["error"].get("code").is_some(), "OpenAI's shape: {e}");
     s.stop().await.unwrap();
 
-    let logged = String::from_utf8_lossy(&logs.0.lock().unwrap()).to_string();
+    let logged = logs.text();
     assert!(logged.contains("zerolayer") || !logged.is_empty(), "logs were captured");
     assert!(!logged.contains(user) && !logged.contains(admin), "a key appeared in the logs");
 }

@@ -194,34 +194,13 @@ fn metric_names_are_found_in_promql() {
     assert_eq!(exposed("# HELP a x\na_total{n=\"1\"} 2\nb 3\n").into_iter().collect::<Vec<_>>(), ["a_total", "b"]);
 }
 
-/// Log lines, as the process writes them, kept for the test to read.
-#[derive(Clone, Default)]
-struct Captured(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
-
-impl std::io::Write for Captured {
-    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(b);
-        Ok(b.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Captured {
-    type Writer = Captured;
-    fn make_writer(&'a self) -> Captured {
-        self.clone()
-    }
-}
-
 /// With debug logging on, the process's own subscriber (the binary's, written to a buffer):
 /// client text reaches log lines (the prompt's debug line, a refused request's error), and
 /// no email address, phone number or operator pattern in it is written as sent.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_text_is_redacted_in_every_log_line() {
     let _g = heavy();
-    let logs = Captured::default();
+    let logs = LogCapture::default();
     zerolayer_coordinator::logs::init_with(false, "debug", logs.clone());
     let s = TestServer::start(|c| c.logging.patterns = vec![r"ACCT-\d{6}".into()]).await;
     let c = http_client(120);
@@ -238,7 +217,7 @@ async fn client_text_is_redacted_in_every_log_line() {
     assert!(body.contains(email), "the client's own error still names what it sent: {body}");
     s.stop().await.unwrap();
 
-    let text = String::from_utf8_lossy(&logs.0.lock().unwrap()).into_owned();
+    let text = logs.text();
     let lines: Vec<&str> = text.lines().collect();
     assert!(lines.iter().any(|l| l.contains("prompt prepared") && l.contains("[email]") && l.contains("[phone]") && l.contains("[redacted]")), "the prompt's debug line: {text}");
     assert!(lines.iter().any(|l| l.contains("request refused") && l.contains("[email]")), "the refusal's line");

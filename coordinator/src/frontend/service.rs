@@ -249,10 +249,12 @@ impl Frontend {
     /// the same placement decision over the published snapshot. `None`: the model itself can
     /// (or the key opted out, or no fallback can either): the request goes on as it is.
     pub fn fallback_for(&self, caller: &Caller, model: &str, prompt_tokens: usize, max_tokens: usize) -> Option<String> {
-        if self.dispatch.can_take(model, prompt_tokens, max_tokens) || !self.guard.tenant(caller).allow_fallback {
+        // Most models have no fallback: their requests skip the extra placement decision.
+        let fallbacks = self.config.fallbacks(model);
+        if fallbacks.is_empty() || self.dispatch.can_take(model, prompt_tokens, max_tokens) || !self.guard.tenant(caller).allow_fallback {
             return None;
         }
-        let to = self.config.fallbacks(model).into_iter().find(|m| self.dispatch.can_take(&m.id, prompt_tokens, max_tokens))?.id.clone();
+        let to = fallbacks.into_iter().find(|m| self.dispatch.can_take(&m.id, prompt_tokens, max_tokens))?.id.clone();
         metrics::counter!("zerolayer_fallbacks_total", "node" => self.node_id.clone(), "from" => model.to_string(), "to" => to.clone()).increment(1);
         tracing::info!(from = model, to = %to, "no worker can take the model now: its fallback serves the request");
         Some(to)

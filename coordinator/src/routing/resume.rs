@@ -103,6 +103,12 @@ impl LiveSequence {
         }
     }
 
+    /// The usage of what the client has had so far (a sequence the coordinator ends early).
+    pub fn usage_so_far(&self) -> Usage {
+        let (prompt, cached) = self.started.unwrap_or_default();
+        Usage { prompt_tokens_uncached: prompt - cached.min(prompt), prompt_tokens_cached: cached.min(prompt), output_tokens: self.job.resume.len() as u32 }
+    }
+
     /// The client's usage: the prompt as first admitted, every token generated on any worker.
     fn usage(&self, last: Usage) -> Usage {
         if self.moves == 0 {

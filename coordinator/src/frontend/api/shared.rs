@@ -183,9 +183,6 @@ pub struct Following {
     /// An event to answer before reading the sequence again (the end after held text, or a
     /// refusal).
     pending: Option<SeqEvent>,
-    /// The prompt's split as first admitted, and the tokens generated, for a refusal's usage.
-    started: (u32, u32),
-    generated: u32,
 }
 
 /// Sets the `server-timing` header: a whole response's [`Split::header`], or a stream's
@@ -229,7 +226,7 @@ impl Following {
         let hard_stop = c.hard_stop.clone();
         let mut acc = acc;
         let guard = acc.guard.take();
-        Following { c, acc, hard_stop, timer, guard, pending: None, started: (0, 0), generated: 0 }
+        Following { c, acc, hard_stop, timer, guard, pending: None }
     }
 
     /// Where the request's time went, up to now (or its end, once finished).
@@ -255,36 +252,21 @@ impl Following {
                     ev => ev,
                 };
                 match &mut ev {
-                    SeqEvent::Started { since_admitted_us, prompt_tokens, cached_tokens } => {
+                    SeqEvent::Started { since_admitted_us, .. } => {
                         let computing = std::time::Duration::from_micros(*since_admitted_us as u64);
                         self.acc.timing.on_admitted(now.checked_sub(computing).unwrap_or(now));
-                        self.started = (*prompt_tokens, *cached_tokens);
                     }
                     SeqEvent::Delta { tokens, text } => {
                         if !tokens.is_empty() {
                             self.acc.timing.on_tokens(now);
                         }
-                        self.generated += tokens.len() as u32;
                         self.timer.on_tokens(tokens.len());
                         self.acc.ticket.charge_output(tokens.len() as u64);
                         self.guard_delta(text);
                     }
                     SeqEvent::Finished { usage, reason } if !matches!(reason, StopReason::Error(_)) => {
                         self.acc.timing.on_finished(now);
-                        let split = self.split();
-                        let mut phases = split.phases().to_vec();
-                        if !split.migrate.is_zero() {
-                            phases.push(("migrate", split.migrate));
-                        }
-                        metrics::phases(&self.c.node_id, &phases, split.total);
-                        metrics::tokens(&self.c.node_id, usage.prompt_tokens_uncached as u64, usage.prompt_tokens_cached as u64, usage.output_tokens as u64);
-                        tracing::info!(
-                            target: "zerolayer_coordinator::usage",
-                            input_tokens = usage.prompt_tokens_uncached,
-                            cache_read_input_tokens = usage.prompt_tokens_cached,
-                            output_tokens = usage.output_tokens,
-                            "request finished"
-                        );
+                        self.record_finished(usage);
                     }
                     SeqEvent::Finished { .. } => self.acc.timing.on_finished(now),
                 }
@@ -292,6 +274,25 @@ impl Following {
             }
             None => Next::Lost,
         }
+    }
+
+    /// A request that ended with a result: its phases and tokens in the metrics, and its usage
+    /// line.
+    fn record_finished(&self, usage: &Usage) {
+        let split = self.split();
+        let mut phases = split.phases().to_vec();
+        if !split.migrate.is_zero() {
+            phases.push(("migrate", split.migrate));
+        }
+        metrics::phases(&self.c.node_id, &phases, split.total);
+        metrics::tokens(&self.c.node_id, usage.prompt_tokens_uncached as u64, usage.prompt_tokens_cached as u64, usage.output_tokens as u64);
+        tracing::info!(
+            target: "zerolayer_coordinator::usage",
+            input_tokens = usage.prompt_tokens_uncached,
+            cache_read_input_tokens = usage.prompt_tokens_cached,
+            output_tokens = usage.output_tokens,
+            "request finished"
+        );
     }
 
     /// New text through the output rules: what may leave now replaces it. A match ends the
@@ -334,8 +335,7 @@ impl Following {
     fn refuse(&mut self, m: Match) {
         self.guard = None;
         let audit_id = self.c.audit_match(&self.acc.tenant, &m, "output", &self.acc.request_id, &self.acc.model);
-        let (prompt, cached) = self.started;
-        let usage = Usage { prompt_tokens_uncached: prompt.saturating_sub(cached), prompt_tokens_cached: cached, output_tokens: self.generated };
+        let usage = self.acc.stream.usage_so_far();
         self.pending = Some(SeqEvent::Finished { reason: StopReason::Refused { rule: m.rule, audit_id }, usage });
     }
 }
