@@ -49,6 +49,14 @@ pub struct SamplingParams {
     /// Added to these tokens' logits before anything else (OpenAI's `logit_bias`).
     #[serde(default)]
     pub logit_bias: Vec<(u32, f32)>,
+    /// Return each generated token's log-probability and this many of the most likely
+    /// alternatives (at most [`TokenLogprob::MAX_TOP`]); None: none.
+    #[serde(default)]
+    pub logprobs: Option<u32>,
+    /// With `logprobs`: also report the prompt's tokens' (each after the first), computed anew
+    /// rather than read from the prefix cache ([`SeqEvent::PromptLogprobs`]).
+    #[serde(default)]
+    pub prompt_logprobs: bool,
 }
 
 impl Default for SamplingParams {
@@ -67,6 +75,8 @@ impl Default for SamplingParams {
             frequency_penalty: 0.0,
             repetition_penalty: None,
             logit_bias: vec![],
+            logprobs: None,
+            prompt_logprobs: false,
         }
     }
 }
@@ -208,6 +218,22 @@ impl Usage {
     }
 }
 
+/// A generated token's log-probability under the model (the log-softmax of its raw logits,
+/// before bias, penalties, temperature or truncation, as llama.cpp and vLLM report them), and
+/// the most likely tokens of the same position with theirs, most likely first.
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TokenLogprob {
+    pub token: u32,
+    pub logprob: f32,
+    pub top: Vec<(u32, f32)>,
+}
+
+impl TokenLogprob {
+    /// The most alternatives a request may ask for (OpenAI's `top_logprobs` limit).
+    pub const MAX_TOP: u32 = 20;
+}
+
 /// What a worker streams back for one sequence.
 #[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -219,7 +245,12 @@ pub enum SeqEvent {
     Started { prompt_tokens: u32, cached_tokens: u32, since_admitted_us: u32 },
     /// New tokens and the text they completed (text may be empty while a multi-byte character
     /// or a possible stop sequence is held back).
-    Delta { tokens: Vec<u32>, text: String },
+    /// `logprobs`: one per token when the request asked for them (else empty).
+    Delta { tokens: Vec<u32>, text: String, logprobs: Vec<TokenLogprob> },
+    /// The log-probabilities of prompt tokens `from`, `from + 1`, … (the request asked for
+    /// prompt logprobs): in order, before any `Delta`. A sequence computed again (replayed
+    /// after a loss) may repeat some; the coordinator passes each index on once.
+    PromptLogprobs { from: u32, logprobs: Vec<TokenLogprob> },
     /// The sequence is over. No event follows.
     Finished { reason: StopReason, usage: Usage },
 }

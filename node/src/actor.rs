@@ -421,9 +421,10 @@ impl Route {
     fn deliver(&mut self, ev: Option<SeqEvent>) -> bool {
         if let Some(ev) = ev {
             match (self.pending.back_mut(), ev) {
-                (Some(SeqEvent::Delta { tokens, text }), SeqEvent::Delta { tokens: t, text: x }) => {
+                (Some(SeqEvent::Delta { tokens, text, logprobs }), SeqEvent::Delta { tokens: t, text: x, logprobs: l }) => {
                     tokens.extend(t);
                     text.push_str(&x);
+                    logprobs.extend(l);
                 }
                 (_, ev) => self.pending.push_back(ev),
             }

@@ -7,75 +7,24 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use zerolayer_common::config::Speculative;
-use zerolayer_common::{CachePin, Job, WorkerConfig, KvEvent, SamplingParams, SeqEvent, StopReason, Usage, WorkerSignals};
+use zerolayer_common::{CachePin, Job, WorkerConfig, KvEvent, SeqEvent, StopReason, TokenLogprob, Usage, WorkerSignals};
 
 use crate::error::{Result, WorkerError};
 use crate::backend::{self, Backend};
 use crate::model::{recycle, ForwardItem, Model, ModelConfig};
 use crate::grammar::Constraint;
-use crate::sampler::{Pick, Picked, Sampler};
+use crate::sampler::logprob::token_logprob;
+use crate::sampler::{Pick, Picked};
 use crate::scheduler::{Entry, Plan, Scheduler, SchedulerConfig, SeqId};
-use crate::speculate::{Drafter, Drafts, RecentOutputs};
+use crate::speculate::{Drafts, RecentOutputs};
 use crate::step_time::{StallFree, StepShape, StepTimeModel};
-use crate::stop::StopChecker;
-use crate::tokenizer::{IncrementalDecoder, Tokenizer};
+use crate::tokenizer::Tokenizer;
+use seq_state::SeqState;
 
+mod prompt_logprobs;
+mod seq_state;
 mod speculation;
 mod transfer;
-
-struct SeqState {
-    params: SamplingParams,
-    sampler: Sampler,
-    decoder: IncrementalDecoder,
-    stop: StopChecker,
-    /// The grammar the output must match, if the request set one.
-    constraint: Option<Constraint>,
-    /// Prompt prefixes to pin once they are computed (`cache_control` TTLs).
-    pins: Vec<CachePin>,
-    /// How long its next speculative draft may be.
-    drafter: Drafter,
-}
-
-impl SeqState {
-    fn new(params: SamplingParams, sampled: u64, max_draft: usize) -> Self {
-        SeqState {
-            sampler: Sampler::new(&params, sampled),
-            decoder: IncrementalDecoder::default(),
-            stop: StopChecker::new(&params.stop_sequences),
-            params,
-            constraint: None,
-            pins: Vec::new(),
-            drafter: Drafter::new(max_draft),
-        }
-    }
-
-    /// The text the newest token of `generated` completes (the token is `generated`'s last),
-    /// and whether the sequence ends with it: the end token, a stop sequence, `max_tokens`.
-    fn advance(&mut self, tok: &Tokenizer, generated: &[u32]) -> Result<(String, Option<StopReason>)> {
-        let last = *generated.last().expect("a new token");
-        let end = tok.is_end_token(last) && (!self.params.ignore_eos || self.params.grammar.is_some());
-        let at_limit = !end && generated.len() >= self.params.max_tokens as usize;
-        // An end token adds no text of its own: only what the decoder still holds back.
-        let gen = &generated[..generated.len() - usize::from(end)];
-        let mut text = if end { String::new() } else { self.decoder.step(tok, gen)? };
-        if end || at_limit {
-            text.push_str(&self.decoder.flush(tok, gen)?);
-        }
-        let step = self.stop.push(&text);
-        let mut emit = step.emit;
-        let reason = match step.matched {
-            Some(m) => Some(StopReason::StopSequence(m)),
-            None if end => Some(StopReason::EndTurn),
-            None if at_limit => Some(StopReason::MaxTokens),
-            None => None,
-        };
-        if matches!(reason, Some(StopReason::EndTurn | StopReason::MaxTokens)) {
-            // Text held back as a possible stop-sequence start is final now.
-            emit.push_str(&self.stop.flush());
-        }
-        Ok((emit, reason))
-    }
-}
 
 /// Output of one step: events per sequence, in order.
 #[derive(Debug, Default)]
@@ -137,6 +86,8 @@ struct StepBufs {
     picked: Picked,
     items: Vec<ForwardItem<'static>>,
     drafts: Drafts,
+    /// Per item: its rows of prompt logprobs.
+    prompt_rows: Vec<usize>,
 }
 
 impl Engine {
@@ -243,6 +194,9 @@ impl Engine {
         if let Some(why) = &self.unavailable {
             return Err(WorkerError::Unavailable(why.clone()));
         }
+        if params.logprobs.is_some_and(|k| k > TokenLogprob::MAX_TOP) {
+            return Err(WorkerError::Invalid(format!("logprobs: at most {} alternatives", TokenLogprob::MAX_TOP)));
+        }
         if !CachePin::all_valid(&pins, prompt.len()) {
             return Err(WorkerError::Invalid(format!("cache pins {pins:?} are outside the limits")));
         }
@@ -254,6 +208,9 @@ impl Engine {
         let mut st = SeqState::new(params, generated.len() as u64, self.max_draft);
         st.sampler.observe(&prompt, &generated);
         st.pins = pins;
+        // A resumed sequence's prompt logprobs went out before its first token did.
+        let wants_prompt = st.params.prompt_logprobs && st.params.logprobs.is_some() && generated.is_empty();
+        st.prompt_next = if wants_prompt { 1 } else { prompt.len() };
         let mut ended = None;
         for k in 1..=generated.len() {
             if let (_, Some(reason)) = st.advance(&self.tokenizer, &generated[..k])? {
@@ -276,7 +233,8 @@ impl Engine {
             self.pending.push((id, SeqEvent::Finished { reason, usage }));
             return Ok(());
         }
-        self.sched.add(id, Entry { tokens, prompt_len, max_tokens: st.params.max_tokens as usize, share, cache_root })?;
+        let prompt_logits = st.prompt_next < prompt_len;
+        self.sched.add(id, Entry { tokens, prompt_len, max_tokens: st.params.max_tokens as usize, share, cache_root, prompt_logits })?;
         self.states.insert(id, st);
         Ok(())
     }
@@ -355,20 +313,15 @@ impl Engine {
         for (i, it) in plan.items.iter().enumerate() {
             shape.add(it.start, it.len + drafts.len[i]);
         }
-        // A row per logits row: a drafted decode has one per position of its chunk.
-        bufs.picks.clear();
+        self.plan_rows(plan, want, drafts, &mut bufs.prompt_rows, &mut bufs.picks);
+        let prompt_rows = &*bufs.prompt_rows;
         let vocab = self.backend.config().vocab_size;
-        for (i, it) in plan.items.iter().enumerate().filter(|&(i, _)| want[i]) {
-            let st = self.states.get(&it.seq);
-            let pick = st.filter(|st| st.constraint.is_none()).map_or(Pick::Host, |st| st.sampler.pick(vocab));
-            bufs.picks.extend(std::iter::repeat_n(pick, 1 + drafts.len[i]));
-        }
         let rows = {
             let mut items: Vec<ForwardItem<'_>> = recycle(std::mem::take(&mut bufs.items));
             items.extend(plan.items.iter().enumerate().map(|(i, it)| {
                 let s = self.sched.get(it.seq).unwrap();
                 let tokens = if drafts.len[i] > 0 { drafts.chunk(i) } else { &s.tokens[it.start..it.start + it.len] };
-                ForwardItem { tokens, start_pos: it.start, block_table: &s.blocks, logits: if want[i] { 1 + drafts.len[i] } else { 0 } }
+                ForwardItem { tokens, start_pos: it.start, block_table: &s.blocks, logits: prompt_rows[i] + if want[i] { 1 + drafts.len[i] } else { 0 } }
             }));
             let rows = self.backend.forward_pick(&items, &bufs.picks, &mut self.logits, &mut bufs.picked);
             bufs.items = recycle(items);
@@ -394,6 +347,11 @@ impl Engine {
 
         let mut row = 0;
         for (i, (it, &w)) in plan.items.iter().zip(want).enumerate() {
+            if prompt_rows[i] > 0 {
+                let rows = &logits_buf[row * vocab..(row + prompt_rows[i]) * vocab];
+                self.report_prompt(it.seq, it.start, rows, &mut out);
+                row += prompt_rows[i];
+            }
             if !it.completes {
                 continue;
             }
@@ -409,12 +367,13 @@ impl Engine {
             let (picks, picked) = (&bufs.picks, &bufs.picked);
             let r = self.verify(it.seq, drafts.of(i), &mut out, |e, j, out| {
                 let r = row + j;
-                let tok = match (picks[r], picked.token(r), picked.candidates(r)) {
-                    (Pick::Greedy, Some(tok), _) => e.on_picked(it.seq, tok),
-                    (Pick::TopK { .. }, _, Some(candidates)) => e.on_candidates(it.seq, candidates),
-                    _ => e.on_token(it.seq, &logits_buf[r * vocab..(r + 1) * vocab])?,
+                let row = &logits_buf[r * vocab..(r + 1) * vocab];
+                let (tok, row) = match (picks[r], picked.token(r), picked.candidates(r)) {
+                    (Pick::Greedy, Some(tok), _) => (e.on_picked(it.seq, tok), None),
+                    (Pick::TopK { .. }, _, Some(candidates)) => (e.on_candidates(it.seq, candidates), None),
+                    _ => (e.on_token(it.seq, row)?, Some(row)),
                 };
-                Ok((tok, e.accept(it.seq, tok, out)?))
+                Ok((tok, e.accept(it.seq, tok, row, out)?))
             });
             if let Err(e) = r {
                 self.fail(&[it.seq], &e, &mut out);
@@ -428,6 +387,26 @@ impl Engine {
             took_ms = took * 1e3, warm = self.step_time.is_warm(), coefficients = ?self.step_time.coefficients(), "step");
         self.step_time.observe(shape, took);
         Ok(out)
+    }
+
+    /// The step's logits rows, item by item: its prompt-logprob rows first (into
+    /// `prompt_rows`), then a row per position to draw at (a drafted decode has one per
+    /// position of its chunk); `picks` says what a device may do of each row's draw.
+    fn plan_rows(&self, plan: &Plan, want: &[bool], drafts: &Drafts, prompt_rows: &mut Vec<usize>, picks: &mut Vec<Pick>) {
+        prompt_rows.clear();
+        prompt_rows.extend(plan.items.iter().zip(want).map(|(it, &w)| self.prompt_rows(it, w)));
+        picks.clear();
+        let vocab = self.backend.config().vocab_size;
+        for (i, it) in plan.items.iter().enumerate() {
+            picks.extend(std::iter::repeat_n(Pick::Host, prompt_rows[i]));
+            if !want[i] {
+                continue;
+            }
+            let st = self.states.get(&it.seq);
+            // A grammar, or logprobs to report, needs the whole row on the host.
+            let pick = st.filter(|st| st.constraint.is_none() && st.params.logprobs.is_none()).map_or(Pick::Host, |st| st.sampler.pick(vocab));
+            picks.extend(std::iter::repeat_n(pick, 1 + drafts.len[i]));
+        }
     }
 
     /// Pins the prefixes the step's sequences asked for, once computed, and ends expired pins.
@@ -499,15 +478,20 @@ impl Engine {
         st.sampler.sample_top_k(candidates)
     }
 
-    /// Appends `tok` to sequence `id`: its text, stop conditions and events. Returns whether
-    /// the sequence ended with it.
-    fn accept(&mut self, id: SeqId, tok: u32, out: &mut StepOutput) -> Result<bool> {
+    /// Appends `tok` to sequence `id`: its text, stop conditions and events (with its logprobs,
+    /// from the logits `row` it was drawn from, when the request asked for them: a sequence
+    /// that did always has its row on the host). Returns whether the sequence ended with it.
+    fn accept(&mut self, id: SeqId, tok: u32, row: Option<&[f32]>, out: &mut StepOutput) -> Result<bool> {
         let st = self.states.get_mut(&id).expect("state for scheduled sequence");
         self.sched.append_token(id, tok);
         self.generated_total += 1;
         let s = self.sched.get(id).expect("scheduled sequence");
         let (emit, reason) = st.advance(&self.tokenizer, &s.tokens[s.prompt_len..])?;
-        out.events.push((id, SeqEvent::Delta { tokens: vec![tok], text: emit }));
+        let logprobs = match (st.params.logprobs, row) {
+            (Some(top), Some(row)) => vec![token_logprob(row, tok, top as usize)],
+            _ => Vec::new(),
+        };
+        out.events.push((id, SeqEvent::Delta { tokens: vec![tok], text: emit, logprobs }));
         let ended = reason.is_some();
         if let Some(r) = reason {
             self.finish(id, r, out);

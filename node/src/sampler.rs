@@ -7,6 +7,7 @@
 //! original would have: seeded sampling at temperature > 0 survives a move, as greedy does.
 
 pub mod adjust;
+pub mod logprob;
 
 use zerolayer_common::SamplingParams;
 

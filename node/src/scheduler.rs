@@ -68,12 +68,19 @@ pub struct Entry {
     pub max_tokens: usize,
     pub share: Share,
     pub cache_root: u64,
+    /// The logits of every prompt position are wanted (prompt logprobs): the prompt is computed
+    /// anew, reusing no cached block, in chunks of at most [`PROMPT_LOGITS_CHUNK`] tokens.
+    pub prompt_logits: bool,
 }
+
+/// The longest prompt chunk of a sequence that wants every position's logits: each position
+/// costs a vocabulary-wide row of logits on the host (152k f32s, 0.6 MB, for Qwen2.5).
+pub const PROMPT_LOGITS_CHUNK: usize = 64;
 
 impl Entry {
     /// A new sequence of `prompt` for the default tenant.
     pub fn new(prompt: Vec<u32>, max_tokens: usize) -> Entry {
-        Entry { prompt_len: prompt.len(), tokens: prompt, max_tokens, share: Share::default(), cache_root: 0 }
+        Entry { prompt_len: prompt.len(), tokens: prompt, max_tokens, share: Share::default(), cache_root: 0, prompt_logits: false }
     }
 
     /// This entry, whose last tokens after the first `prompt_len` were generated elsewhere.
@@ -91,6 +98,12 @@ impl Entry {
     /// This entry in the cache scope whose names start at `root`.
     pub fn scoped(mut self, root: u64) -> Entry {
         self.cache_root = root;
+        self
+    }
+
+    /// This entry, wanting (or not) every prompt position's logits.
+    pub fn with_prompt_logits(mut self, on: bool) -> Entry {
+        self.prompt_logits = on;
         self
     }
 }
@@ -122,6 +135,15 @@ pub struct Sequence {
     pub share: Share,
     /// Tokens of KV its admission reserved room for (prompt plus reserved output).
     reserved_until: usize,
+    /// Wants every prompt position's logits (see [`Entry::prompt_logits`]).
+    pub prompt_logits: bool,
+}
+
+impl Sequence {
+    /// The longest chunk it may compute in one step when `need` tokens are left.
+    fn chunk_cap(&self, need: usize) -> usize {
+        if self.prompt_logits && need > 1 { PROMPT_LOGITS_CHUNK } else { usize::MAX }
+    }
 }
 
 impl Sequence {
@@ -272,7 +294,7 @@ impl Scheduler {
 
     /// Queues a sequence. Refuses one that could never fit alone, or a full queue.
     pub fn add(&mut self, id: SeqId, entry: Entry) -> Result<()> {
-        let Entry { tokens: prompt, prompt_len, max_tokens, share, cache_root } = entry;
+        let Entry { tokens: prompt, prompt_len, max_tokens, share, cache_root, prompt_logits } = entry;
         if prompt_len == 0 || prompt.len() < prompt_len {
             return Err(WorkerError::Invalid("empty prompt".into()));
         }
@@ -312,6 +334,7 @@ impl Scheduler {
                 arrival: if resumed { self.next_resumed } else { self.next_arrival },
                 share,
                 reserved_until: 0,
+                prompt_logits,
             },
         );
         if resumed {

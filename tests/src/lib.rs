@@ -62,14 +62,14 @@ pub fn run_all(engine: &mut Engine) -> HashMap<u64, (Vec<u32>, String, SeqEvent)
         steps += 1;
         assert!(steps < 20_000, "engine did not finish");
         for (id, ev) in engine.step().expect("step").events {
-            let e = out.entry(id).or_insert_with(|| (vec![], String::new(), SeqEvent::Delta { tokens: vec![], text: String::new() }));
+            let e = out.entry(id).or_insert_with(|| (vec![], String::new(), SeqEvent::Delta { tokens: vec![], text: String::new(), logprobs: vec![] }));
             match &ev {
-                SeqEvent::Delta { tokens, text } => {
+                SeqEvent::Delta { tokens, text, .. } => {
                     e.0.extend(tokens);
                     e.1.push_str(text);
                 }
                 SeqEvent::Finished { .. } => e.2 = ev.clone(),
-                SeqEvent::Started { .. } => {}
+                SeqEvent::Started { .. } | SeqEvent::PromptLogprobs { .. } => {}
             }
         }
     }

@@ -26,11 +26,11 @@ async fn drain(mut s: SeqStream) -> (Vec<u32>, String, SeqEvent, usize) {
         let ev = tokio::time::timeout(Duration::from_secs(300), s.recv()).await.expect("events keep coming").expect("a final event");
         n += 1;
         match ev {
-            SeqEvent::Delta { tokens, text: t } => {
+            SeqEvent::Delta { tokens, text: t, .. } => {
                 toks.extend(tokens);
                 text.push_str(&t);
             }
-            SeqEvent::Started { .. } => {}
+            SeqEvent::Started { .. } | SeqEvent::PromptLogprobs { .. } => {}
             fin @ SeqEvent::Finished { .. } => return (toks, text, fin, n),
         }
     }

@@ -191,13 +191,17 @@ pub struct ModelSection {
     /// (all draining, dead, or past their admission limits): a model id. Fallbacks chain, at
     /// most 3 long, with no cycle. A key with `allow_fallback = false` gets the error instead.
     pub fallback: Option<String>,
+    /// The temperature of a request that sets none, in [0, 2] (vLLM's generation config; the
+    /// APIs' own default, 1, when unset). 0 makes such requests greedy: agents that never send
+    /// a temperature (OpenAI's Codex) then get exact, repeatable answers.
+    pub default_temperature: Option<f32>,
 }
 
 /// Empty: what a `[[models]]` entry's missing fields are (a `display_name` left empty is the
 /// id). `[model]`'s missing fields come from [`ModelSection::default_model`] instead.
 impl Default for ModelSection {
     fn default() -> Self {
-        ModelSection { path: PathBuf::new(), tokenizer: None, id: String::new(), aliases: vec![], display_name: String::new(), special_tokens_in_content: false, fallback: None }
+        ModelSection { path: PathBuf::new(), tokenizer: None, id: String::new(), aliases: vec![], display_name: String::new(), special_tokens_in_content: false, fallback: None, default_temperature: None }
     }
 }
 
@@ -396,6 +400,11 @@ impl ClusterConfig {
             }
         }
         out
+    }
+
+    /// The temperature of `id`'s requests that set none (1 unless configured).
+    pub fn default_temperature(&self, id: &str) -> f32 {
+        self.all_models().find(|m| m.id == id).and_then(|m| m.default_temperature).unwrap_or(1.0)
     }
 
     /// The model worker `w` loads.

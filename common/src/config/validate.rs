@@ -25,6 +25,7 @@ impl ClusterConfig {
         }
         if all_named {
             self.validate_fallbacks().map_err(ConfigError::Invalid)?;
+            self.validate_sampling_defaults().map_err(ConfigError::Invalid)?;
         }
         let dtypes: std::collections::HashSet<KvDtype> = self.nodes.iter().flat_map(|n| n.workers.iter().map(|w| w.kv_dtype)).collect();
         if dtypes.len() > 1 {
@@ -121,6 +122,14 @@ impl ClusterConfig {
         let key_names: Vec<&str> = self.auth.keys.iter().map(|k| k.name.as_str()).collect();
         self.policy.validate(&key_names).map_err(ConfigError::Invalid)?;
         super::access::validate(&self.auth, &self.limits).map_err(ConfigError::Invalid)
+    }
+
+    /// Each model's `default_temperature` is one a request could send.
+    fn validate_sampling_defaults(&self) -> Result<(), String> {
+        match self.all_models().find(|m| m.default_temperature.is_some_and(|t| !(0.0..=2.0).contains(&t))) {
+            Some(m) => Err(format!("model {:?}: default_temperature must be in [0, 2]", m.id)),
+            None => Ok(()),
+        }
     }
 
     /// Each `fallback` names another model, and following them never loops nor runs past

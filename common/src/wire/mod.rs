@@ -168,7 +168,7 @@ pub fn decode_reply(body: &[u8]) -> Result<Reply, WireError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::types::{CachePin, SamplingParams, Share, StopReason, Usage};
+    use crate::types::{CachePin, SamplingParams, Share, StopReason, TokenLogprob, Usage};
 
     #[test]
     fn frames_round_trip_and_garbage_is_refused() {
@@ -207,7 +207,7 @@ mod tests {
             Reply::Imported { blocks: 7 },
             Reply::Found { found: true, body: b"{}".to_vec() },
             Reply::Done { status: 401, body: b"{}".to_vec() },
-            Reply::Event(SeqEvent::Delta { tokens: vec![1, 2], text: "hé".into() }),
+            Reply::Event(SeqEvent::Delta { tokens: vec![1, 2], text: "hé".into(), logprobs: vec![TokenLogprob { token: 2, logprob: -0.5, top: vec![(2, -0.5), (7, -1.25)] }] }),
             Reply::Event(SeqEvent::Finished { reason: StopReason::StopSequence("x".into()), usage: Usage { output_tokens: 3, ..Default::default() } }),
             Reply::Event(SeqEvent::Finished { reason: StopReason::Moved { node: "b".into(), worker: "cpu0".into(), kv_tokens: 96 }, usage: Usage::default() }),
         ] {

@@ -146,6 +146,9 @@ pub struct GenerationRequest {
     /// vLLM's `cache_salt`: the request sees only cached prefixes computed under the same salt
     /// (within its key's cache scope).
     pub cache_salt: Option<String>,
+    /// Whether the request set `temperature`; if not, the model's `default_temperature`
+    /// applies.
+    pub temperature_set: bool,
 }
 
 /// `cache_salt` (vLLM's field): absent or null, or a string of 1 to 256 characters.
@@ -184,6 +187,7 @@ impl GenerationRequest {
             breakpoints: vec![],
             raw: None,
             cache_salt: None,
+            temperature_set: false,
         }
     }
 

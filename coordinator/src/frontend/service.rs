@@ -213,6 +213,9 @@ impl Frontend {
         let scope = tenant.cache_scope_name(req.cache_salt.as_deref());
         let fingerprint = Arc::new(Fingerprint::of(&req, &model.id, &ids).in_scope(&scope));
         let mut params = req.params;
+        if !req.temperature_set {
+            params.temperature = self.config.default_temperature(&model.id);
+        }
         params.max_tokens = resolve_max_tokens(req.max_tokens, ids.len(), model.context_length)?;
         if params.temperature > 0.0 {
             // Fixed here, so that a continuation on another worker samples what this one would.

@@ -15,7 +15,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use zerolayer_common::{Job, SeqEvent, StopReason, Usage};
+use zerolayer_common::{Job, SeqEvent, StopReason, TokenLogprob, Usage};
 
 use crate::routing::dispatch::{Dispatcher, Placed};
 
@@ -36,11 +36,19 @@ pub struct LiveSequence {
     left_at: Option<Instant>,
     /// Time spent between leaving a worker and the continuation's next token, all moves.
     migrating: Duration,
+    /// The next prompt token whose logprobs the client gets (a replay computes the prompt's
+    /// again: those it already has are not passed on twice).
+    prompt_next: u32,
 }
 
 impl LiveSequence {
     pub fn new(dispatch: Arc<Dispatcher>, job: Job, at: Placed) -> Self {
-        LiveSequence { dispatch, job, at, started: None, moves: 0, lost_on: Vec::new(), finished: false, left_at: None, migrating: Duration::ZERO }
+        LiveSequence { dispatch, job, at, started: None, moves: 0, lost_on: Vec::new(), finished: false, left_at: None, migrating: Duration::ZERO, prompt_next: 1 }
+    }
+
+    /// The prompt's tokens.
+    pub fn prompt(&self) -> &[u32] {
+        &self.job.prompt
     }
 
     /// `NODE/WORKER` serving the sequence now.
@@ -74,6 +82,11 @@ impl LiveSequence {
                     self.started = Some((prompt_tokens, cached_tokens));
                     return Some(ev);
                 }
+                SeqEvent::PromptLogprobs { from, logprobs } => {
+                    if let Some(ev) = self.new_prompt_logprobs(from, logprobs) {
+                        return Some(ev);
+                    }
+                }
                 SeqEvent::Delta { ref tokens, .. } => {
                     if let Some(t) = self.left_at.take() {
                         self.migrating += t.elapsed();
@@ -101,6 +114,20 @@ impl LiveSequence {
                 }
             }
         }
+    }
+
+    /// The prompt logprobs of `logprobs` (tokens `from`, …) that the client does not have yet,
+    /// in order, within the prompt (a worker's report is checked like a client's input).
+    fn new_prompt_logprobs(&mut self, from: u32, mut logprobs: Vec<TokenLogprob>) -> Option<SeqEvent> {
+        let prompt_len = self.job.prompt.len() as u64;
+        let end = from as u64 + logprobs.len() as u64;
+        if from == 0 || from > self.prompt_next || end <= self.prompt_next as u64 || end > prompt_len {
+            return None;
+        }
+        logprobs.drain(..(self.prompt_next - from) as usize);
+        let ev = SeqEvent::PromptLogprobs { from: self.prompt_next, logprobs };
+        self.prompt_next = end as u32;
+        Some(ev)
     }
 
     /// The usage of what the client has had so far (a sequence the coordinator ends early).

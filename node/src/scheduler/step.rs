@@ -47,12 +47,13 @@ impl Scheduler {
             if !self.running.contains(&id) {
                 continue; // preempted earlier in this step
             }
-            let (need, computed) = {
+            let (need, computed, cap) = {
                 let s = &self.seqs[&id];
-                (s.tokens.len() - s.num_computed, s.num_computed)
+                let need = s.tokens.len() - s.num_computed;
+                (need, s.num_computed, s.chunk_cap(need))
             };
             debug_assert!(need > 0, "running sequence {id} has nothing to compute");
-            let n = if need == 1 { 1 } else { need.min(budget.tokens).min(budget.prefill) };
+            let n = if need == 1 { 1 } else { need.min(budget.tokens).min(budget.prefill).min(cap) };
             if n == 0 {
                 continue;
             }
@@ -135,8 +136,9 @@ impl Scheduler {
         let nothing_running = self.running.is_empty();
         let s = self.seqs.get_mut(&id).unwrap();
         extend_hashes(s, bs);
-        // Reuse cached full blocks, but always compute at least the last token.
-        let max_match = (s.tokens.len() - 1) / bs;
+        // Reuse cached full blocks, but always compute at least the last token (and every
+        // token, for a sequence that wants each position's logits).
+        let max_match = if s.prompt_logits { 0 } else { (s.tokens.len() - 1) / bs };
         let mut matched: Vec<BlockId> = Vec::new();
         for j in 0..max_match.min(s.hashes.len()) {
             match self.pool.lookup(s.name(j, bs)) {
@@ -164,7 +166,7 @@ impl Scheduler {
         // Largest chunk that fits the budget and the free blocks.
         let partial_slots = 0; // matched blocks are full
         let cap_tokens = free_after_match * bs + partial_slots;
-        let n = remaining.min(budget.tokens).min(budget.prefill).min(cap_tokens);
+        let n = remaining.min(budget.tokens).min(budget.prefill).min(cap_tokens).min(s.chunk_cap(remaining));
         if n == 0 {
             return false;
         }

@@ -13,7 +13,7 @@ use axum::http::{HeaderValue, StatusCode};
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use serde_json::Value;
-use zerolayer_common::{SeqEvent, StopReason, Usage};
+use zerolayer_common::{SeqEvent, StopReason, TokenLogprob, Usage};
 
 use crate::auth::Caller;
 use crate::frontend::pipeline::{Prepared, Purpose};
@@ -183,6 +183,10 @@ pub struct Following {
     /// An event to answer before reading the sequence again (the end after held text, or a
     /// refusal).
     pending: Option<SeqEvent>,
+    /// Logprobs held while output rules watch the answer: their token pieces would tell the
+    /// text the rules hold back. They leave with the rest of the text at the end, or never
+    /// when a rule stops the answer.
+    held_logprobs: Vec<TokenLogprob>,
 }
 
 /// Sets the `server-timing` header: a whole response's [`Split::header`], or a stream's
@@ -226,7 +230,7 @@ impl Following {
         let hard_stop = c.hard_stop.clone();
         let mut acc = acc;
         let guard = acc.guard.take();
-        Following { c, acc, hard_stop, timer, guard, pending: None }
+        Following { c, acc, hard_stop, timer, guard, pending: None, held_logprobs: Vec::new() }
     }
 
     /// Where the request's time went, up to now (or its end, once finished).
@@ -256,12 +260,15 @@ impl Following {
                         let computing = std::time::Duration::from_micros(*since_admitted_us as u64);
                         self.acc.timing.on_admitted(now.checked_sub(computing).unwrap_or(now));
                     }
-                    SeqEvent::Delta { tokens, text } => {
+                    SeqEvent::Delta { tokens, text, logprobs } => {
                         if !tokens.is_empty() {
                             self.acc.timing.on_tokens(now);
                         }
                         self.timer.on_tokens(tokens.len());
                         self.acc.ticket.charge_output(tokens.len() as u64);
+                        if self.guard.is_some() {
+                            self.held_logprobs.append(logprobs);
+                        }
                         self.guard_delta(text);
                     }
                     SeqEvent::Finished { usage, reason } if !matches!(reason, StopReason::Error(_)) => {
@@ -269,6 +276,7 @@ impl Following {
                         self.record_finished(usage);
                     }
                     SeqEvent::Finished { .. } => self.acc.timing.on_finished(now),
+                    SeqEvent::PromptLogprobs { .. } => {}
                 }
                 Next::Event(ev)
             }
@@ -322,11 +330,12 @@ impl Following {
                 release
             }
         };
+        let logprobs = std::mem::take(&mut self.held_logprobs);
         match self.pending.take() {
-            Some(next) if text.is_empty() => next,
+            Some(next) if text.is_empty() && logprobs.is_empty() => next,
             next => {
                 self.pending = next;
-                SeqEvent::Delta { tokens: Vec::new(), text }
+                SeqEvent::Delta { tokens: Vec::new(), text, logprobs }
             }
         }
     }
@@ -334,22 +343,40 @@ impl Following {
     /// An output rule matched: an audit record, and the answer ends next with `Refused`.
     fn refuse(&mut self, m: Match) {
         self.guard = None;
+        self.held_logprobs.clear();
         let audit_id = self.c.audit_match(&self.acc.tenant, &m, "output", &self.acc.request_id, &self.acc.model);
         let usage = self.acc.stream.usage_so_far();
         self.pending = Some(SeqEvent::Finished { reason: StopReason::Refused { rule: m.rule, audit_id }, usage });
     }
 }
 
-/// Collects a whole sequence (non-streaming responses), with where its time went.
-pub async fn collect(c: &AppState, acc: Accepted) -> Result<(String, StopReason, Usage, Split), ApiError> {
+/// A whole sequence, as a non-streaming response answers it.
+pub struct Collected {
+    pub text: String,
+    pub reason: StopReason,
+    pub usage: Usage,
+    /// Where its time went.
+    pub split: Split,
+    /// Each generated token's log-probabilities, when the request asked for them, and the
+    /// prompt's (from its second token), when it asked for those too.
+    pub logprobs: Vec<TokenLogprob>,
+    pub prompt_logprobs: Vec<TokenLogprob>,
+}
+
+/// Collects a whole sequence (non-streaming responses).
+pub async fn collect(c: &AppState, acc: Accepted) -> Result<Collected, ApiError> {
     let mut f = Following::new(c.clone(), acc);
-    let mut text = String::new();
+    let (mut text, mut logprobs, mut prompt_logprobs) = (String::new(), Vec::new(), Vec::new());
     loop {
         match f.next(None).await {
-            Next::Event(SeqEvent::Delta { text: t, .. }) => text.push_str(&t),
+            Next::Event(SeqEvent::Delta { text: t, logprobs: l, .. }) => {
+                text.push_str(&t);
+                logprobs.extend(l);
+            }
+            Next::Event(SeqEvent::PromptLogprobs { logprobs: l, .. }) => prompt_logprobs.extend(l),
             Next::Event(SeqEvent::Started { .. }) | Next::Idle => {}
             Next::Event(SeqEvent::Finished { reason: StopReason::Error(e), .. }) => return Err(failed(Some(&e))),
-            Next::Event(SeqEvent::Finished { reason, usage }) => return Ok((text, reason, usage, f.split())),
+            Next::Event(SeqEvent::Finished { reason, usage }) => return Ok(Collected { text, reason, usage, split: f.split(), logprobs, prompt_logprobs }),
             Next::ShutDown => return Err(shut_down()),
             Next::Lost => return Err(failed(None)),
         }

@@ -102,7 +102,7 @@ pub fn parse(body: &Value, endpoint: Endpoint) -> Result<MessagesRequest, ApiErr
 
     let params = SamplingParams { temperature, top_k, top_p, max_tokens: 0, stop_sequences, ..SamplingParams::default() };
     Ok(MessagesRequest {
-        generation: GenerationRequest { model, system, turns, max_tokens, params, stream, tools, tool_choice, parallel_tool_calls, format, breakpoints, raw: None, cache_salt },
+        generation: GenerationRequest { model, system, turns, max_tokens, params, stream, tools, tool_choice, parallel_tool_calls, format, breakpoints, raw: None, cache_salt, temperature_set: obj.get("temperature").is_some_and(|v| !v.is_null()) },
         diagnostics,
         context_management,
     })

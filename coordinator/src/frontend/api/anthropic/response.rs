@@ -160,7 +160,7 @@ pub async fn messages(
     }
     let breakpoints = acc.breakpoints.clone();
     let resp = match collect(&c, acc).await {
-        Ok((text, reason, usage, split)) => {
+        Ok(shared::Collected { text, reason, usage, split, .. }) => {
             let (content, calls) = content_blocks(&offered, text);
             let (stop_reason, stop_sequence) = stop_fields(&reason, calls);
             let mut body = json!({
@@ -300,7 +300,8 @@ impl MessageStream {
                     let u = Usage { prompt_tokens_uncached: prompt_tokens - cached_tokens, prompt_tokens_cached: cached_tokens, output_tokens: 0 };
                     return (vec![self.message_start(&u), Self::ping()], Some(self));
                 }
-                SeqEvent::Delta { tokens, text } => {
+                SeqEvent::PromptLogprobs { .. } => continue,
+                SeqEvent::Delta { tokens, text, .. } => {
                     self.output_tokens += tokens.len() as u32;
                     if text.is_empty() {
                         continue;

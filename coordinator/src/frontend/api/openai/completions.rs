@@ -2,7 +2,10 @@
 //! It is how base models are served. `prompt` is a string or token ids (or a list of one of
 //! either); the reply is a `text_completion`, or its chunks ending in `data: [DONE]`. Sampling,
 //! `stop`, `seed`, `max_tokens` (16 when absent, as OpenAI's), `stream` and
-//! `stream_options.include_usage` are Chat Completions'. Errors use OpenAI's shape.
+//! `stream_options.include_usage` are Chat Completions'. `logprobs: k` returns each token's
+//! log-probability and its k likeliest alternatives; `echo` puts the prompt before the output,
+//! and with `logprobs` its tokens' too (the first has none): with `max_tokens: 0`, the
+//! log-likelihood of a text, as lm-evaluation-harness asks it. Errors use OpenAI's shape.
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -11,8 +14,10 @@ use axum::response::sse::Event;
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use serde_json::{json, Value};
-use zerolayer_common::{SeqEvent, StopReason};
+use zerolayer_common::{SeqEvent, StopReason, TokenLogprob};
+use zerolayer_worker::tokenizer::Tokenizer;
 
+use super::logprobs::{self, Namer};
 use super::request::{bad, model_name, sampling, Sampling};
 use super::response::{no_such_model, usage_json, Chunks};
 use crate::auth::Caller;
@@ -30,6 +35,10 @@ const DEFAULT_COMPLETION_TOKENS: u32 = 16;
 pub struct CompletionRequest {
     pub generation: GenerationRequest,
     pub include_usage: bool,
+    /// `echo`: the choice's text (and logprobs) begin with the prompt's.
+    pub echo: bool,
+    /// `return_tokens_as_token_ids`: logprobs name tokens by id.
+    pub token_ids: bool,
 }
 
 /// `prompt`: a string, token ids, or a list holding one of either (one prompt per request).
@@ -59,18 +68,15 @@ pub fn parse(body: &Value) -> Result<CompletionRequest, ApiError> {
     let Some(obj) = body.as_object() else { return bad("request body must be a JSON object") };
     let model = model_name(obj)?;
     let raw = parse_prompt(obj.get("prompt"))?;
-    let Sampling { max_tokens, params, stream, include_usage } = sampling(obj)?;
-    if obj.get("echo").and_then(Value::as_bool) == Some(true) {
-        return bad("echo: not supported");
-    }
+    let Sampling { max_tokens, mut params, stream, include_usage } = sampling(obj)?;
+    params.logprobs = super::logprobs::completion(obj)?;
+    let echo = super::fields::flag(obj, "echo", false)?;
+    params.prompt_logprobs = echo && params.logprobs.is_some();
     if obj.get("suffix").is_some_and(|s| !s.is_null()) {
         return bad("suffix: not supported");
     }
     if obj.get("best_of").is_some_and(|b| !b.is_null() && b.as_u64() != Some(1)) {
         return bad("best_of: only best_of = 1 is supported");
-    }
-    if obj.get("logprobs").is_some_and(|l| !l.is_null() && l.as_u64() != Some(0)) {
-        return bad("logprobs: not supported yet");
     }
     let generation = GenerationRequest {
         model,
@@ -86,8 +92,9 @@ pub fn parse(body: &Value) -> Result<CompletionRequest, ApiError> {
         breakpoints: vec![],
         raw: Some(raw),
         cache_salt: crate::frontend::request::parse_cache_salt(obj.get("cache_salt"))?,
+        temperature_set: obj.get("temperature").is_some_and(|v| !v.is_null()),
     };
-    Ok(CompletionRequest { generation, include_usage })
+    Ok(CompletionRequest { generation, include_usage, echo, token_ids: logprobs::as_token_ids(obj)? })
 }
 
 fn finish_reason(r: &StopReason) -> &'static str {
@@ -106,24 +113,29 @@ pub async fn completions(
 ) -> Response {
     let started = shared::admit_and_start(&c, &caller, &rid.0, no_such_model, move |c| {
         let req = parse(&json_body(body, c.config.server.max_body_bytes)?)?;
-        Ok((req.generation, req.include_usage))
+        let names = (req.generation.params.logprobs.is_some(), req.token_ids);
+        let echo = req.echo.then(|| req.generation.raw.clone()).flatten();
+        Ok((req.generation, (req.include_usage, names, echo)))
     });
-    let shared::Started { acc, model, stream, extra: include_usage } = match started.await {
+    let shared::Started { acc, model, stream, extra: (include_usage, (with_logprobs, ids), echo) } = match started.await {
         Ok(a) => a,
         Err(e) => return finish(&c, "completions", e.into_openai(), None),
     };
+    let namer = Namer::of(&c, &model, with_logprobs, ids);
+    let echo = echo.map(|raw| Echo::of(raw, acc.stream.prompt(), c.served(&model).map(|s| &*s.tokenizer)));
     let served_by = acc.served_by.clone();
     let (id, created) = (new_id("cmpl-"), unix_now());
     if stream {
         let timing = shared::stream_timing(&acc);
-        let s = TextStream { seq: Following::new(c.clone(), acc), head: Chunks { id, object: "text_completion", created, model, include_usage } };
+        let head = Chunks { id, object: "text_completion", created, model, include_usage };
+        let s = TextStream { seq: Following::new(c.clone(), acc), head, namer, logprobs: Vec::new(), offset: 0, echo };
         return finish(&c, "completions", shared::server_timing(shared::sse_response(s, TextStream::step), &timing), Some(&served_by));
     }
     let resp = match collect(&c, acc).await {
-        Ok((text, reason, usage, split)) => shared::outcome_headers(
+        Ok(shared::Collected { text, reason, usage, split, logprobs, prompt_logprobs }) => shared::outcome_headers(
             Json(json!({
                 "id": id, "object": "text_completion", "created": created, "model": model,
-                "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish_reason(&reason)}],
+                "choices": [whole_choice(namer.as_ref(), echo, text, &prompt_logprobs, &logprobs, &reason)],
                 "usage": usage_json(&usage),
             }))
             .into_response(),
@@ -135,15 +147,76 @@ pub async fn completions(
     finish(&c, "completions", resp, Some(&served_by))
 }
 
+/// A choice's `logprobs` (null when the request asked none, so no tokenizer names them).
+fn choice_logprobs(namer: Option<&Namer>, lps: &[TokenLogprob], offset: usize) -> Value {
+    namer.map_or(Value::Null, |n| logprobs::completion_choice(n, None, lps, offset))
+}
+
+/// What `echo` puts before the completion: the prompt's text (as sent, or its token ids
+/// decoded), and its first token (which has no logprob: nothing comes before it).
+struct Echo {
+    text: String,
+    first: Option<u32>,
+}
+
+impl Echo {
+    fn of(raw: RawPrompt, prompt: &[u32], tokenizer: Option<&Tokenizer>) -> Echo {
+        let text = match raw {
+            RawPrompt::Text(t) => t,
+            RawPrompt::Ids(ids) => tokenizer.and_then(|t| t.decode_with_special(&ids).ok()).unwrap_or_default(),
+        };
+        Echo { text, first: prompt.first().copied() }
+    }
+
+    /// The echoed prompt's logprobs: its first token (with none), then the rest's.
+    fn logprobs(&self, namer: Option<&Namer>, prompt: &[TokenLogprob]) -> Value {
+        namer.map_or(Value::Null, |n| logprobs::completion_choice(n, self.first, prompt, 0))
+    }
+}
+
+/// The one choice of a whole (non-streamed) completion, the prompt first when echoed.
+fn whole_choice(namer: Option<&Namer>, echo: Option<Echo>, text: String, prompt: &[TokenLogprob], generated: &[TokenLogprob], reason: &StopReason) -> Value {
+    let (text, lps) = match echo {
+        None => (text, choice_logprobs(namer, generated, 0)),
+        Some(e) => {
+            let mut lps = e.logprobs(namer, prompt);
+            let more = choice_logprobs(namer, generated, e.text.chars().count());
+            logprobs::append(&mut lps, more);
+            (e.text + &text, lps)
+        }
+    };
+    json!({"index": 0, "text": text, "logprobs": lps, "finish_reason": finish_reason(reason)})
+}
+
 /// The chunks of one streamed completion.
 struct TextStream {
     seq: Following,
     head: Chunks,
+    /// Names logprobs' tokens when the request asked for them; those whose text is still held
+    /// back wait in `logprobs`; `offset` is where the next chunk's text begins (characters).
+    namer: Option<Namer>,
+    logprobs: Vec<TokenLogprob>,
+    offset: usize,
+    /// The prompt to send first (`echo`), until it is sent; its logprobs gather in
+    /// `logprobs` until then.
+    echo: Option<Echo>,
 }
 
 impl TextStream {
-    fn chunk(&self, text: &str, finish: Value) -> Event {
-        self.head.event(json!([{"index": 0, "text": text, "logprobs": null, "finish_reason": finish}]))
+    fn chunk(&mut self, text: &str, finish: Value) -> Event {
+        let lps = std::mem::take(&mut self.logprobs);
+        let lps = choice_logprobs(self.namer.as_ref(), &lps, self.offset);
+        self.offset += text.chars().count();
+        self.head.event(json!([{"index": 0, "text": text, "logprobs": lps, "finish_reason": finish}]))
+    }
+
+    /// The echoed prompt's chunk, once: before the first generated text, or the end.
+    fn echoed(&mut self, out: &mut Vec<Event>) {
+        let Some(e) = self.echo.take() else { return };
+        let prompt = std::mem::take(&mut self.logprobs);
+        let lps = e.logprobs(self.namer.as_ref(), &prompt);
+        self.offset = e.text.chars().count();
+        out.push(self.head.event(json!([{"index": 0, "text": e.text, "logprobs": lps, "finish_reason": null}])));
     }
 
     async fn step(mut self) -> SseStep<Self> {
@@ -156,11 +229,27 @@ impl TextStream {
             };
             match ev {
                 SeqEvent::Started { .. } => {}
-                SeqEvent::Delta { text, .. } if text.is_empty() => {}
-                SeqEvent::Delta { text, .. } => return (vec![self.chunk(&text, Value::Null)], Some(self)),
+                SeqEvent::PromptLogprobs { logprobs, .. } => self.logprobs.extend(logprobs),
+                SeqEvent::Delta { text, logprobs, .. } => {
+                    let mut out = Vec::new();
+                    self.echoed(&mut out);
+                    if self.namer.is_some() {
+                        self.logprobs.extend(logprobs);
+                    }
+                    if !text.is_empty() {
+                        out.push(self.chunk(&text, Value::Null));
+                    }
+                    if !out.is_empty() {
+                        return (out, Some(self));
+                    }
+                }
                 SeqEvent::Finished { reason: StopReason::Error(e), .. } => return (vec![Event::default().data(failed(Some(&e)).openai_body().to_string())], None),
                 SeqEvent::Finished { reason, usage } => {
-                    let mut out = vec![self.head.finish_event(json!([{"index": 0, "text": "", "logprobs": null, "finish_reason": finish_reason(&reason)}]), &reason)];
+                    let mut out = Vec::new();
+                    self.echoed(&mut out);
+                    let lps = std::mem::take(&mut self.logprobs);
+                    let lps = if lps.is_empty() { Value::Null } else { choice_logprobs(self.namer.as_ref(), &lps, self.offset) };
+                    out.push(self.head.finish_event(json!([{"index": 0, "text": "", "logprobs": lps, "finish_reason": finish_reason(&reason)}]), &reason));
                     self.head.end(&usage, self.seq.split().json(), &mut out);
                     return (out, None);
                 }
@@ -187,7 +276,6 @@ mod tests {
             (json!({"model": "m", "prompt": ["a", "b"]}), "prompt"),
             (json!({"model": "m", "prompt": [-1]}), "prompt"),
             (json!({"model": "m", "prompt": 5}), "prompt"),
-            (json!({"model": "m", "prompt": "a", "echo": true}), "echo"),
             (json!({"model": "m", "prompt": "a", "n": 2}), "n"),
             (json!({"model": "m", "prompt": "a", "temperature": 3}), "temperature"),
             (json!({"prompt": "a"}), "model"),

@@ -16,11 +16,11 @@ pub struct ChatRequest {
     pub generation: GenerationRequest,
     /// `stream_options.include_usage`: a last chunk carries the usage.
     pub include_usage: bool,
+    /// `return_tokens_as_token_ids`: logprobs name tokens by id.
+    pub token_ids: bool,
 }
 
-pub(super) fn bad<T>(m: impl Into<String>) -> Result<T, ApiError> {
-    Err(ApiError::invalid(m))
-}
+pub(super) use super::fields::{bad, flag};
 
 fn content_text(v: Option<&Value>, at: &str) -> Result<String, ApiError> {
     match v {
@@ -210,15 +210,6 @@ fn parse_tool_choice(v: Option<&Value>, tools: &[Tool]) -> Result<ToolChoice, Ap
     })
 }
 
-/// An optional boolean field (`default` when absent or null).
-pub(super) fn flag(obj: &serde_json::Map<String, Value>, key: &str, default: bool) -> Result<bool, ApiError> {
-    match obj.get(key) {
-        None | Some(Value::Null) => Ok(default),
-        Some(Value::Bool(b)) => Ok(*b),
-        Some(_) => bad(format!("{key}: expected a boolean")),
-    }
-}
-
 /// The `model` field.
 pub(super) fn model_name(obj: &serde_json::Map<String, Value>) -> Result<String, ApiError> {
     match obj.get("model") {
@@ -335,7 +326,8 @@ pub fn parse(body: &Value) -> Result<ChatRequest, ApiError> {
     let Some(obj) = body.as_object() else { return bad("request body must be a JSON object") };
     let model = model_name(obj)?;
     let (system, turns) = parse_messages(obj.get("messages"))?;
-    let Sampling { max_tokens, params, stream, include_usage } = sampling(obj)?;
+    let Sampling { max_tokens, mut params, stream, include_usage } = sampling(obj)?;
+    params.logprobs = super::logprobs::chat(obj)?;
     let tools = parse_tools(obj.get("tools"))?;
     let tool_choice = parse_tool_choice(obj.get("tool_choice"), &tools)?;
     let parallel_tool_calls = flag(obj, "parallel_tool_calls", true)?;
@@ -345,8 +337,9 @@ pub fn parse(body: &Value) -> Result<ChatRequest, ApiError> {
     };
     let cache_salt = crate::frontend::request::parse_cache_salt(obj.get("cache_salt"))?;
     Ok(ChatRequest {
-        generation: GenerationRequest { model, system, turns, max_tokens, params, stream, tools, tool_choice, parallel_tool_calls, format, breakpoints: vec![], raw: None, cache_salt },
+        generation: GenerationRequest { model, system, turns, max_tokens, params, stream, tools, tool_choice, parallel_tool_calls, format, breakpoints: vec![], raw: None, cache_salt, temperature_set: obj.get("temperature").is_some_and(|v| !v.is_null()) },
         include_usage,
+        token_ids: super::logprobs::as_token_ids(obj)?,
     })
 }
 

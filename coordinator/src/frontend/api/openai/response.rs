@@ -9,8 +9,9 @@ use axum::response::sse::Event;
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use serde_json::{json, Value};
-use zerolayer_common::{SeqEvent, StopReason, Usage};
+use zerolayer_common::{SeqEvent, StopReason, TokenLogprob, Usage};
 
+use super::logprobs::{self, Namer};
 use super::request;
 use crate::frontend::api::shared::{self, collect, failed, finish, json_body, new_id, shut_down, AppState, Following, Next, RequestId, SseStep};
 use crate::auth::Caller;
@@ -76,27 +77,30 @@ pub async fn chat_completions(
 ) -> Response {
     let started = shared::admit_and_start(&c, &caller, &rid.0, no_such_model, move |c| {
         let req = request::parse(&json_body(body, c.config.server.max_body_bytes)?)?;
-        let extra = (req.generation.calls(), req.include_usage);
+        let extra = (req.generation.calls(), req.include_usage, (req.generation.params.logprobs.is_some(), req.token_ids));
         Ok((req.generation, extra))
     });
-    let shared::Started { acc, model, stream, extra: (offered, include_usage) } = match started.await {
+    let shared::Started { acc, model, stream, extra: (offered, include_usage, (with_logprobs, ids)) } = match started.await {
         Ok(a) => a,
         Err(e) => return finish(&c, "chat_completions", e.into_openai(), None),
     };
+    // The model that serves it (a fallback, if it fell back) names the tokens of its logprobs.
+    let namer = Namer::of(&c, &model, with_logprobs, ids);
     let served_by = acc.served_by.clone();
     let id = new_id("chatcmpl-");
     let created = unix_now();
     if stream {
         let timing = shared::stream_timing(&acc);
-        let s = ChunkStream::new(c.clone(), acc, Chunks { id, object: "chat.completion.chunk", created, model, include_usage }, &offered);
+        let s = ChunkStream::new(c.clone(), acc, Chunks { id, object: "chat.completion.chunk", created, model, include_usage }, &offered, namer);
         return finish(&c, "chat_completions", shared::server_timing(shared::sse_response(s, ChunkStream::step), &timing), Some(&served_by));
     }
     let resp = match collect(&c, acc).await {
-        Ok((text, reason, usage, split)) => {
+        Ok(shared::Collected { text, reason, usage, split, logprobs: lps, .. }) => {
             let (message, calls) = message(&offered, text);
+            let lps = namer.as_ref().map_or(Value::Null, |n| logprobs::chat_choice(n, &lps));
             let body = json!({
                 "id": id, "object": "chat.completion", "created": created, "model": model,
-                "choices": [{"index": 0, "message": message, "finish_reason": finish_reason(&reason, calls), "logprobs": null}],
+                "choices": [{"index": 0, "message": message, "finish_reason": finish_reason(&reason, calls), "logprobs": lps}],
                 "usage": usage_json(&usage),
             });
             shared::outcome_headers(Json(body).into_response(), &split, &reason)
@@ -153,36 +157,50 @@ struct ChunkStream {
     opened: bool,
     /// Finds calls in the text when the request offered tools.
     parser: Option<CallParser>,
+    /// Names logprobs' tokens when the request asked for them; those not yet sent (their text
+    /// still held back) wait in `logprobs` for the next chunk.
+    namer: Option<Namer>,
+    logprobs: Vec<TokenLogprob>,
 }
 
 impl ChunkStream {
-    fn new(c: AppState, acc: Accepted, head: Chunks, calls: &Calls) -> Self {
+    fn new(c: AppState, acc: Accepted, head: Chunks, calls: &Calls, namer: Option<Namer>) -> Self {
         let parser = calls.parser();
-        ChunkStream { seq: Following::new(c, acc), head, opened: false, parser }
+        ChunkStream { seq: Following::new(c, acc), head, opened: false, parser, namer, logprobs: Vec::new() }
+    }
+
+    /// The next chunk's `logprobs`: the tokens not sent yet (null when the request asked none).
+    fn take_logprobs(&mut self) -> Value {
+        let lps = std::mem::take(&mut self.logprobs);
+        self.namer.as_ref().map_or(Value::Null, |n| logprobs::chat_choice(n, &lps))
     }
 
     /// Chunks for generated text: content deltas, and each complete call as one `tool_calls`
     /// delta (id, name and the whole arguments).
-    fn pieces(&self, pieces: Vec<Piece>, out: &mut Vec<Event>) {
+    fn pieces(&mut self, pieces: Vec<Piece>, out: &mut Vec<Event>) {
         let done = self.parser.as_ref().map_or(0, |p| p.calls);
         let first_call = done - pieces.iter().filter(|p| matches!(p, Piece::Call { .. })).count();
         let mut index = first_call;
         for p in pieces {
             match p {
                 Piece::Text(t) if t.is_empty() || (self.parser.is_some() && t.trim().is_empty()) => {}
-                Piece::Text(t) => out.push(self.chunk(json!({"content": t}), Value::Null)),
+                Piece::Text(t) => {
+                    let lps = self.take_logprobs();
+                    out.push(self.chunk(json!({"content": t}), Value::Null, lps));
+                }
                 Piece::Call { name, arguments } => {
                     let mut call = tool_call(&name, &arguments);
                     call["index"] = json!(index);
                     index += 1;
-                    out.push(self.chunk(json!({"tool_calls": [call]}), Value::Null));
+                    let lps = self.take_logprobs();
+                    out.push(self.chunk(json!({"tool_calls": [call]}), Value::Null, lps));
                 }
             }
         }
     }
 
-    fn chunk(&self, delta: Value, finish: Value) -> Event {
-        self.head.event(json!([{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": null}]))
+    fn chunk(&self, delta: Value, finish: Value, logprobs: Value) -> Event {
+        self.head.event(json!([{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]))
     }
 
     fn error(e: ApiError) -> Event {
@@ -192,7 +210,7 @@ impl ChunkStream {
     async fn step(mut self) -> SseStep<Self> {
         if !self.opened {
             self.opened = true;
-            let first = self.chunk(json!({"role": "assistant", "content": ""}), Value::Null);
+            let first = self.chunk(json!({"role": "assistant", "content": ""}), Value::Null, Value::Null);
             return (vec![first], Some(self));
         }
         loop {
@@ -203,8 +221,11 @@ impl ChunkStream {
                 Next::Lost => return (Vec::new(), None),
             };
             match ev {
-                SeqEvent::Started { .. } => {}
-                SeqEvent::Delta { text, .. } => {
+                SeqEvent::Started { .. } | SeqEvent::PromptLogprobs { .. } => {}
+                SeqEvent::Delta { text, logprobs, .. } => {
+                    if self.namer.is_some() {
+                        self.logprobs.extend(logprobs);
+                    }
                     if text.is_empty() {
                         continue;
                     }
@@ -224,7 +245,8 @@ impl ChunkStream {
                     let mut out = Vec::new();
                     self.pieces(rest, &mut out);
                     let calls = self.parser.as_ref().map_or(0, |p| p.calls);
-                    out.push(self.head.finish_event(json!([{"index": 0, "delta": {}, "finish_reason": finish_reason(&reason, calls), "logprobs": null}]), &reason));
+                    let lps = if self.logprobs.is_empty() { Value::Null } else { self.take_logprobs() };
+                    out.push(self.head.finish_event(json!([{"index": 0, "delta": {}, "finish_reason": finish_reason(&reason, calls), "logprobs": lps}]), &reason));
                     self.head.end(&usage, self.seq.split().json(), &mut out);
                     return (out, None);
                 }

@@ -69,7 +69,7 @@ async fn respond(c: &AppState, rid: &RequestId, caller: &Caller, body: Result<By
         let s = stream::ResponseStream::new(c.clone(), acc, head, keep, &offered);
         return Ok((shared::server_timing(shared::sse_response(s, stream::ResponseStream::step), &timing), served_by));
     }
-    let (text, reason, usage, split) = collect(c, acc).await?;
+    let shared::Collected { text, reason, usage, split, .. } = collect(c, acc).await?;
     let (state, incomplete) = output::status(&reason);
     let mut response = head.object(state, incomplete, output::items(&offered, &text), Some(&usage));
     if let Some(p) = shared::policy_json(&reason) {

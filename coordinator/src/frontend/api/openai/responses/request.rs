@@ -67,6 +67,7 @@ pub fn parse(body: &Value, previous: Option<&Value>) -> Result<ResponsesRequest,
     let format = text_format(obj.get("text"))?;
     let (params, max_tokens) = sampling(obj)?;
     let mut g = GenerationRequest::chat(&model, None, turns);
+    g.temperature_set = obj.get("temperature").is_some_and(|v| !v.is_null());
     g.system = (!system.is_empty()).then(|| system.join("\n\n"));
     g.max_tokens = max_tokens;
     g.params = params;

@@ -152,7 +152,7 @@ impl ResponseStream {
             };
             let mut out = Vec::new();
             match ev {
-                SeqEvent::Started { .. } => continue,
+                SeqEvent::Started { .. } | SeqEvent::PromptLogprobs { .. } => continue,
                 SeqEvent::Delta { text, .. } => {
                     let pieces = match &mut self.parser {
                         Some(p) => p.push(&text),
