@@ -367,11 +367,15 @@ impl Engine {
             let (picks, picked) = (&bufs.picks, &bufs.picked);
             let r = self.verify(it.seq, drafts.of(i), &mut out, |e, j, out| {
                 let r = row + j;
-                let row = &logits_buf[r * vocab..(r + 1) * vocab];
+                // The row is on the host only where no device drew from it (a device that draws
+                // every row leaves `logits_buf` empty).
                 let (tok, row) = match (picks[r], picked.token(r), picked.candidates(r)) {
                     (Pick::Greedy, Some(tok), _) => (e.on_picked(it.seq, tok), None),
                     (Pick::TopK { .. }, _, Some(candidates)) => (e.on_candidates(it.seq, candidates), None),
-                    _ => (e.on_token(it.seq, row)?, Some(row)),
+                    _ => {
+                        let row = &logits_buf[r * vocab..(r + 1) * vocab];
+                        (e.on_token(it.seq, row)?, Some(row))
+                    }
                 };
                 Ok((tok, e.accept(it.seq, tok, row, out)?))
             });
