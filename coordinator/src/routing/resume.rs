@@ -87,12 +87,15 @@ impl LiveSequence {
                         return Some(ev);
                     }
                 }
-                SeqEvent::Delta { ref tokens, .. } => {
+                SeqEvent::Delta { tokens, text, mut logprobs } => {
                     if let Some(t) = self.left_at.take() {
                         self.migrating += t.elapsed();
                     }
-                    self.job.resume.extend_from_slice(tokens);
-                    return Some(ev);
+                    if !names_each(&logprobs, &tokens) {
+                        logprobs.clear();
+                    }
+                    self.job.resume.extend_from_slice(&tokens);
+                    return Some(SeqEvent::Delta { tokens, text, logprobs });
                 }
                 SeqEvent::Finished { reason, usage } if reason.continues_elsewhere() => {
                     self.left_at.get_or_insert_with(Instant::now);
@@ -122,6 +125,9 @@ impl LiveSequence {
         let prompt_len = self.job.prompt.len() as u64;
         let end = from as u64 + logprobs.len() as u64;
         if from == 0 || from > self.prompt_next || end <= self.prompt_next as u64 || end > prompt_len {
+            return None;
+        }
+        if !names_each(&logprobs, &self.job.prompt[from as usize..end as usize]) {
             return None;
         }
         logprobs.drain(..(self.prompt_next - from) as usize);
@@ -177,6 +183,29 @@ impl LiveSequence {
     }
 }
 
+/// Whether a worker's logprobs are one per token of `tokens`, each for that token (a peer's
+/// report is checked like a client's input): otherwise the client gets none rather than
+/// another token's.
+fn names_each(logprobs: &[TokenLogprob], tokens: &[u32]) -> bool {
+    logprobs.is_empty() || (logprobs.len() == tokens.len() && logprobs.iter().zip(tokens).all(|(l, &t)| l.token == t))
+}
+
 fn lost(why: &str) -> SeqEvent {
     SeqEvent::Finished { reason: StopReason::Lost(why.into()), usage: Usage::default() }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A worker's logprobs pass only as one per token, each naming its token.
+    #[test]
+    fn logprobs_must_name_the_tokens_they_come_with() {
+        let lp = |token| TokenLogprob { token, logprob: -0.5, top: vec![] };
+        assert!(names_each(&[], &[1, 2]), "none asked");
+        assert!(names_each(&[lp(1), lp(2)], &[1, 2]));
+        assert!(!names_each(&[lp(1), lp(3)], &[1, 2]), "another token's");
+        assert!(!names_each(&[lp(1)], &[1, 2]), "one missing");
+        assert!(!names_each(&[lp(1), lp(2), lp(3)], &[1, 2]), "one too many");
+    }
 }

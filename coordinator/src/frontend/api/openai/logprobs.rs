@@ -78,8 +78,10 @@ impl Namer {
     /// The namer of a response from `model` (the tokenizer of the model that served it), when
     /// the request asked for logprobs.
     pub fn of(c: &AppState, model: &str, asked: bool, ids: bool) -> Option<Namer> {
-        let tokenizer = c.served(model)?.tokenizer.clone();
-        asked.then_some(Namer { tokenizer, ids })
+        if !asked {
+            return None;
+        }
+        Some(Namer { tokenizer: c.served(model)?.tokenizer.clone(), ids })
     }
 }
 
