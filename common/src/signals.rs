@@ -45,6 +45,13 @@ pub struct WorkerSignals {
     pub draft_accepted_total: u64,
     /// Output tokens per second over the last second or so.
     pub tokens_per_second: f32,
+    /// What one more prompt token adds to a step, in microseconds, and what 1,000 more
+    /// attended (query, key) pairs add, as the worker's step-time model has measured them (0
+    /// until it has): placement prices recomputing a prefix with them.
+    #[serde(default)]
+    pub prefill_us_per_token: f32,
+    #[serde(default)]
+    pub prefill_us_per_kilo_pair: f32,
     /// Milliseconds since the worker started, at the time of this snapshot.
     pub at_ms: u64,
     /// The worker can run nothing (its backend is gone: a lost tensor-parallel rank); placement

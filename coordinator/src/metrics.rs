@@ -26,11 +26,20 @@ pub fn handle() -> &'static PrometheusHandle {
     })
 }
 
-/// Series that only events move (moves, drains, diagnoses, fallbacks and policy matches: each
-/// configured pair and rule)
+/// Series that only events move (moves, drains, diagnoses, fetches per worker, fallbacks and
+/// policy matches: each configured pair and rule)
 /// start at zero, so that dashboards and alerts see a flat line rather than no data before the
 /// first event.
-pub fn zeroes(node: &str, fallbacks: &[(String, String)], rules: &[(String, &'static str)]) {
+pub fn zeroes(node: &str, workers: &[String], fallbacks: &[(String, String)], rules: &[(String, &'static str)]) {
+    for w in workers {
+        for (direction, outcome) in [("in", "ok"), ("in", "failed")] {
+            metrics::counter!("zerolayer_kv_fetches_total", "node" => node.to_string(), "worker" => w.clone(), "direction" => direction, "outcome" => outcome).increment(0);
+        }
+        for direction in ["in", "out"] {
+            metrics::counter!("zerolayer_kv_fetch_bytes_total", "node" => node.to_string(), "worker" => w.clone(), "direction" => direction).increment(0);
+        }
+        metrics::counter!("zerolayer_kv_fetched_tokens_total", "node" => node.to_string(), "worker" => w.clone()).increment(0);
+    }
     for (rule, direction) in rules {
         metrics::counter!("zerolayer_policy_matches_total", "node" => node.to_string(), "rule" => rule.clone(), "direction" => *direction).increment(0);
     }

@@ -57,7 +57,8 @@ impl Node {
             .iter()
             .flat_map(|r| [(r.applies_to.input(), "input"), (r.applies_to.output(), "output")].into_iter().filter(|(on, _)| *on).map(|(_, d)| (r.name.clone(), d)))
             .collect();
-        crate::metrics::zeroes(node_id, &fallbacks, &rules);
+        let worker_ids: Vec<String> = node.workers.iter().map(|w| w.id.clone()).collect();
+        crate::metrics::zeroes(node_id, &worker_ids, &fallbacks, &rules);
         crate::logs::configure(&config.logging)?;
         let mut workers = Vec::new();
         // Per model id: the front end a local worker loaded, and the context a request may use
@@ -221,5 +222,18 @@ impl crate::cluster::handle::PeerCalls for FrontendForPeers {
     fn rederive(&self, job: zerolayer_common::Job) -> Result<zerolayer_common::Job, String> {
         let f = self.0.upgrade().ok_or("this node is stopping")?;
         f.guard.rederive(job, &f.cache_secret)
+    }
+
+    fn fetch(&self, into: &str, job: &zerolayer_common::Job, from: zerolayer_common::wire::FetchFrom) -> std::pin::Pin<Box<dyn Future<Output = ()> + Send>> {
+        let Some(f) = self.0.upgrade() else { return Box::pin(async {}) };
+        let (into, job) = (into.to_string(), Box::new(job.clone()));
+        Box::pin(async move {
+            // The fetch ends within its own timeout; the call's is a backstop.
+            let wait = crate::cluster::fetch::FETCH_TIMEOUT.as_millis() as u64 + 1_000;
+            let asked = ractor::call_t!(f.orchestrator, |done| crate::routing::orchestrator::OrchestratorMsg::Fetch { into, job, from, done }, wait);
+            if let Err(e) = asked {
+                tracing::warn!(error = %e, "the orchestrator did not run a prefix fetch; the request recomputes");
+            }
+        })
     }
 }

@@ -33,7 +33,7 @@ use zerolayer_common::{Job, KvEvent, SeqEvent, StopReason, Usage, WorkerSignals}
 
 use crate::backend::KvGeometry;
 use crate::engine::{Engine, StepHook};
-use crate::migrate::{Export, ImportReport, KvImport};
+use crate::migrate::{CachedChain, Export, ImportReport, KvImport};
 use crate::error::{WorkerError, Result};
 use crate::scheduler::SeqId;
 
@@ -79,6 +79,15 @@ impl Handover {
     }
 }
 
+/// A chain of cached blocks another worker asks for: the blocks `tokens` (a whole number of
+/// blocks) spell from `cache_root`, from block `from_block` on.
+#[derive(Clone, Debug)]
+pub struct CachedAsk {
+    pub cache_root: u64,
+    pub tokens: Vec<u32>,
+    pub from_block: usize,
+}
+
 enum EngineCmd {
     Submit(Submission),
     Cancel { id: SeqId },
@@ -89,6 +98,8 @@ enum EngineCmd {
     Export { ids: Vec<SeqId>, reply: oneshot::Sender<Vec<Handover>> },
     PreCopy { ids: Vec<SeqId>, reply: oneshot::Sender<Vec<(SeqId, Export)>> },
     Import { import: KvImport, reply: oneshot::Sender<Result<ImportReport>> },
+    ReadCached { ask: CachedAsk, reply: oneshot::Sender<CachedChain> },
+    HotChains { max: usize, reply: oneshot::Sender<Vec<(u64, Vec<u32>)>> },
     Shutdown,
 }
 
@@ -110,6 +121,10 @@ pub enum WorkerMsg {
     PreCopy { ids: Vec<SeqId>, reply: oneshot::Sender<Result<Vec<(SeqId, Export)>>> },
     /// Writes KV blocks into the worker's prefix cache.
     Import { import: KvImport, reply: oneshot::Sender<Result<ImportReport>> },
+    /// Reads the cached blocks of a chain for another worker that fetches them.
+    ReadCached { ask: CachedAsk, reply: oneshot::Sender<Result<CachedChain>> },
+    /// The hottest cached chains (root, tokens), at most `max`.
+    HotChains { max: usize, reply: oneshot::Sender<Result<Vec<(u64, Vec<u32>)>>> },
     /// Stop the engine after its current step, wait for its thread, then stop the actor.
     Shutdown { done: oneshot::Sender<()> },
 }
@@ -182,6 +197,14 @@ impl Actor for WorkerActor {
                         let _ = reply.send(Err(refused.1));
                     }
                 }
+            }
+            WorkerMsg::ReadCached { ask, reply } => {
+                let (tx, rx) = oneshot::channel();
+                answer_from_engine(state.forward(EngineCmd::ReadCached { ask, reply: tx }), rx, reply);
+            }
+            WorkerMsg::HotChains { max, reply } => {
+                let (tx, rx) = oneshot::channel();
+                answer_from_engine(state.forward(EngineCmd::HotChains { max, reply: tx }), rx, reply);
             }
             WorkerMsg::SetStepHook { hook, done } => {
                 let _ = done.send(state.forward(EngineCmd::SetStepHook { hook }).map_err(|refused| refused.1));
@@ -392,6 +415,21 @@ impl WorkerHandle {
         rx.await.map_err(|_| WorkerError::ShuttingDown)?
     }
 
+    /// The KV of the cached blocks of a chain, from `ask.from_block` on, for a worker that
+    /// fetches them (see [`Engine::read_cached`]).
+    pub async fn read_cached(&self, ask: CachedAsk) -> Result<CachedChain> {
+        let (reply, rx) = oneshot::channel();
+        self.actor.send_message(WorkerMsg::ReadCached { ask, reply }).map_err(|_| WorkerError::ShuttingDown)?;
+        rx.await.map_err(|_| WorkerError::ShuttingDown)?
+    }
+
+    /// The worker's hottest cached chains, at most `max`, each as (root, tokens).
+    pub async fn hot_chains(&self, max: usize) -> Result<Vec<(u64, Vec<u32>)>> {
+        let (reply, rx) = oneshot::channel();
+        self.actor.send_message(WorkerMsg::HotChains { max, reply }).map_err(|_| WorkerError::ShuttingDown)?;
+        rx.await.map_err(|_| WorkerError::ShuttingDown)?
+    }
+
     /// Installs (or, with `None`, removes) a hook the engine runs at the start of every step
     /// (see [`StepHook`]). For tests and fault injection.
     pub async fn set_step_hook(&self, hook: Option<StepHook>) -> Result<()> {
@@ -443,6 +481,34 @@ impl Route {
     }
 }
 
+/// Answers the commands that ask the engine something or hand it KV without touching a
+/// sequence's route (the rest come back).
+fn answer(engine: &mut Engine, cmd: EngineCmd) -> Option<EngineCmd> {
+    match cmd {
+        EngineCmd::CachedHashes { reply } => {
+            let _ = reply.send(engine.cached_hashes());
+        }
+        EngineCmd::SetStepHook { hook } => engine.set_step_hook(hook),
+        EngineCmd::Sequences { reply } => {
+            let _ = reply.send(engine.sequences());
+        }
+        EngineCmd::PreCopy { ids, reply } => {
+            let _ = reply.send(ids.into_iter().filter_map(|id| engine.pre_copy(id).map(|e| (id, e))).collect());
+        }
+        EngineCmd::Import { import, reply } => {
+            let _ = reply.send(engine.import(&import));
+        }
+        EngineCmd::HotChains { max, reply } => {
+            let _ = reply.send(engine.hot_chains(max));
+        }
+        EngineCmd::ReadCached { ask, reply } => {
+            let _ = reply.send(engine.read_cached(ask.cache_root, &ask.tokens, ask.from_block));
+        }
+        other => return Some(other),
+    }
+    None
+}
+
 fn engine_loop(mut engine: Engine, rx: Receiver<EngineCmd>, sig_tx: watch::Sender<WorkerSignals>, kv_tx: broadcast::Sender<KvEvent>) {
     let mut routes: HashMap<SeqId, Route> = HashMap::new();
     // Finished sequences whose last events are still waiting for channel room.
@@ -468,6 +534,7 @@ fn engine_loop(mut engine: Engine, rx: Receiver<EngineCmd>, sig_tx: watch::Sende
             }
         }
         for cmd in cmds {
+            let Some(cmd) = answer(&mut engine, cmd) else { continue };
             match cmd {
                 EngineCmd::Submit(Submission { id, job, reply, ack }) => match engine.add(id, job) {
                     Ok(()) => {
@@ -487,24 +554,13 @@ fn engine_loop(mut engine: Engine, rx: Receiver<EngineCmd>, sig_tx: watch::Sende
                         }
                     }
                 }
-                EngineCmd::CachedHashes { reply } => {
-                    let _ = reply.send(engine.cached_hashes());
-                }
-                EngineCmd::SetStepHook { hook } => engine.set_step_hook(hook),
-                EngineCmd::Sequences { reply } => {
-                    let _ = reply.send(engine.sequences());
-                }
                 EngineCmd::Export { ids, reply } => {
                     let handovers = ids.into_iter().filter_map(|id| engine.export(id).map(|export| Handover { id, export, route: routes.remove(&id) })).collect();
                     let _ = reply.send(handovers);
                 }
-                EngineCmd::PreCopy { ids, reply } => {
-                    let _ = reply.send(ids.into_iter().filter_map(|id| engine.pre_copy(id).map(|e| (id, e))).collect());
-                }
-                EngineCmd::Import { import, reply } => {
-                    let _ = reply.send(engine.import(&import));
-                }
                 EngineCmd::Shutdown => shutdown = true,
+                // Answered by `answer`.
+                _ => {}
             }
         }
         if shutdown {

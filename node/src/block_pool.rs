@@ -387,6 +387,46 @@ impl BlockPool {
         (std::mem::take(&mut self.events), overflowed)
     }
 
+    /// The cached chains, hottest first, at most `max`: each runs from a leaf of the prefix
+    /// tree (a cached block that no cached block follows) back to the first block whose parent
+    /// is not cached, and comes as (that parent: the chain's root, or an evicted block's hash;
+    /// the blocks in chain order). Chains ending in a pinned or referenced block come first,
+    /// then by how recently their leaf was released. A drain copies these ahead of its stop.
+    pub fn hot_chains(&self, max: usize) -> Vec<(u64, Vec<BlockId>)> {
+        let parents: std::collections::HashSet<u64> = self.cached.values().map(|&b| self.parent[b as usize]).collect();
+        let is_leaf = |b: BlockId| self.hash[b as usize].is_some_and(|h| !parents.contains(&h));
+        let mut leaves: Vec<BlockId> = self.cached.values().copied().filter(|&b| self.place[b as usize] != Place::Lru && is_leaf(b)).collect();
+        leaves.sort_unstable();
+        let mut b = self.lru_tail;
+        while b != NIL && leaves.len() < max {
+            if is_leaf(b) {
+                leaves.push(b);
+            }
+            b = self.prev[b as usize];
+        }
+        leaves.truncate(max);
+        leaves
+            .into_iter()
+            .map(|leaf| {
+                let mut chain = vec![leaf];
+                let mut p = self.parent[leaf as usize];
+                // A chain is at most every block (the bound also guards against a cycle).
+                while let Some(&b) = self.cached.get(&p).filter(|_| chain.len() < self.refcount.len()) {
+                    chain.push(b);
+                    p = self.parent[b as usize];
+                }
+                chain.reverse();
+                (p, chain)
+            })
+            .collect()
+    }
+
+    /// The tokens cached block `b` was registered with.
+    pub fn block_tokens(&self, b: BlockId) -> &[u32] {
+        let bs = self.block_size;
+        &self.tokens[b as usize * bs..(b as usize + 1) * bs]
+    }
+
     /// Every hash currently in the prefix index (a snapshot for resync).
     pub fn cached_hashes(&self) -> Vec<u64> {
         self.cached.keys().copied().collect()

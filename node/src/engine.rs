@@ -556,6 +556,10 @@ impl Engine {
             draft_tokens_total: self.drafted_total,
             draft_accepted_total: self.accepted_total,
             tokens_per_second: tps,
+            // The step-time fit's terms per token and per 1,000 attended pairs, once it has seen
+            // enough steps.
+            prefill_us_per_token: if self.step_time.is_warm() { (self.step_time.coefficients().1 * 1e3).max(0.0) as f32 } else { 0.0 },
+            prefill_us_per_kilo_pair: if self.step_time.is_warm() { (self.step_time.coefficients().2 * 1e3).max(0.0) as f32 } else { 0.0 },
             at_ms: now.duration_since(self.started_at).as_millis() as u64,
         }
     }

@@ -53,6 +53,37 @@ impl Export {
     }
 }
 
+/// Cached blocks a worker reads for another that fetches them: the chain `tokens` spell from
+/// `cache_root` as far as it is cached (`block_hashes`), and the bytes of blocks `from..` (the
+/// asker caches the ones before).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct CachedChain {
+    pub cache_root: u64,
+    /// The tokens of the found blocks (`block_hashes.len() × block_size`).
+    pub tokens: Vec<u32>,
+    pub block_hashes: Vec<u64>,
+    pub from: usize,
+    /// `(block_hashes.len() − from) × block_bytes` bytes of KV.
+    pub kv: Vec<u8>,
+    pub block_bytes: usize,
+    pub block_size: usize,
+}
+
+impl CachedChain {
+    /// Block `i`'s bytes (`i ≥ from`).
+    pub fn block(&self, i: usize) -> &[u8] {
+        let j = i - self.from;
+        &self.kv[j * self.block_bytes..(j + 1) * self.block_bytes]
+    }
+
+    /// The chain as an import into a worker of this process (the blocks before `from` without
+    /// bytes: the importer caches them).
+    pub fn to_import(&self) -> KvImport {
+        let blocks = self.block_hashes.iter().enumerate().map(|(i, &h)| (h, (i >= self.from).then(|| self.block(i).to_vec()))).collect();
+        KvImport { block_size: self.block_size, block_bytes: self.block_bytes, cache_root: self.cache_root, tokens: self.tokens.clone(), blocks }
+    }
+}
+
 /// Blocks for a worker's prefix cache, in chain order. A block without bytes is one the target
 /// is believed to cache already. `tokens` are the tokens the blocks hold (block `i` holds
 /// `tokens[i × block_size ..][..block_size]`), and the chain starts at `cache_root`: each

@@ -248,6 +248,12 @@ impl Scheduler {
         self.pool.drain_events()
     }
 
+    /// The pool's hottest cached chains (see [`BlockPool::hot_chains`]), each as its root and
+    /// the tokens its blocks hold.
+    pub fn hot_chains(&self, max: usize) -> Vec<(u64, Vec<u32>)> {
+        self.pool.hot_chains(max).into_iter().map(|(root, blocks)| (root, blocks.iter().flat_map(|&b| self.pool.block_tokens(b).iter().copied()).collect())).collect()
+    }
+
     /// Every prefix hash the pool caches now.
     pub fn cached_hashes(&self) -> Vec<u64> {
         self.pool.cached_hashes()
@@ -256,6 +262,11 @@ impl Scheduler {
     /// Every sequence the scheduler holds: running (oldest first), then waiting.
     pub fn sequence_ids(&self) -> Vec<SeqId> {
         self.running.iter().chain(self.waiting.iter()).copied().collect()
+    }
+
+    /// The cached block holding the prefix named `name`, if any (nothing changes).
+    pub fn lookup(&self, name: BlockName<'_>) -> Option<BlockId> {
+        self.pool.lookup(name)
     }
 
     /// The cached block holding the prefix named `hash`, pinned (not evictable) until

@@ -67,7 +67,13 @@ async fn prefix_workload(cluster: &TestCluster, tag: &str) -> (f64, usize, usize
 async fn three_nodes_place_by_cache_load_and_liveness() {
     let _g = heavy();
     let t0 = Instant::now();
-    let mut cluster = TestCluster::start(3, |c| c.placement.policy = PlacementPolicy::CacheAware).await;
+    // Without remote prefix fetch: step 4 needs a request forwarded to the one node that caches
+    // its document, where a fetch could run it on a instead (`prefix_fetch.rs` tests fetches).
+    let mut cluster = TestCluster::start(3, |c| {
+        c.placement.policy = PlacementPolicy::CacheAware;
+        c.placement.fetch = false;
+    })
+    .await;
     cluster.wait_converged(&[0, 1, 2], Duration::from_secs(15)).await;
     eprintln!("3 nodes ready after {:.1}s", t0.elapsed().as_secs_f64());
     let http = reqwest::Client::new();
@@ -333,7 +339,7 @@ async fn a_forwarded_job_runs_under_the_receivers_terms() {
         let conn = conn.clone();
         async move {
             let (mut s, mut r) = conn.open_bi().await.unwrap();
-            s.write_all(&wire::encode_open(&Open::Submit(Submit { origin_node: "a".into(), worker: "cpu0".into(), job })).unwrap()).await.unwrap();
+            s.write_all(&wire::encode_open(&Open::Submit(Submit { origin_node: "a".into(), worker: "cpu0".into(), job, fetch: None })).unwrap()).await.unwrap();
             loop {
                 match read_reply(&mut r).await.unwrap() {
                     Reply::Event(SeqEvent::Finished { usage, .. }) => return Ok(usage),
@@ -437,6 +443,7 @@ mod mtls {
             origin_node: "b".into(),
             worker: "cpu0".into(),
             job: zerolayer_common::Job { request_id: "req_mtls".into(), ..zerolayer_common::Job::new(vec![1, 2, 3], zerolayer_common::SamplingParams::greedy(4)) },
+            fetch: None,
         }))
         .unwrap();
         let submit = |mat: tls::TlsMaterial| {
@@ -558,6 +565,7 @@ mod identity {
             origin_node: "b".into(),
             worker: "cpu0".into(),
             job: zerolayer_common::Job { request_id: "req_forged".into(), ..zerolayer_common::Job::new(vec![1, 2, 3], zerolayer_common::SamplingParams::greedy(4)) },
+            fetch: None,
         };
         s.write_all(&zerolayer_common::wire::encode_open(&zerolayer_common::wire::Open::Submit(sub)).unwrap()).await.unwrap();
         let reply = read_reply(&mut r).await.unwrap();

@@ -72,6 +72,11 @@ pub struct ClusterSection {
     /// How many times one request may continue elsewhere (its worker lost, or its node
     /// drained) before it fails with the error it would have had without the move.
     pub migration_limit: u32,
+    /// A drain's warm-up: once its workers hold no sequence, each worker's hottest cached
+    /// prefix chains (at most this many) are copied to the workers placement would choose for
+    /// them, so they stay cache hits after the node stops. 0: no warm-up; at most 1,024 are
+    /// copied.
+    pub drain_warm_chains: u32,
     /// Let nodes whose ids are not in `[[nodes]]` join (their certificate must still come from
     /// the cluster CA and name them). Off: only the configured nodes can connect or gossip.
     pub allow_join: bool,
@@ -94,6 +99,7 @@ impl Default for ClusterSection {
             idle_timeout_ms: 3000,
             publish_interval_ms: 100,
             migration_limit: 3,
+            drain_warm_chains: 32,
             allow_join: false,
             dead_node_grace_secs: 60,
             rank_join_timeout_ms: 120_000,
@@ -143,6 +149,16 @@ pub struct PlacementConfig {
     pub balance_abs_threshold: u32,
     /// The relative half of the imbalance guard (see `balance_abs_threshold`).
     pub balance_rel_threshold: f64,
+    /// Remote prefix fetch: a worker placement chooses pulls the prompt's prefix blocks that
+    /// another worker of the cluster caches (ready or draining) before it prefills, instead of
+    /// recomputing them, when that costs less (`cache_aware` only).
+    pub fetch: bool,
+    /// What fetching a block costs relative to computing it, until this node has measured its
+    /// own fetches (then: measured seconds per fetched block ÷ the worker's measured prefill
+    /// seconds per block).
+    pub fetch_cost_prior: f64,
+    /// The fewest blocks worth a fetch (a round trip costs a few milliseconds).
+    pub min_fetch_blocks: u32,
 }
 
 impl Default for PlacementConfig {
@@ -159,6 +175,9 @@ impl Default for PlacementConfig {
             decode_headroom_blocks: 8,
             balance_abs_threshold: 16,
             balance_rel_threshold: 1.5,
+            fetch: true,
+            fetch_cost_prior: 0.1,
+            min_fetch_blocks: 4,
         }
     }
 }

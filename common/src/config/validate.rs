@@ -114,10 +114,7 @@ impl ClusterConfig {
                 return bad("every worker of a cluster needs the same block_size (prefix hashes are per block)".into());
             }
         }
-        let p = &self.placement;
-        if !(p.overlap_weight >= 0.0 && p.queue_weight >= 0.0 && p.remote_hop_blocks >= 0.0 && p.balance_rel_threshold >= 1.0) {
-            return bad("placement: weights must be >= 0 and balance_rel_threshold >= 1".into());
-        }
+        self.validate_placement().map_err(ConfigError::Invalid)?;
         self.logging.validate().map_err(ConfigError::Invalid)?;
         let key_names: Vec<&str> = self.auth.keys.iter().map(|k| k.name.as_str()).collect();
         self.policy.validate(&key_names).map_err(ConfigError::Invalid)?;
@@ -125,6 +122,17 @@ impl ClusterConfig {
     }
 
     /// Each model's `default_temperature` is one a request could send.
+    fn validate_placement(&self) -> Result<(), String> {
+        let p = &self.placement;
+        if !(p.overlap_weight >= 0.0 && p.queue_weight >= 0.0 && p.remote_hop_blocks >= 0.0 && p.balance_rel_threshold >= 1.0) {
+            return Err("placement: weights must be >= 0 and balance_rel_threshold >= 1".into());
+        }
+        if !(p.fetch_cost_prior.is_finite() && p.fetch_cost_prior > 0.0) {
+            return Err(format!("placement.fetch_cost_prior: {} is not a positive number", p.fetch_cost_prior));
+        }
+        Ok(())
+    }
+
     fn validate_sampling_defaults(&self) -> Result<(), String> {
         match self.all_models().find(|m| m.default_temperature.is_some_and(|t| !(0.0..=2.0).contains(&t))) {
             Some(m) => Err(format!("model {:?}: default_temperature must be in [0, 2]", m.id)),

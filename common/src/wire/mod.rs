@@ -17,6 +17,10 @@
 //! - [`Open::Admin`]: an operator's drain, undrain or drain report for another node, passed on
 //!   by the node that took the call, with the caller's key, which the receiving node checks
 //!   against its own admin key; the answer is one `Reply::Done`.
+//! - [`Open::Fetch`]: a node that is about to run a request asks the node whose worker caches
+//!   more of its prefix for those blocks ([`FetchAsk`]). The answer is one `Reply::Blocks`
+//!   header (the chain the holder found, from the asked block on), followed by the raw bytes of
+//!   every block it marks as sent, as an import's; or one `Refused`.
 //!
 //! There is no per-element encoding beyond rkyv's archive, and a frame larger than
 //! [`MAX_FRAME_BYTES`] is refused on both sides; an import's raw bytes are bounded by what the
@@ -47,6 +51,36 @@ pub struct Submit {
     pub worker: String,
     /// The request itself (its pins are checked with [`CachePin::all_valid`] on arrival).
     pub job: Job,
+    /// Where placement saw more of the prompt's prefix cached than the chosen worker holds:
+    /// the receiving node fetches those blocks before it submits the job.
+    pub fetch: Option<FetchFrom>,
+}
+
+/// A worker that caches more of a request's prefix than the worker placement chose.
+#[derive(Clone, Debug, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct FetchFrom {
+    pub node: String,
+    pub worker: String,
+    /// Blocks of the prompt's chain the chosen worker caches already (placement's view).
+    pub have: u32,
+    /// Blocks of the prompt's chain the holder caches (placement's view).
+    pub blocks: u32,
+}
+
+/// A node asks another for the KV blocks of a chain that one of its workers caches.
+#[derive(Clone, Debug, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct FetchAsk {
+    /// The node that asks (and will import the blocks).
+    pub origin_node: String,
+    pub request_id: String,
+    /// The holder's worker.
+    pub worker: String,
+    /// The chain's root (the request's cache scope) and the tokens its blocks hold, a whole
+    /// number of blocks.
+    pub cache_root: u64,
+    pub tokens: Vec<u32>,
+    /// The first block wanted: the asker caches the ones before it.
+    pub from_block: u32,
 }
 
 /// One block of an import: its prefix hash, the checksum of its bytes, and whether the bytes
@@ -90,6 +124,7 @@ pub enum Open {
     Rank(RankJoin),
     Lookup(Lookup),
     Admin(AdminCall),
+    Fetch(FetchAsk),
 }
 
 /// An admin call for the receiving node, passed on by the node that took it.
@@ -134,6 +169,9 @@ pub enum Reply {
     /// An admin call's answer: the HTTP status and JSON body the receiving node's own admin API
     /// would have sent.
     Done { status: u16, body: Vec<u8> },
+    /// A fetch's answer: the chain the holder caches (the blocks before the asked one marked
+    /// not sent); the raw bytes of the sent blocks follow.
+    Blocks(ImportHeader),
 }
 
 fn frame(body: &[u8]) -> Result<Vec<u8>, WireError> {
@@ -183,7 +221,7 @@ mod tests {
             cache_root: 0x1234_5678_9abc_def1,
             claim: crate::job::TenantClaim { tenant: "team-a".into(), cache_salt: Some("s".into()) },
         };
-        let s = Submit { origin_node: "a".into(), worker: "cpu0".into(), job };
+        let s = Submit { origin_node: "a".into(), worker: "cpu0".into(), job, fetch: Some(FetchFrom { node: "b".into(), worker: "cpu1".into(), have: 2, blocks: 40 }) };
         let f = encode_open(&Open::Submit(s.clone())).unwrap();
         let n = frame_len(f[..4].try_into().unwrap()).unwrap();
         assert_eq!(n, f.len() - 4);
@@ -200,13 +238,17 @@ mod tests {
         };
         assert_eq!(h.payload_bytes(), 1024);
         let f = encode_open(&Open::Import(h.clone())).unwrap();
-        assert_eq!(decode_open(&f[4..]).unwrap(), Open::Import(h));
+        assert_eq!(decode_open(&f[4..]).unwrap(), Open::Import(h.clone()));
+        let ask = FetchAsk { origin_node: "a".into(), request_id: "req_3".into(), worker: "cpu0".into(), cache_root: 9, tokens: (0..64).collect(), from_block: 2 };
+        let f = encode_open(&Open::Fetch(ask.clone())).unwrap();
+        assert_eq!(decode_open(&f[4..]).unwrap(), Open::Fetch(ask));
         for r in [
             Reply::Accepted,
             Reply::Refused { overloaded: true, message: "full".into() },
             Reply::Imported { blocks: 7 },
             Reply::Found { found: true, body: b"{}".to_vec() },
             Reply::Done { status: 401, body: b"{}".to_vec() },
+            Reply::Blocks(h),
             Reply::Event(SeqEvent::Delta { tokens: vec![1, 2], text: "hé".into(), logprobs: vec![TokenLogprob { token: 2, logprob: -0.5, top: vec![(2, -0.5), (7, -1.25)] }] }),
             Reply::Event(SeqEvent::Finished { reason: StopReason::StopSequence("x".into()), usage: Usage { output_tokens: 3, ..Default::default() } }),
             Reply::Event(SeqEvent::Finished { reason: StopReason::Moved { node: "b".into(), worker: "cpu0".into(), kv_tokens: 96 }, usage: Usage::default() }),

@@ -13,7 +13,7 @@ use zerolayer_common::wire::{self, Open, Reply};
 use super::frames::{read_frame, write_reply};
 use super::identity::cert_names;
 use super::handle::Cluster;
-use super::{admin, forward, lookup, migrate, rank};
+use super::{admin, fetch, forward, lookup, migrate, rank};
 use super::transport::MAX_GOSSIP_BYTES;
 
 pub async fn run(cluster: Arc<Cluster>) {
@@ -102,6 +102,7 @@ async fn serve_bi(cluster: Arc<Cluster>, send: quinn::SendStream, mut recv: quin
         Ok(Open::Rank(j)) => j.origin_node.as_str(),
         Ok(Open::Lookup(l)) => l.origin_node.as_str(),
         Ok(Open::Admin(a)) => a.origin_node.as_str(),
+        Ok(Open::Fetch(f)) => f.origin_node.as_str(),
         Err(_) => "",
     };
     if open.is_ok() && !peer.is(claimed) {
@@ -119,6 +120,7 @@ async fn serve_bi(cluster: Arc<Cluster>, send: quinn::SendStream, mut recv: quin
         Ok(Open::Rank(join)) => rank::host::serve(cluster, join, send, recv, peer.addr).await,
         Ok(Open::Lookup(l)) => lookup::serve(cluster, l, send, peer.addr).await,
         Ok(Open::Admin(a)) => admin::serve(cluster, a, send, peer.addr).await,
+        Ok(Open::Fetch(f)) => fetch::serve(cluster, f, send, peer.addr).await,
         Err(e) => tracing::debug!(peer = %peer.addr, error = %e, "refused a stream"),
     }
 }

@@ -122,6 +122,9 @@ pub async fn serve(cluster: Arc<Cluster>, sub: Submit, mut send: quinn::SendStre
             return write_reply(&mut send, &refuse(false, format!("cache pins {:?} are outside the limits", job.pins))).await;
         }
         let request_id = job.request_id.clone();
+        if let Some(from) = sub.fetch {
+            cluster.fetch_first(&sub.worker, &job, from).await;
+        }
         let mut stream = match w.handle.submit(job).await {
             Ok(s) => s,
             Err(e) => {

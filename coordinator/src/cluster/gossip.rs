@@ -166,6 +166,9 @@ pub fn decode_signals(v: &str) -> Result<WorkerSignals, GossipError> {
     if !s.tokens_per_second.is_finite() || s.tokens_per_second < 0.0 {
         return bad(format!("tokens_per_second {}", s.tokens_per_second));
     }
+    if !(s.prefill_us_per_token.is_finite() && s.prefill_us_per_token >= 0.0 && s.prefill_us_per_kilo_pair.is_finite() && s.prefill_us_per_kilo_pair >= 0.0) {
+        return bad(format!("prefill_us_per_token {}, prefill_us_per_kilo_pair {}", s.prefill_us_per_token, s.prefill_us_per_kilo_pair));
+    }
     if s.draft_accepted_total > s.draft_tokens_total {
         return bad(format!("draft tokens kept {} > verified {}", s.draft_accepted_total, s.draft_tokens_total));
     }
@@ -454,6 +457,7 @@ mod tests {
             |s: &mut WorkerSignals| s.kv_fragmentation_ratio = 2.0,
             |s: &mut WorkerSignals| s.prefix_hit_ratio = -0.5,
             |s: &mut WorkerSignals| s.tokens_per_second = -1.0,
+            |s: &mut WorkerSignals| s.prefill_us_per_token = f32::NAN,
             |s: &mut WorkerSignals| s.memory_used_bytes = 10,
             |s: &mut WorkerSignals| s.draft_accepted_total = 1,
         ] {

@@ -31,7 +31,15 @@ pub trait PeerCalls: Send + Sync {
     /// A forwarded job under this node's own config (its tenant's share, options and cache
     /// scope); `Err` refuses it.
     fn rederive(&self, job: zerolayer_common::Job) -> Result<zerolayer_common::Job, String>;
+    /// Pulls into local worker `into` the prefix blocks of `job` that `from` holds, before the
+    /// job runs there (the node's orchestrator does it and keeps its figures). Never fails: a
+    /// fetch that does not work leaves the job to recompute.
+    fn fetch(&self, into: &str, job: &zerolayer_common::Job, from: zerolayer_common::wire::FetchFrom) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
 }
+
+/// Fetches of its cached blocks a node serves at once; more are refused as overloaded (the
+/// askers recompute).
+pub const FETCHES_SERVED_AT_ONCE: usize = 2;
 
 /// A worker on this node.
 #[derive(Clone)]
@@ -104,6 +112,8 @@ pub struct Cluster {
     /// KV bytes each peer has in transfers to this node now (see `migrate::serve`); an entry
     /// goes when its transfers end, so there are at most as many as transfers running.
     pub(super) imports_in_flight: Mutex<std::collections::HashMap<String, u64>>,
+    /// Fetches of this node's cached blocks being served now (see `fetch::serve`).
+    pub(super) fetches_served: tokio::sync::Semaphore,
     /// What answers peers' calls (set once by the front end; until then they are refused).
     pub(super) peer_calls: std::sync::OnceLock<Arc<dyn PeerCalls>>,
 }
@@ -170,6 +180,7 @@ impl Cluster {
             quota,
             hosted_ranks: Mutex::new(std::collections::HashMap::new()),
             imports_in_flight: Mutex::new(std::collections::HashMap::new()),
+            fetches_served: tokio::sync::Semaphore::new(FETCHES_SERVED_AT_ONCE),
             peer_calls: std::sync::OnceLock::new(),
         }
     }
@@ -178,6 +189,14 @@ impl Cluster {
     /// registration holds).
     pub fn serve_peers(&self, calls: Arc<dyn PeerCalls>) {
         let _ = self.peer_calls.set(calls);
+    }
+
+    /// Pulls `job`'s prefix blocks that `from` holds into local worker `into` first, through
+    /// the front end's hook (nothing happens before it is set).
+    pub async fn fetch_first(&self, into: &str, job: &zerolayer_common::Job, from: zerolayer_common::wire::FetchFrom) {
+        if let Some(calls) = self.peer_calls.get() {
+            calls.fetch(into, job, from).await;
+        }
     }
 
     /// This node's membership state.

@@ -84,7 +84,7 @@ pub async fn send(cluster: &Cluster, node: &str, addr: SocketAddr, header: Impor
 /// Checks a header against this node's worker before any byte is read: the worker exists, the
 /// geometry is its cache's exactly (block size, bytes per block), the blocks fit in its cache,
 /// and the hashes are the tokens' chain.
-fn check(cluster: &Cluster, h: &ImportHeader) -> Result<(), String> {
+pub(super) fn check(cluster: &Cluster, h: &ImportHeader) -> Result<(), String> {
     let Some(w) = cluster.local_worker(&h.worker) else { return Err(format!("node {} has no worker {:?}", cluster.node_id, h.worker)) };
     let g = w.handle.kv_geometry();
     if h.block_size as usize != g.block_size {
@@ -110,7 +110,7 @@ fn check(cluster: &Cluster, h: &ImportHeader) -> Result<(), String> {
 /// Reads the blocks `h` marks as sent from `recv` (every one of them, so the stream is drained)
 /// and checks each against its checksum: the import of the chain up to the first block that
 /// fails, and that block's index if one did.
-async fn read_blocks<R: tokio::io::AsyncRead + Unpin>(h: &ImportHeader, recv: &mut R) -> std::io::Result<(KvImport, Option<usize>)> {
+pub(super) async fn read_blocks<R: tokio::io::AsyncRead + Unpin>(h: &ImportHeader, recv: &mut R) -> std::io::Result<(KvImport, Option<usize>)> {
     use tokio::io::AsyncReadExt;
     let bs = h.block_size as usize;
     let tokens = h.tokens[..(h.blocks.len() * bs).min(h.tokens.len())].to_vec();
@@ -139,7 +139,7 @@ async fn read_blocks<R: tokio::io::AsyncRead + Unpin>(h: &ImportHeader, recv: &m
 }
 
 /// KV bytes reserved for one peer's transfer, given back when it ends.
-struct Reserved<'a> {
+pub(super) struct Reserved<'a> {
     cluster: &'a Cluster,
     peer: String,
     bytes: u64,
@@ -147,7 +147,7 @@ struct Reserved<'a> {
 
 impl<'a> Reserved<'a> {
     /// Reserves `bytes` for `peer` if its transfers in flight stay within `cap`.
-    fn take(cluster: &'a Cluster, peer: &str, bytes: u64, cap: u64) -> Option<Self> {
+    pub(super) fn take(cluster: &'a Cluster, peer: &str, bytes: u64, cap: u64) -> Option<Self> {
         let mut m = cluster.imports_in_flight.lock().unwrap_or_else(|e| e.into_inner());
         let now = m.get(peer).copied().unwrap_or(0);
         if now + bytes > cap {

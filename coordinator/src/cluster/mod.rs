@@ -18,7 +18,8 @@
 //!
 //! - **KV transfer** ([`migrate`]). A draining node sends a sequence's blocks to the target
 //!   worker's prefix cache on a bi-stream of their own (header, then raw bytes, a checksum per
-//!   block).
+//!   block). A node about to run a request pulls the prompt's prefix blocks that another
+//!   worker caches ([`fetch`]) in the same framing, on the holder's answer to its ask.
 //!
 //! - **Tensor-parallel ranks on other nodes** ([`rank`]). A worker whose `rank_nodes` name
 //!   other nodes leads a group whose ranks those nodes host, one bi-stream per rank: the step's
@@ -38,11 +39,12 @@
 //!
 //! Layering (no module here uses one above it): `gossip`, `tls` < `screen` < `transport`,
 //! `frames`, `identity` <
-//! `link` < `forward`, `lookup` < `admin`, `migrate`, `publisher`, `rank` < `accept` < `start`. Every task is owned by [`Cluster`] and stops
+//! `link` < `forward`, `lookup` < `admin`, `migrate`, `publisher`, `rank` < `fetch` < `accept` < `start`. Every task is owned by [`Cluster`] and stops
 //! in [`Cluster::stop`] (graceful) or [`Cluster::kill`].
 
 pub mod accept;
 pub mod admin;
+pub mod fetch;
 pub mod forward;
 pub mod frames;
 pub mod gossip;

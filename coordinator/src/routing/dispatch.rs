@@ -8,14 +8,15 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use zerolayer_common::wire::Submit;
-use zerolayer_common::{block_hashes_from, ClusterConfig, Job, SeqEvent};
+use zerolayer_common::wire::{FetchFrom, Submit};
+use zerolayer_common::{block_hashes_from, ClusterConfig, Job, PlacementConfig, SeqEvent};
 use zerolayer_worker::SeqStream;
 
 use crate::cluster::forward::{self, ForwardError, RemoteStream};
 use crate::cluster::Cluster;
 use crate::error::ApiError;
-use crate::routing::placement::{self, Decision, RequestSummary};
+use crate::routing::fetching::FetchCost;
+use crate::routing::placement::{self, Decision, FetchPlan, RequestSummary};
 use crate::routing::tracker::{PlacementMark, Tracker};
 use crate::view::ClusterView;
 
@@ -72,6 +73,8 @@ pub struct Dispatcher {
     rr: AtomicUsize,
     tracker: Arc<Tracker>,
     block_size: usize,
+    /// What this node's fetches have cost (the orchestrator measures, placement reads).
+    pub fetch_cost: Arc<FetchCost>,
 }
 
 impl Dispatcher {
@@ -79,7 +82,7 @@ impl Dispatcher {
         // Coordinators start their round-robin at different points, so independent
         // coordinators do not move through the workers in lockstep.
         let rr_start = zerolayer_common::chain_hash(0, &node_id.bytes().map(u32::from).collect::<Vec<_>>()) as usize % 1024;
-        Dispatcher { node_id: node_id.to_string(), cluster, config, rr: AtomicUsize::new(rr_start), tracker: Arc::new(Tracker::default()), block_size }
+        Dispatcher { node_id: node_id.to_string(), cluster, config, rr: AtomicUsize::new(rr_start), tracker: Arc::new(Tracker::default()), block_size, fetch_cost: Arc::default() }
     }
 
     /// Placement marks held now (pending, done), for leak checks.
@@ -90,6 +93,11 @@ impl Dispatcher {
     /// How many times a sequence may continue elsewhere before its request fails.
     pub fn migration_limit(&self) -> u32 {
         self.config.cluster.migration_limit
+    }
+
+    /// Cached chains a drain's warm-up copies per worker (at most 1,024).
+    pub fn drain_warm_chains(&self) -> u32 {
+        self.config.cluster.drain_warm_chains.min(1024)
     }
 
     /// The view placement sees now, corrected for signal staleness.
@@ -106,10 +114,12 @@ impl Dispatcher {
     /// from `cache_root`) would go now, among the workers serving that model on nodes not in
     /// `exclude`: for a drain, which moves each sequence's KV there.
     pub fn target(&self, model: &str, tokens: &[u32], cache_root: u64, max_tokens: usize, exclude: &[String]) -> Option<Target> {
-        let summary = RequestSummary { block_hashes: block_hashes_from(cache_root, tokens, self.block_size), prompt_tokens: tokens.len(), max_tokens };
+        // A drain's target takes the KV the drain sends; it fetches nothing.
+        let summary = RequestSummary { block_hashes: block_hashes_from(cache_root, tokens, self.block_size), prompt_tokens: tokens.len(), max_tokens, fetch_secs_per_block: None };
+        let cfg = PlacementConfig { fetch: false, ..self.config.placement.clone() };
         let mut view = self.view();
         view.workers.retain(|w| !exclude.contains(&w.node) && w.model == model);
-        match placement::place(&view, &summary, &self.config.placement, self.rr.fetch_add(1, Ordering::Relaxed)) {
+        match placement::place(&view, &summary, &cfg, self.rr.fetch_add(1, Ordering::Relaxed)) {
             Decision::Place { index, .. } => {
                 let w = &view.workers[index];
                 Some(Target { node: w.node.clone(), worker: w.worker.clone(), local: w.local, cached: w.cached.clone() })
@@ -126,19 +136,24 @@ impl Dispatcher {
     pub fn can_take(&self, model: &str, prompt_tokens: usize, max_tokens: usize) -> bool {
         let mut view = self.view();
         view.workers.retain(|w| w.model == model);
-        let summary = RequestSummary { block_hashes: Vec::new(), prompt_tokens, max_tokens };
+        let summary = RequestSummary { block_hashes: Vec::new(), prompt_tokens, max_tokens, fetch_secs_per_block: None };
         matches!(placement::place(&view, &summary, &self.config.placement, 0), Decision::Place { .. })
     }
 
     pub async fn submit(&self, job: &Job, exclude: &[String], prefer: Option<(&str, &str)>) -> Result<Placed, ApiError> {
         let tokens = job.tokens();
-        let summary = RequestSummary { block_hashes: block_hashes_from(job.cache_root, &tokens, self.block_size), prompt_tokens: tokens.len(), max_tokens: job.remaining_tokens() };
+        let summary = RequestSummary {
+            block_hashes: block_hashes_from(job.cache_root, &tokens, self.block_size),
+            prompt_tokens: tokens.len(),
+            max_tokens: job.remaining_tokens(),
+            fetch_secs_per_block: self.fetch_cost.secs_per_block(),
+        };
         let mut view = self.view();
         view.workers.retain(|w| !exclude.contains(&w.node) && w.model == job.model);
-        let mut order: Vec<(usize, usize)> = Vec::new(); // (view index, cached blocks)
+        let mut order: Vec<(usize, usize, Option<FetchPlan>)> = Vec::new(); // (view index, cached blocks, fetch)
         if let Some((node, worker)) = prefer {
             if let Some(i) = view.workers.iter().position(|w| w.node == node && w.worker == worker) {
-                order.push((i, placement::cached_prefix_blocks(&view.workers[i], &summary.block_hashes)));
+                order.push((i, placement::cached_prefix_blocks(&view.workers[i], &summary.block_hashes), None));
             }
         }
         let pcfg = &self.config.placement;
@@ -153,8 +168,8 @@ impl Dispatcher {
                     tracing::debug!(request_id = %job.request_id, policy = ?pcfg.policy, reason, prompt_blocks = summary.block_hashes.len(), candidates = ?top, "placement decision");
                 }
                 for s in &ranked {
-                    if !order.iter().any(|&(i, _)| i == s.index) {
-                        order.push((s.index, s.cached_blocks));
+                    if !order.iter().any(|&(i, _, _)| i == s.index) {
+                        order.push((s.index, s.cached_blocks, s.fetch));
                     }
                 }
                 reason
@@ -167,8 +182,12 @@ impl Dispatcher {
             Decision::NoWorker { .. } => "moved",
         };
         let mut last_err = None;
-        for &(i, cached_blocks) in order.iter().take(MAX_PLACEMENT_TRIES) {
+        for &(i, cached_blocks, fetch) in order.iter().take(MAX_PLACEMENT_TRIES) {
             let w = &view.workers[i];
+            let fetch = fetch.map(|f| {
+                let h = &view.workers[f.holder];
+                FetchFrom { node: h.node.clone(), worker: h.worker.clone(), have: f.have as u32, blocks: f.blocks as u32 }
+            });
             let bs = w.signals.block_size.max(1) as usize;
             let id = self.tracker.placed(&w.node, &w.worker, summary.prompt_tokens.saturating_sub(cached_blocks * bs) as u64, Instant::now());
             let mark = PlacementMark::new(self.tracker.clone(), id, summary.prompt_tokens.div_ceil(bs) as u32);
@@ -181,6 +200,9 @@ impl Dispatcher {
                     last_err = Some(ApiError::Internal(format!("local worker {} vanished", w.worker)));
                     continue;
                 };
+                if let Some(from) = fetch {
+                    self.cluster.fetch_first(&w.worker, job, from).await;
+                }
                 match lw.handle.submit(job.clone()).await.map_err(ApiError::from) {
                     Ok(stream) => return Ok(placed(EventStream::Local(stream))),
                     Err(e @ ApiError::Overloaded(_)) => {
@@ -195,7 +217,7 @@ impl Dispatcher {
                 last_err = Some(ApiError::Overloaded(format!("Overloaded: node {} is unreachable", w.node)));
                 continue;
             };
-            let sub = Submit { origin_node: self.node_id.clone(), worker: w.worker.clone(), job: job.clone() };
+            let sub = Submit { origin_node: self.node_id.clone(), worker: w.worker.clone(), job: job.clone(), fetch };
             match forward::submit(&self.cluster, &w.node, addr, &sub).await {
                 Ok(rs) => return Ok(placed(EventStream::Remote(rs))),
                 Err(ForwardError::Refused { overloaded: true, message }) => {

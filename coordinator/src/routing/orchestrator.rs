@@ -1,5 +1,6 @@
 //! Draining a node: the node's coordinator actor (ractor), which owns the cluster-level
-//! orchestration of this node: drain, undrain and the moves they make.
+//! orchestration of this node: drain, undrain and the moves they make, and the prefix
+//! fetches placement asks of this node's workers ([`super::fetching`]).
 //!
 //! A drain:
 //! 1. marks the node `draining`: `/ready` turns 503, the node gossips it, and placement (here
@@ -17,7 +18,10 @@
 //!    ends with `Moved`, and the coordinator holding its client continues it there by exact
 //!    replay, computing only the last partial block. A transfer that fails ends it with
 //!    `Lost` instead: the continuation recomputes;
-//! 3. keeps checking until the workers hold no sequence (and stays draining until `undrain`).
+//! 3. keeps checking until the workers hold no sequence (and stays draining until `undrain`);
+//! 4. then warms the cluster up: each worker's hottest cached chains go to the workers
+//!    placement would choose for them (`warm_up`), so that the prefixes hit here keep hitting
+//!    once this node stops. Until it stops, the node also serves fetches of its cached blocks.
 //!
 //! With no other ready worker in the cluster nothing moves: the sequences finish here (a single
 //! node's SIGTERM drain, as before clusters).
@@ -38,6 +42,10 @@ use zerolayer_worker::scheduler::SeqId;
 
 use crate::cluster::{migrate, Cluster, LocalWorker};
 use crate::routing::dispatch::{Dispatcher, Target};
+use crate::routing::fetching;
+use zerolayer_common::wire::FetchFrom;
+use zerolayer_common::{block_hashes_from, Job};
+use zerolayer_worker::actor::CachedAsk;
 use crate::view::NodeState;
 
 /// How often a drain looks for sequences still on its workers.
@@ -62,6 +70,12 @@ pub struct DrainReport {
     pub move_ms: u64,
     /// Milliseconds from the drain's start until its workers first held no sequence.
     pub emptied_after_ms: Option<u64>,
+    /// The warm-up (after the moves): cached chains copied to other workers, the blocks of them
+    /// those workers now cache, the bytes sent (also in `kv_bytes_sent`), and how long it took.
+    pub warmed_chains: u64,
+    pub warmed_blocks: u64,
+    pub warm_bytes: u64,
+    pub warm_ms: u64,
     /// The last moves (at most [`RECENT_MOVES`]), for benchmarks and operators.
     pub recent: Vec<MoveRecord>,
 }
@@ -93,6 +107,9 @@ pub enum OrchestratorMsg {
     Drain(RpcReplyPort<DrainReport>),
     Undrain(RpcReplyPort<DrainReport>),
     Report(RpcReplyPort<DrainReport>),
+    /// Pull a job's prefix blocks from the worker that holds them into local worker `into`,
+    /// before the job runs there; answered when the fetch has ended, either way.
+    Fetch { into: String, job: Box<Job>, from: FetchFrom, done: RpcReplyPort<()> },
 }
 
 /// What a drain works with.
@@ -156,6 +173,14 @@ impl Actor for Orchestrator {
             OrchestratorMsg::Report(reply) => {
                 let _ = reply.send(state.report().await);
             }
+            OrchestratorMsg::Fetch { into, job, from, done } => {
+                // Off the mailbox: a fetch never holds up a drain or another fetch.
+                let (cluster, dispatch) = (state.ctx.cluster.clone(), state.ctx.dispatch.clone());
+                tokio::spawn(async move {
+                    fetching::run(&cluster, &dispatch.fetch_cost, &into, &job, from).await;
+                    let _ = done.send(());
+                });
+            }
         }
         Ok(())
     }
@@ -207,14 +232,63 @@ async fn drain(ctx: OrchestratorContext, report: Arc<Mutex<DrainReport>>) {
         }
         ctx.cluster.moving.store(left as u32, std::sync::atomic::Ordering::Release);
         if left == 0 {
-            let mut r = report.lock().unwrap_or_else(|e| e.into_inner());
-            if r.emptied_after_ms.is_none() {
-                r.emptied_after_ms = Some(t0.elapsed().as_millis() as u64);
-                tracing::info!(node = %ctx.node_id, moved_with_kv = r.moved_with_kv, moved_without_kv = r.moved_without_kv, kv_bytes = r.kv_bytes_sent, "drained: no sequence left on this node's workers");
+            let first = {
+                let mut r = report.lock().unwrap_or_else(|e| e.into_inner());
+                let first = r.emptied_after_ms.is_none();
+                if first {
+                    r.emptied_after_ms = Some(t0.elapsed().as_millis() as u64);
+                    tracing::info!(node = %ctx.node_id, moved_with_kv = r.moved_with_kv, moved_without_kv = r.moved_without_kv, kv_bytes = r.kv_bytes_sent, "drained: no sequence left on this node's workers");
+                }
+                first
+            };
+            if first {
+                warm_up(&ctx, &report).await;
             }
         }
         tokio::time::sleep(RECHECK).await;
     }
+}
+
+/// The warm-up, once the workers hold no sequence: each worker's hottest cached chains
+/// (`cluster.drain_warm_chains` of them; its
+/// cached prefixes, not only the running sequences' blocks) go to the worker placement would
+/// choose for each, [`MOVES_AT_ONCE`] at a time, so the requests that would have hit them here
+/// hit there once this node stops. A chain the target caches whole is skipped, and no block it
+/// caches is sent.
+async fn warm_up(ctx: &OrchestratorContext, report: &Mutex<DrainReport>) {
+    let max = ctx.dispatch.drain_warm_chains() as usize;
+    if max == 0 {
+        return;
+    }
+    let t0 = Instant::now();
+    for w in &ctx.workers {
+        let Ok(chains) = w.handle.hot_chains(max).await else { continue };
+        let bs = w.handle.kv_geometry().block_size;
+        let copies = futures::stream::iter(chains.into_iter().enumerate().map(|(i, (root, tokens))| async move {
+            let target = ctx.dispatch.target(&w.model, &tokens, root, 1, std::slice::from_ref(&ctx.node_id))?;
+            if block_hashes_from(root, &tokens, bs).iter().all(|h| target.cached.contains(h)) {
+                return None;
+            }
+            let chain = w.handle.read_cached(CachedAsk { cache_root: root, tokens, from_block: 0 }).await.ok()?;
+            let ex = Export { prompt: chain.tokens, generated: Vec::new(), seed: 0, cache_root: root, block_hashes: chain.block_hashes, kv: chain.kv, block_bytes: chain.block_bytes, block_size: chain.block_size };
+            let request_id = format!("warm-{}-{}-{i}", ctx.node_id, w.id);
+            transfer(ctx, &target, &ex, &HashSet::new(), &request_id).await.inspect_err(|e| tracing::debug!(%request_id, error = %e, "a warm-up copy failed")).ok()
+        }))
+        .buffer_unordered(MOVES_AT_ONCE)
+        .filter_map(std::future::ready)
+        .collect::<Vec<_>>()
+        .await;
+        let mut r = report.lock().unwrap_or_else(|e| e.into_inner());
+        for t in copies {
+            r.warmed_chains += 1;
+            r.warmed_blocks += t.blocks as u64;
+            r.warm_bytes += t.bytes;
+            r.kv_bytes_sent += t.bytes;
+        }
+    }
+    let mut r = report.lock().unwrap_or_else(|e| e.into_inner());
+    r.warm_ms = t0.elapsed().as_millis() as u64;
+    tracing::info!(node = %ctx.node_id, chains = r.warmed_chains, blocks = r.warmed_blocks, bytes = r.warm_bytes, ms = r.warm_ms, "warm-up: this node's hottest cached prefixes copied to the workers that will serve them");
 }
 
 /// A sequence's blocks copied ahead of its export: where to, and what that worker caches now.

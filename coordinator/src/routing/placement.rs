@@ -23,6 +23,16 @@
 //! 3. **Ties** (equal cost within 1e-9) go to the local worker, then to the `rr`-th of the tied
 //!    candidates, so equal workers share the work instead of the first one taking it all.
 //!
+//! **Fetch** (`cache_aware` with `fetch`): another worker of the model may cache more of the
+//! prompt's prefix than a candidate (a busy one, or one on a draining node, which placement
+//! skips but which still serves its blocks). A candidate may then pull those blocks before it
+//! prefills: its cost counts them as cached, plus `fetch ratio × overlap_weight` per fetched
+//! block (and the hop, for a holder on another node). The ratio is what a fetched block costs
+//! against computing it: this node's measured seconds per fetched block over the candidate's
+//! measured prefill seconds per block, or `fetch_cost_prior` until both are known. "Wait for
+//! the holder" is the holder's own cost, "recompute" the candidate's without a fetch; the least
+//! of all wins.
+//!
 //! The prefix overlap is exact: a worker's cached set holds the chained block hashes it caches
 //! (see `zerolayer_common::hash`), and a prompt's overlap is its longest prefix of blocks in it.
 
@@ -38,6 +48,8 @@ pub struct RequestSummary {
     pub block_hashes: Vec<u64>,
     pub prompt_tokens: usize,
     pub max_tokens: usize,
+    /// Seconds this node has measured per fetched block, if it has fetched.
+    pub fetch_secs_per_block: Option<f64>,
 }
 
 /// Why a worker was skipped.
@@ -58,6 +70,61 @@ pub struct Scored {
     pub index: usize,
     pub cost: f64,
     pub cached_blocks: usize,
+    /// Blocks to fetch from another worker first, if that is how this candidate was priced.
+    pub fetch: Option<FetchPlan>,
+}
+
+/// Prefix blocks a worker pulls from another before it runs a request.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct FetchPlan {
+    /// The holder, an index into the view.
+    pub holder: usize,
+    /// Blocks of the chain the chosen worker caches (the fetch starts after them).
+    pub have: usize,
+    /// Blocks of the chain the holder caches.
+    pub blocks: usize,
+}
+
+/// The workers that could serve a fetch of `req`'s prefix, with how many of its blocks each
+/// caches: any worker of a ready or draining node that still runs.
+fn holders(view: &ClusterView, req: &RequestSummary) -> Vec<(usize, usize)> {
+    view.workers
+        .iter()
+        .enumerate()
+        .filter(|(_, w)| matches!(w.state, NodeState::Ready | NodeState::Draining) && !w.signals.unavailable)
+        .map(|(i, w)| (i, cached_prefix_blocks(w, &req.block_hashes)))
+        .filter(|&(_, n)| n > 0)
+        .collect()
+}
+
+/// What fetching blocks `have..blocks` costs against computing them on `w` (see the module's
+/// doc): the measured seconds per fetched block over `w`'s measured prefill time for those
+/// positions (its per-token term, and its attention term over the pairs they attend).
+fn fetch_ratio(w: &WorkerView, req: &RequestSummary, cfg: &PlacementConfig, have: usize, blocks: usize) -> f64 {
+    let bs = w.signals.block_size.max(1) as f64;
+    let (from, to) = (have as f64 * bs, blocks as f64 * bs);
+    let pairs = (to * to - from * from) / 2.0;
+    let recompute_secs = (w.signals.prefill_us_per_token as f64 * (to - from) + w.signals.prefill_us_per_kilo_pair as f64 * pairs / 1e3) * 1e-6;
+    match req.fetch_secs_per_block {
+        Some(f) if w.signals.prefill_us_per_token > 0.0 && recompute_secs > 0.0 && f.is_finite() => (f * (blocks - have) as f64 / recompute_secs).clamp(0.01, 10.0),
+        _ => cfg.fetch_cost_prior,
+    }
+}
+
+/// The candidate `i` (caching `cached` blocks) scored, with a fetch where one lowers its cost.
+fn score(view: &ClusterView, req: &RequestSummary, cfg: &PlacementConfig, holders: &[(usize, usize)], i: usize, cached: usize) -> Scored {
+    let w = &view.workers[i];
+    let plain = Scored { index: i, cost: cost(w, req, cached, cfg), cached_blocks: cached, fetch: None };
+    let best = holders.iter().filter(|&&(j, n)| j != i && n >= cached + cfg.min_fetch_blocks.max(1) as usize).max_by_key(|&&(j, n)| (n, std::cmp::Reverse(j)));
+    let Some(&(holder, blocks)) = best.filter(|_| cfg.fetch) else { return plain };
+    let fetched = (blocks - cached) as f64;
+    let hop = if view.workers[holder].node != w.node { cfg.remote_hop_blocks } else { 0.0 };
+    let with_fetch = cost(w, req, blocks, cfg) + fetch_ratio(w, req, cfg, cached, blocks) * cfg.overlap_weight * fetched + hop;
+    if with_fetch < plain.cost {
+        Scored { index: i, cost: with_fetch, cached_blocks: cached, fetch: Some(FetchPlan { holder, have: cached, blocks }) }
+    } else {
+        plain
+    }
 }
 
 /// The outcome of placement.
@@ -168,21 +235,21 @@ fn place_among(view: &ClusterView, req: &RequestSummary, cfg: &PlacementConfig, 
     match cfg.policy {
         PlacementPolicy::RoundRobin => {
             let (i, c) = cands[rr % cands.len()];
-            pick(i, c, "round_robin", vec![Scored { index: i, cost: 0.0, cached_blocks: c }])
+            pick(i, c, "round_robin", vec![Scored { index: i, cost: 0.0, cached_blocks: c, fetch: None }])
         }
         PlacementPolicy::LeastLoaded => {
             let (i, c) = least_loaded(view, &cands, rr);
-            pick(i, c, "least_loaded", vec![Scored { index: i, cost: load(&view.workers[i]) as f64, cached_blocks: c }])
+            pick(i, c, "least_loaded", vec![Scored { index: i, cost: load(&view.workers[i]) as f64, cached_blocks: c, fetch: None }])
         }
         PlacementPolicy::CacheAware => {
             let loads: Vec<u32> = cands.iter().map(|&(i, _)| load(&view.workers[i])).collect();
             let (max, min) = (*loads.iter().max().unwrap(), *loads.iter().min().unwrap());
             if max - min > cfg.balance_abs_threshold && max as f64 > cfg.balance_rel_threshold * min as f64 {
                 let (i, c) = least_loaded(view, &cands, rr);
-                return pick(i, c, "imbalance_guard", vec![Scored { index: i, cost: load(&view.workers[i]) as f64, cached_blocks: c }]);
+                return pick(i, c, "imbalance_guard", vec![Scored { index: i, cost: load(&view.workers[i]) as f64, cached_blocks: c, fetch: None }]);
             }
-            let mut ranked: Vec<Scored> =
-                cands.iter().map(|&(i, c)| Scored { index: i, cost: cost(&view.workers[i], req, c, cfg), cached_blocks: c }).collect();
+            let holders = if cfg.fetch { holders(view, req) } else { Vec::new() };
+            let mut ranked: Vec<Scored> = cands.iter().map(|&(i, c)| score(view, req, cfg, &holders, i, c)).collect();
             ranked.sort_by(|a, b| a.cost.total_cmp(&b.cost));
             let best = ranked[0].cost;
             let tied: Vec<&Scored> = ranked.iter().filter(|s| s.cost - best <= 1e-9).collect();
@@ -195,8 +262,15 @@ fn place_among(view: &ClusterView, req: &RequestSummary, cfg: &PlacementConfig, 
             // Best first: move the chosen one to the front.
             let pos = ranked.iter().position(|s| s.index == i).unwrap();
             let first = ranked.remove(pos);
+            let reason = if first.fetch.is_some() {
+                "prefix_fetch"
+            } else if c > 0 {
+                "prefix_hit"
+            } else {
+                "lowest_cost"
+            };
             ranked.insert(0, first);
-            pick(i, c, if c > 0 { "prefix_hit" } else { "lowest_cost" }, ranked)
+            pick(i, c, reason, ranked)
         }
     }
 }
@@ -223,7 +297,7 @@ mod tests {
     }
 
     fn req(blocks: usize) -> RequestSummary {
-        RequestSummary { block_hashes: (1..=blocks as u64).collect(), prompt_tokens: blocks * 16 + 5, max_tokens: 64 }
+        RequestSummary { block_hashes: (1..=blocks as u64).collect(), prompt_tokens: blocks * 16 + 5, max_tokens: 64, fetch_secs_per_block: None }
     }
 
     fn with_cache(mut v: WorkerView, n: u64) -> WorkerView {
@@ -288,7 +362,9 @@ mod tests {
 
     #[test]
     fn prefix_hits_beat_a_hop_and_moderate_load() {
-        let c = cfg(PlacementPolicy::CacheAware);
+        // Without fetch (with it, the idle local worker would pull the 37 blocks: see
+        // `a_prefix_held_elsewhere_is_fetched_where_that_costs_less`).
+        let c = PlacementConfig { fetch: false, ..cfg(PlacementPolicy::CacheAware) };
         let r = req(37);
         let mut remote_hit = with_cache(w("b", false), 37);
         remote_hit.signals.active_decode_blocks = 20;
@@ -382,5 +458,46 @@ mod tests {
         let Decision::Place { index, ranked, .. } = d else { panic!() };
         assert_eq!(index, 1);
         assert!((ranked[1].cost - (5.0 + 8.0 + 64.0 * 0.1)).abs() < 1e-9, "{ranked:?}");
+    }
+
+    /// The holder of a prefix is on a draining node (skipped, but serving its blocks): the
+    /// chosen worker fetches them, priced by the prior ratio until fetches and prefill speed
+    /// are measured, and by their ratio then. No fetch where it is off, short, or dearer than
+    /// recomputing.
+    #[test]
+    fn a_prefix_held_elsewhere_is_fetched_where_that_costs_less() {
+        let c = cfg(PlacementPolicy::CacheAware);
+        let mut holder = with_cache(w("a", true), 40);
+        holder.state = NodeState::Draining;
+        let view = ClusterView { workers: vec![holder, w("b", false), with_cache(w("c", false), 2)] };
+        let r = req(40);
+        let d = place(&view, &r, &c, 0);
+        let Decision::Place { index, reason, ranked, .. } = &d else { panic!("{d:?}") };
+        assert_eq!((*index, *reason), (2, "prefix_fetch"), "{ranked:?}");
+        assert_eq!(ranked[0].fetch, Some(FetchPlan { holder: 0, have: 2, blocks: 40 }));
+        // Off, it recomputes where it caches most.
+        let off = PlacementConfig { fetch: false, ..c.clone() };
+        assert!(matches!(place(&view, &r, &off, 0), Decision::Place { index: 2, reason: "prefix_hit", ref ranked, .. } if ranked[0].fetch.is_none()));
+        // Too few blocks to be worth a round trip.
+        assert!(matches!(place(&view, &req(5), &c, 0), Decision::Place { ref ranked, .. } if ranked[0].fetch.is_none()));
+        // Measured: a fetched block takes 2 ms, computing one 0.1 ms × 16 = 1.6 ms (no attention
+        // term): recompute.
+        let mut slow = view.clone();
+        for w in &mut slow.workers {
+            w.signals.prefill_us_per_token = 100.0;
+        }
+        let measured = |s: f64| RequestSummary { fetch_secs_per_block: Some(s), ..r.clone() };
+        assert!(matches!(place(&slow, &measured(0.002), &c, 0), Decision::Place { ref ranked, .. } if ranked[0].fetch.is_none()));
+        assert!(matches!(place(&slow, &measured(0.0002), &c, 0), Decision::Place { ref ranked, .. } if ranked[0].fetch.is_some()));
+        // The attention term counts: the 38 blocks from position 32 to 640 are 6.1 ms of tokens
+        // at 10 µs each, and attend ~204k pairs, 20.4 ms more at 100 µs per 1,000. Fetching them
+        // at 0.4 ms a block (15.2 ms) pays only with the attention term.
+        for (kilo_pair_us, fetched) in [(0.0, false), (100.0, true)] {
+            for w in &mut slow.workers {
+                w.signals.prefill_us_per_token = 10.0;
+                w.signals.prefill_us_per_kilo_pair = kilo_pair_us;
+            }
+            assert!(matches!(place(&slow, &measured(0.0004), &c, 0), Decision::Place { ref ranked, .. } if ranked[0].fetch.is_some() == fetched));
+        }
     }
 }

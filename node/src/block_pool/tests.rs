@@ -268,3 +268,34 @@ fn a_group_with_a_referenced_block_is_not_evicted_whole() {
     assert_eq!(p.lookup_h(100), None);
     p.check_invariants();
 }
+
+/// Two chains from root 9 (1→2→3, and 1→4 sharing block 1) and one from root 8 (5): the leaves
+/// come newest first, a pinned one before all, each chain whole from its root.
+#[test]
+fn hot_chains_are_whole_chains_newest_leaf_first() {
+    let mut p = BlockPool::new(8, 2);
+    let reg = |p: &mut BlockPool, h: u64, parent: u64| {
+        let b = p.allocate().unwrap();
+        assert!(p.register(b, BlockName { hash: h, parent, tokens: &toks(h, 2) }));
+        b
+    };
+    let b1 = reg(&mut p, 1, 9);
+    let b2 = reg(&mut p, 2, 1);
+    let b3 = reg(&mut p, 3, 2);
+    let b4 = reg(&mut p, 4, 1);
+    let b5 = reg(&mut p, 5, 8);
+    for b in [b1, b2, b3, b5, b4] {
+        p.release(b);
+    }
+    let chains = p.hot_chains(10);
+    assert_eq!(chains, vec![(9, vec![b1, b4]), (8, vec![b5]), (9, vec![b1, b2, b3])], "leaves newest first, whole chains");
+    assert_eq!(p.hot_chains(1).len(), 1);
+    assert_eq!(p.block_tokens(b3), &[3, 3]);
+    // A pinned leaf comes first.
+    p.set_max_pinned(8);
+    p.acquire(b3);
+    assert!(p.pin(b3, 100));
+    p.release(b3);
+    assert_eq!(p.hot_chains(10)[0], (9, vec![b1, b2, b3]));
+    p.check_invariants();
+}

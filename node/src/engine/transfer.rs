@@ -5,7 +5,7 @@
 use super::Engine;
 use crate::block_pool::BlockName;
 use crate::error::{Result, WorkerError};
-use crate::migrate::{Export, ImportReport, KvImport};
+use crate::migrate::{CachedChain, Export, ImportReport, KvImport};
 use crate::scheduler::SeqId;
 
 impl Engine {
@@ -40,6 +40,38 @@ impl Engine {
         }
         let (prompt, generated) = (s.tokens[..s.prompt_len].to_vec(), s.tokens[s.prompt_len..].to_vec());
         Some(Export { prompt, generated, seed: st.sampler.seed(), cache_root: s.cache_root, block_hashes, kv, block_bytes, block_size: bs })
+    }
+
+    /// The hottest cached chains, at most `max`, each as its root and its tokens (see
+    /// `BlockPool::hot_chains`): what a drain copies to other workers before its node stops.
+    pub fn hot_chains(&self, max: usize) -> Vec<(u64, Vec<u32>)> {
+        self.sched.hot_chains(max)
+    }
+
+    /// The KV of the cached blocks of the chain that `tokens` (a whole number of blocks) spell
+    /// from `cache_root`, from block `from` to the first block not cached: what another worker
+    /// fetches instead of recomputing them. The blocks before `from` are looked up too (the
+    /// chain must be cached from its start to be usable) but not read. Nothing is pinned: the
+    /// engine thread runs nothing else while it reads.
+    pub fn read_cached(&self, cache_root: u64, tokens: &[u32], from: usize) -> CachedChain {
+        let bs = self.sched.config().block_size;
+        let block_bytes = self.backend.kv().block_bytes;
+        let hashes = zerolayer_common::block_hashes_from(cache_root, &tokens[..tokens.len() / bs * bs], bs);
+        let mut found = Vec::new();
+        let mut kv = Vec::new();
+        for (i, &hash) in hashes.iter().enumerate() {
+            let parent = if i == 0 { cache_root } else { hashes[i - 1] };
+            let Some(b) = self.sched.lookup(BlockName { hash, parent, tokens: &tokens[i * bs..(i + 1) * bs] }) else { break };
+            if i >= from {
+                if let Err(e) = self.backend.read_block(b, &mut kv) {
+                    tracing::warn!(block = i, error = %e, "a cached KV block could not be read for a fetch; the chain sent stops before it");
+                    break;
+                }
+            }
+            found.push(hash);
+        }
+        let from = from.min(found.len());
+        CachedChain { cache_root, tokens: tokens[..found.len() * bs].to_vec(), block_hashes: found, from, kv, block_bytes, block_size: bs }
     }
 
     /// Writes the blocks of `imp` this worker does not cache into its prefix cache, in chain
