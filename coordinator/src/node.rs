@@ -177,7 +177,13 @@ impl Node {
             }
             tracing::info!(grace_secs = grace.as_secs(), in_flight = coord.busy(), "shutting down: no new work; finishing in-flight requests");
             let deadline = tokio::time::Instant::now() + grace;
-            while coord.busy() > 0 && tokio::time::Instant::now() < deadline {
+            // In-flight requests finish, and the drain's warm-up copies the cache's hottest
+            // prefixes to the nodes that stay (within the grace period).
+            let warming = |c: &Arc<Frontend>| {
+                let c = c.clone();
+                async move { c.drain_report().await.is_ok_and(|r| r.draining && !r.warmed) }
+            };
+            while (coord.busy() > 0 || warming(&coord).await) && tokio::time::Instant::now() < deadline {
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
             if coord.busy() > 0 {

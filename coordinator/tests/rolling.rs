@@ -1,6 +1,7 @@
 //! Replacing and losing node processes under load, as an operator does it: `scripts/local-cluster
 //! 3` (three `zerolayer up` processes joined over QUIC with mutual TLS), `scripts/rolling-restart`
-//! while a steady load runs, then `kill -9` of a node with requests in flight.
+//! while a steady load runs (an agent session's next turn still reads its prefix from cache
+//! afterwards), then `kill -9` of a node with requests in flight.
 //!
 //! The load behaves like a client behind a load balancer: each request goes to one node, and
 //! only a connection that is refused (a node between processes, accepting nothing) is tried on
@@ -97,6 +98,26 @@ async fn ask_where(http: &reqwest::Client, nodes: &[String], first: usize, b: &V
     (0, "every node refused the connection".into(), String::new())
 }
 
+/// One turn of an agent session through the Messages API: a ~1,400-token system prompt with a
+/// `cache_control` breakpoint, the earlier turns (user text, assistant answer), then a new
+/// question. Returns ((prompt tokens, answer), prompt tokens read from cache).
+async fn session_turn(http: &reqwest::Client, node: &str, earlier: &[(&str, &str)]) -> ((u64, String), u64) {
+    let rules: String = (0..60).map(|i| format!("Rule {i}: keep every change small, test it, and explain why it is needed before you make it. ")).collect();
+    let mut messages = vec![];
+    for (user, assistant) in earlier {
+        messages.push(json!({"role": "user", "content": user}));
+        messages.push(json!({"role": "assistant", "content": assistant}));
+    }
+    messages.push(json!({"role": "user", "content": format!("Turn {}: what is rule 7?", earlier.len() + 1)}));
+    let body = json!({"model": "smollm2-135m-instruct", "max_tokens": 6, "temperature": 0, "messages": messages,
+                      "system": [{"type": "text", "text": format!("You are a careful coding agent. {rules}"), "cache_control": {"type": "ephemeral"}}]});
+    let v: Value = http.post(format!("{node}/v1/messages")).json(&body).send().await.unwrap().json().await.unwrap();
+    let u = &v["usage"];
+    let n = |k: &str| u[k].as_u64().unwrap_or_else(|| panic!("usage.{k} in {v}"));
+    let prompt = n("input_tokens") + n("cache_read_input_tokens") + n("cache_creation_input_tokens");
+    ((prompt, v["content"][0]["text"].as_str().unwrap_or_default().to_string()), n("cache_read_input_tokens"))
+}
+
 async fn generations(http: &reqwest::Client, nodes: &[String]) -> Vec<u64> {
     let mut out = vec![];
     for n in nodes {
@@ -165,6 +186,10 @@ async fn rolling_restart_and_a_killed_process_fail_no_request() {
         }
     }
     let reference = Arc::new(reference);
+    // An agent session's first turn (a long system prompt under `cache_control`, as Claude Code
+    // sends it), on n1.
+    let (first_turn, first_cached) = session_turn(&http, &nodes[0], &[]).await;
+    assert!(first_turn.0 > 1_000 && first_cached < first_turn.0 / 10, "a cold ~1,400-token prompt: {first_turn:?}");
     let before = generations(&http, &nodes).await;
 
     // 60 requests from 4 clients, while every node is replaced in turn.
@@ -212,6 +237,12 @@ async fn rolling_restart_and_a_killed_process_fail_no_request() {
         assert_eq!(http.get(format!("{n}/ready")).send().await.unwrap().status(), 200, "{n} ends ready");
         assert!(after[i] > before[i], "{n} runs a new generation ({} -> {})", before[i], after[i]);
     }
+    // Every process that held the session's prefix is gone, but each drain copied its hottest
+    // cached prefixes to the nodes that stayed: the next turn still reads its prefix from cache.
+    tokio::time::sleep(Duration::from_millis(500)).await; // the prefix digests gossip
+    let ((prompt, _), cached) = session_turn(&http, &nodes[0], &[("Turn 1: what is rule 7?", &first_turn.1)]).await;
+    println!("after the rolling restart, the session's next turn read {cached} of {prompt} prompt tokens from cache");
+    assert!(cached * 10 >= first_turn.0 * 9, "the next turn reads its prefix from cache: {cached} of the first turn's {}", first_turn.0);
 
     // kill -9 of n3 while it runs requests that n1 and n2 accepted (streamed and not, greedy
     // and sampled): every one finishes on the survivors by exact replay. Each request is first

@@ -56,18 +56,25 @@ pub fn drain(node: &str, admin: &AdminArgs, wait: bool, timeout: u64) -> anyhow:
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(timeout);
     let v = loop {
         let v = call(admin, reqwest::Method::GET, &format!("/admin/nodes/{name}/drain"))?;
-        if v["sequences"] == 0 {
+        // Empty, and its warm-up over (a node of an earlier version reports none).
+        if v["sequences"] == 0 && v.get("warmed").is_none_or(|w| w == true) {
             break v;
         }
         if std::time::Instant::now() > deadline {
-            eprintln!("{name} still holds {} sequences after {timeout} s", v["sequences"]);
+            eprintln!("{name} still holds {} sequences (warm-up over: {}) after {timeout} s", v["sequences"], v["warmed"]);
             std::process::exit(1);
         }
         std::thread::sleep(std::time::Duration::from_millis(200));
     };
     println!(
-        "{name} drained: {} sequences moved with their KV ({} blocks, {} bytes), {} without",
-        v["moved_with_kv"], v["kv_blocks_moved"], v["kv_bytes_sent"], v["moved_without_kv"]
+        "{name} drained: {} sequences moved with their KV ({} blocks, {} bytes), {} without; {} cached prefix chains copied ahead ({} blocks, {} ms)",
+        v["moved_with_kv"],
+        v["kv_blocks_moved"],
+        v["kv_bytes_sent"].as_u64().unwrap_or(0).saturating_sub(v["warm_bytes"].as_u64().unwrap_or(0)),
+        v["moved_without_kv"],
+        v["warmed_chains"],
+        v["warmed_blocks"],
+        v["warm_ms"]
     );
     Ok(())
 }

@@ -72,6 +72,9 @@ pub struct DrainReport {
     pub emptied_after_ms: Option<u64>,
     /// The warm-up (after the moves): cached chains copied to other workers, the blocks of them
     /// those workers now cache, the bytes sent (also in `kv_bytes_sent`), and how long it took.
+    /// The warm-up has ended (or had nothing to do): the node can stop without losing its
+    /// cache's hottest prefixes.
+    pub warmed: bool,
     pub warmed_chains: u64,
     pub warmed_blocks: u64,
     pub warm_bytes: u64,
@@ -258,6 +261,7 @@ async fn drain(ctx: OrchestratorContext, report: Arc<Mutex<DrainReport>>) {
 async fn warm_up(ctx: &OrchestratorContext, report: &Mutex<DrainReport>) {
     let max = ctx.dispatch.drain_warm_chains() as usize;
     if max == 0 {
+        report.lock().unwrap_or_else(|e| e.into_inner()).warmed = true;
         return;
     }
     let t0 = Instant::now();
@@ -288,6 +292,7 @@ async fn warm_up(ctx: &OrchestratorContext, report: &Mutex<DrainReport>) {
     }
     let mut r = report.lock().unwrap_or_else(|e| e.into_inner());
     r.warm_ms = t0.elapsed().as_millis() as u64;
+    r.warmed = true;
     tracing::info!(node = %ctx.node_id, chains = r.warmed_chains, blocks = r.warmed_blocks, bytes = r.warm_bytes, ms = r.warm_ms, "warm-up: this node's hottest cached prefixes copied to the workers that will serve them");
 }
 
