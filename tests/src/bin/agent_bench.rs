@@ -1,7 +1,7 @@
 //! The cluster's KV as one cache, measured on a skewed agent workload: three nodes in one
 //! process on loopback (real QUIC with mutual TLS, real model), 12 agent sessions sharing a
-//! ~4,000-token system prompt, each with its own growing history (4 turns, each adding a
-//! ~300-token tool result), 4 sessions in flight, while node c is kept busy by long generations
+//! ~3,600-token system prompt, each with its own growing history (4 turns, each adding a
+//! ~200-token tool result), 4 sessions in flight, while node c is kept busy by long generations
 //! submitted straight to its worker. Each turn enters at the next node (a load balancer
 //! without affinity), and the first session's first turn runs alone (the system prompt is
 //! cached on one node before the others start). Run through `scripts/bench-agents` on an idle
@@ -27,7 +27,7 @@ fn pct(v: &mut [f64], p: f64) -> f64 {
     v.get(((v.len() as f64 - 1.0) * p).round() as usize).copied().unwrap_or(f64::NAN)
 }
 
-/// About 4,000 tokens of shared instructions.
+/// About 3,600 tokens of shared instructions.
 fn system_prompt() -> String {
     let mut s = String::from("You are a careful coding agent working in a large repository. ");
     for i in 0..22 {
@@ -36,7 +36,7 @@ fn system_prompt() -> String {
     s
 }
 
-/// A ~300-token tool result, its own for each session and turn.
+/// A ~200-token tool result, its own for each session and turn.
 fn tool_output(s: usize, k: usize) -> String {
     let words: Vec<&str> = LOREM.split(' ').collect();
     let start = (s * 31 + k * 17) % (words.len() / 2);
