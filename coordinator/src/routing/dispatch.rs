@@ -115,7 +115,7 @@ impl Dispatcher {
     /// `exclude`: for a drain, which moves each sequence's KV there.
     pub fn target(&self, model: &str, tokens: &[u32], cache_root: u64, max_tokens: usize, exclude: &[String]) -> Option<Target> {
         // A drain's target takes the KV the drain sends; it fetches nothing.
-        let summary = RequestSummary { block_hashes: block_hashes_from(cache_root, tokens, self.block_size), prompt_tokens: tokens.len(), max_tokens, fetch_secs_per_block: None };
+        let summary = RequestSummary { block_hashes: block_hashes_from(cache_root, tokens, self.block_size), prompt_tokens: tokens.len(), max_tokens, fetch_secs_per_block: None, avoid_holders: Vec::new() };
         let cfg = PlacementConfig { fetch: false, ..self.config.placement.clone() };
         let mut view = self.view();
         view.workers.retain(|w| !exclude.contains(&w.node) && w.model == model);
@@ -136,7 +136,7 @@ impl Dispatcher {
     pub fn can_take(&self, model: &str, prompt_tokens: usize, max_tokens: usize) -> bool {
         let mut view = self.view();
         view.workers.retain(|w| w.model == model);
-        let summary = RequestSummary { block_hashes: Vec::new(), prompt_tokens, max_tokens, fetch_secs_per_block: None };
+        let summary = RequestSummary { block_hashes: Vec::new(), prompt_tokens, max_tokens, fetch_secs_per_block: None, avoid_holders: Vec::new() };
         matches!(placement::place(&view, &summary, &self.config.placement, 0), Decision::Place { .. })
     }
 
@@ -147,6 +147,7 @@ impl Dispatcher {
             prompt_tokens: tokens.len(),
             max_tokens: job.remaining_tokens(),
             fetch_secs_per_block: self.fetch_cost.secs_per_block(),
+            avoid_holders: self.fetch_cost.avoid(),
         };
         let mut view = self.view();
         view.workers.retain(|w| !exclude.contains(&w.node) && w.model == job.model);

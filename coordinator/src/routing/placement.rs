@@ -28,8 +28,9 @@
 //! skips but which still serves its blocks). A candidate may then pull those blocks before it
 //! prefills: its cost counts them as cached, plus `fetch ratio × overlap_weight` per fetched
 //! block (and the hop, for a holder on another node). The ratio is what a fetched block costs
-//! against computing it: this node's measured seconds per fetched block over the candidate's
-//! measured prefill seconds per block, or `fetch_cost_prior` until both are known. "Wait for
+//! against computing it: this node's recently measured seconds per fetched block over the
+//! candidate's measured prefill time for those positions, or `fetch_cost_prior` until both are
+//! known. A node a fetch recently failed from is no holder. "Wait for
 //! the holder" is the holder's own cost, "recompute" the candidate's without a fetch; the least
 //! of all wins.
 //!
@@ -48,8 +49,10 @@ pub struct RequestSummary {
     pub block_hashes: Vec<u64>,
     pub prompt_tokens: usize,
     pub max_tokens: usize,
-    /// Seconds this node has measured per fetched block, if it has fetched.
+    /// Seconds this node has measured per fetched block, if it has fetched recently.
     pub fetch_secs_per_block: Option<f64>,
+    /// Nodes not to fetch from (a fetch from them failed recently).
+    pub avoid_holders: Vec<String>,
 }
 
 /// Why a worker was skipped.
@@ -91,7 +94,7 @@ fn holders(view: &ClusterView, req: &RequestSummary) -> Vec<(usize, usize)> {
     view.workers
         .iter()
         .enumerate()
-        .filter(|(_, w)| matches!(w.state, NodeState::Ready | NodeState::Draining) && !w.signals.unavailable)
+        .filter(|(_, w)| matches!(w.state, NodeState::Ready | NodeState::Draining) && !w.signals.unavailable && !req.avoid_holders.contains(&w.node))
         .map(|(i, w)| (i, cached_prefix_blocks(w, &req.block_hashes)))
         .filter(|&(_, n)| n > 0)
         .collect()
@@ -297,7 +300,7 @@ mod tests {
     }
 
     fn req(blocks: usize) -> RequestSummary {
-        RequestSummary { block_hashes: (1..=blocks as u64).collect(), prompt_tokens: blocks * 16 + 5, max_tokens: 64, fetch_secs_per_block: None }
+        RequestSummary { block_hashes: (1..=blocks as u64).collect(), prompt_tokens: blocks * 16 + 5, max_tokens: 64, fetch_secs_per_block: None, avoid_holders: vec![] }
     }
 
     fn with_cache(mut v: WorkerView, n: u64) -> WorkerView {
@@ -475,6 +478,9 @@ mod tests {
         let Decision::Place { index, reason, ranked, .. } = &d else { panic!("{d:?}") };
         assert_eq!((*index, *reason), (2, "prefix_fetch"), "{ranked:?}");
         assert_eq!(ranked[0].fetch, Some(FetchPlan { holder: 0, have: 2, blocks: 40 }));
+        // Not from a node a fetch recently failed from.
+        let avoiding = RequestSummary { avoid_holders: vec!["a".into()], ..r.clone() };
+        assert!(matches!(place(&view, &avoiding, &c, 0), Decision::Place { ref ranked, .. } if ranked[0].fetch.is_none()));
         // Off, it recomputes where it caches most.
         let off = PlacementConfig { fetch: false, ..c.clone() };
         assert!(matches!(place(&view, &r, &off, 0), Decision::Place { index: 2, reason: "prefix_hit", ref ranked, .. } if ranked[0].fetch.is_none()));
