@@ -52,6 +52,12 @@ pub struct WorkerSignals {
     pub prefill_us_per_token: f32,
     #[serde(default)]
     pub prefill_us_per_kilo_pair: f32,
+    /// KV blocks written into this worker's prefix cache from elsewhere (a drain's moves and
+    /// warm-up, prefix fetches), and blocks read out of it for other workers.
+    #[serde(default)]
+    pub kv_blocks_imported_total: u64,
+    #[serde(default)]
+    pub kv_blocks_served_total: u64,
     /// Milliseconds since the worker started, at the time of this snapshot.
     pub at_ms: u64,
     /// The worker can run nothing (its backend is gone: a lost tensor-parallel rank); placement

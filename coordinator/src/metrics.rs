@@ -120,6 +120,8 @@ pub fn render(node: &str, model: &str, workers: &[(String, WorkerSignals)], peer
         if s.draft_tokens_total == 0 { 0.0 } else { s.draft_accepted_total as f64 / s.draft_tokens_total as f64 }
     });
     gauge("zerolayer_tokens_per_second", "Output tokens per second, recent", "gauge", &|s| s.tokens_per_second as f64);
+    gauge("zerolayer_kv_blocks_imported_total", "KV blocks written into the prefix cache from other workers (drains, warm-ups, fetches)", "counter", &|s| s.kv_blocks_imported_total as f64);
+    gauge("zerolayer_kv_blocks_served_total", "Cached KV blocks read out for other workers (fetches, warm-ups)", "counter", &|s| s.kv_blocks_served_total as f64);
     gauge("vllm:num_requests_running", "Number of requests in the running batch", "gauge", &|s| s.running as f64);
     gauge("vllm:num_requests_waiting", "Number of requests waiting", "gauge", &|s| s.waiting as f64);
     gauge("vllm:kv_cache_usage_perc", "KV cache usage, 1 = full", "gauge", &|s| {

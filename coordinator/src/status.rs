@@ -43,7 +43,7 @@ pub fn render(v: &Value) -> String {
     }
     let mut t = Table::new();
     t.load_style(UTF8_FULL_CONDENSED);
-    t.set_header(vec!["node", "state", "worker", "model", "device", "kv free/total", "cached/pinned", "frag", "prefix hit", "draft kept", "run/wait", "tok/s", "http"]);
+    t.set_header(vec!["node", "state", "worker", "model", "device", "kv free/total", "cached/pinned", "frag", "prefix hit", "draft kept", "kv in/out", "run/wait", "tok/s", "http"]);
     let state = |n: &Value| match (s(n, "state"), f(n, "moving")) {
         ("draining", m) if m > 0.0 => format!("draining, {m} moving"),
         (st, _) => st.to_string(),
@@ -52,7 +52,7 @@ pub fn render(v: &Value) -> String {
         let id = s(n, "id");
         let ws: Vec<&Value> = workers.iter().filter(|w| s(w, "node") == id).collect();
         if ws.is_empty() {
-            t.add_row(vec![id, &state(n), "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", s(n, "http")]);
+            t.add_row(vec![id, &state(n), "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", s(n, "http")]);
         }
         for w in ws {
             // A worker whose backend is gone (a lost tensor-parallel rank) takes no work.
@@ -68,6 +68,8 @@ pub fn render(v: &Value) -> String {
                 Cell::new(format!("{:.1}%", 100.0 * f(w, "kv_fragmentation_ratio"))),
                 Cell::new(format!("{:.1}%", 100.0 * f(w, "prefix_hit_ratio"))),
                 Cell::new(acceptance(w)),
+                // KV blocks imported from other workers / served to them.
+                Cell::new(format!("{}/{}", f(w, "kv_blocks_imported_total"), f(w, "kv_blocks_served_total"))),
                 Cell::new(format!("{}/{}", f(w, "running"), f(w, "waiting"))),
                 Cell::new(format!("{:.1}", f(w, "tokens_per_second"))),
                 Cell::new(s(n, "http")),
@@ -90,7 +92,7 @@ mod tests {
                       {"id": "c", "state": "draining", "moving": 3, "http": "127.0.0.1:3"}],
             "workers": [{"node": "a", "worker": "cpu0", "model": "qwen", "device": "cpu", "kv_blocks_free": 10, "kv_blocks_total": 12,
                          "kv_blocks_cached": 3, "kv_blocks_pinned": 2, "kv_fragmentation_ratio": 0.01, "prefix_hit_ratio": 0.25, "running": 1, "waiting": 0, "tokens_per_second": 80.5,
-                         "draft_tokens_total": 400, "draft_accepted_total": 250},
+                         "draft_tokens_total": 400, "draft_accepted_total": 250, "kv_blocks_imported_total": 96, "kv_blocks_served_total": 7},
                         {"node": "a", "worker": "tp0", "unavailable": true}]
         });
         let out = super::render(&v);
@@ -99,6 +101,7 @@ mod tests {
         assert!(out.contains("cpu0") && out.contains("qwen") && out.contains("10/12") && out.contains("3/2") && out.contains("80.5") && out.contains("25.0%"), "{out}");
         assert!(out.lines().any(|l| l == "models: qwen (max_model_len 32768), gemma-3-270m (max_model_len 8192)"), "{out}");
         assert!(out.lines().any(|l| l.contains("cpu0") && l.contains("62.5%")), "the acceptance rate: {out}");
+        assert!(out.lines().any(|l| l.contains("cpu0") && l.contains("96/7")), "KV blocks in and out: {out}");
         assert!(out.lines().any(|l| l.contains(" b ") && l.contains("dead")), "{out}");
         assert!(out.lines().any(|l| l.contains("tp0") && l.contains("ready, worker unavailable")), "{out}");
         assert!(!out.lines().any(|l| l.contains("cpu0") && l.contains("unavailable")), "{out}");

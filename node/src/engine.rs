@@ -66,6 +66,9 @@ pub struct Engine {
     /// Draft tokens verified, and kept, since the start.
     drafted_total: u64,
     accepted_total: u64,
+    /// KV blocks imported into the prefix cache, and read out for other workers.
+    pub(crate) imported_total: u64,
+    pub(crate) served_total: u64,
     /// Finished sequences' outputs, by cache scope, for drafts.
     recent: RecentOutputs,
 }
@@ -143,6 +146,8 @@ impl Engine {
             max_draft: cfg.max_draft,
             drafted_total: 0,
             accepted_total: 0,
+            imported_total: 0,
+            served_total: 0,
             recent: RecentOutputs::default(),
         })
     }
@@ -555,6 +560,8 @@ impl Engine {
             generated_tokens_total: self.generated_total,
             draft_tokens_total: self.drafted_total,
             draft_accepted_total: self.accepted_total,
+            kv_blocks_imported_total: self.imported_total,
+            kv_blocks_served_total: self.served_total,
             tokens_per_second: tps,
             // The step-time fit's terms per token and per 1,000 attended pairs, once it has seen
             // enough steps.

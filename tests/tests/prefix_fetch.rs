@@ -116,6 +116,13 @@ async fn a_drained_holders_prefix_is_fetched_not_recomputed() {
     assert!(tokens >= 0.9 * fetched.input as f64, "fetched tokens counted: {tokens}");
     let out = metric_with(&page, "zerolayer_kv_fetch_bytes_total", &[("node", "a"), ("direction", "out")]).unwrap_or(0.0);
     assert!(out > 0.0, "a counts the bytes it served");
+    // The workers' own signals (`zerolayer status`'s "kv in/out") count the blocks.
+    let signals = |i: usize| cluster.nodes[i].frontend.cluster.local_worker("cpu0").unwrap().handle.signals();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while signals(1).kv_blocks_imported_total * u64::from(signals(1).block_size) < fetched.input * 9 / 10 || signals(0).kv_blocks_served_total == 0 {
+        assert!(Instant::now() < deadline, "signals count the blocks: {:?} in on b, {:?} out of a", signals(1).kv_blocks_imported_total, signals(0).kv_blocks_served_total);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 /// A fetch whose holder dies while it waits for the blocks fails, and the request recomputes

@@ -53,7 +53,7 @@ impl Engine {
     /// fetches instead of recomputing them. The blocks before `from` are looked up too (the
     /// chain must be cached from its start to be usable) but not read. Nothing is pinned: the
     /// engine thread runs nothing else while it reads.
-    pub fn read_cached(&self, cache_root: u64, tokens: &[u32], from: usize) -> CachedChain {
+    pub fn read_cached(&mut self, cache_root: u64, tokens: &[u32], from: usize) -> CachedChain {
         let bs = self.sched.config().block_size;
         let block_bytes = self.backend.kv().block_bytes;
         let hashes = zerolayer_common::block_hashes_from(cache_root, &tokens[..tokens.len() / bs * bs], bs);
@@ -71,6 +71,7 @@ impl Engine {
             found.push(hash);
         }
         let from = from.min(found.len());
+        self.served_total += (found.len() - from) as u64;
         CachedChain { cache_root, tokens: tokens[..found.len() * bs].to_vec(), block_hashes: found, from, kv, block_bytes, block_size: bs }
     }
 
@@ -124,6 +125,7 @@ impl Engine {
             }
             self.sched.commit_import(b, name);
             report.imported += 1;
+            self.imported_total += 1;
             prev = Some(b);
         }
         for b in pinned {

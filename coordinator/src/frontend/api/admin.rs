@@ -58,6 +58,10 @@ pub fn cluster_json(c: &Frontend) -> Value {
                 "running": s.running,
                 "waiting": s.waiting,
                 "tokens_per_second": s.tokens_per_second,
+                "draft_tokens_total": s.draft_tokens_total,
+                "draft_accepted_total": s.draft_accepted_total,
+                "kv_blocks_imported_total": s.kv_blocks_imported_total,
+                "kv_blocks_served_total": s.kv_blocks_served_total,
                 "unavailable": s.unavailable,
                 "signals": s,
             })
