@@ -191,6 +191,13 @@ impl Node {
                 let _ = hard.send(true);
             }
         };
+        // TCP_NODELAY: a stream's last small SSE chunk must not wait for the client's delayed
+        // ACK (Nagle held it up to 40 ms, which every client saw as the stream's end).
+        let listener = axum::serve::ListenerExt::tap_io(listener, |tcp: &mut tokio::net::TcpStream| {
+            if let Err(e) = tcp.set_nodelay(true) {
+                tracing::debug!(error = %e, "could not set TCP_NODELAY on a client connection");
+            }
+        });
         axum::serve(listener, app).with_graceful_shutdown(signal).await?;
         self.frontend.orchestrator.stop(None);
         self.frontend.cluster.stop().await;
