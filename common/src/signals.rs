@@ -58,12 +58,30 @@ pub struct WorkerSignals {
     pub kv_blocks_imported_total: u64,
     #[serde(default)]
     pub kv_blocks_served_total: u64,
+    /// The worker's disk tier (all zeros without one).
+    #[serde(default)]
+    pub kv_disk: DiskSignals,
     /// Milliseconds since the worker started, at the time of this snapshot.
     pub at_ms: u64,
     /// The worker can run nothing (its backend is gone: a lost tensor-parallel rank); placement
     /// skips it.
     #[serde(default)]
     pub unavailable: bool,
+}
+
+/// What a worker's disk tier holds and has done: blocks that RAM evicted, kept on disk and read
+/// back on a hit instead of being recomputed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DiskSignals {
+    /// Blocks on disk now, and how many fit.
+    pub blocks: u32,
+    pub capacity_blocks: u32,
+    /// Blocks written to disk, and spills dropped (the writer's queue full, or every slot
+    /// pinned).
+    pub written_total: u64,
+    pub dropped_total: u64,
+    /// Blocks read back into RAM for a prompt that hit them.
+    pub restored_total: u64,
 }
 
 /// A change in a worker's prefix cache, by block hash.

@@ -122,6 +122,11 @@ pub fn render(node: &str, model: &str, workers: &[(String, WorkerSignals)], peer
     gauge("zerolayer_tokens_per_second", "Output tokens per second, recent", "gauge", &|s| s.tokens_per_second as f64);
     gauge("zerolayer_kv_blocks_imported_total", "KV blocks written into the prefix cache from other workers (drains, warm-ups, fetches)", "counter", &|s| s.kv_blocks_imported_total as f64);
     gauge("zerolayer_kv_blocks_served_total", "Cached KV blocks read out for other workers (fetches, warm-ups)", "counter", &|s| s.kv_blocks_served_total as f64);
+    gauge("zerolayer_kv_disk_blocks", "KV blocks in the worker's disk tier", "gauge", &|s| s.kv_disk.blocks as f64);
+    gauge("zerolayer_kv_disk_capacity_blocks", "KV blocks the worker's disk tier holds at most", "gauge", &|s| s.kv_disk.capacity_blocks as f64);
+    gauge("zerolayer_kv_disk_blocks_written_total", "KV blocks evicted from RAM and written to the disk tier", "counter", &|s| s.kv_disk.written_total as f64);
+    gauge("zerolayer_kv_disk_spills_dropped_total", "Evicted KV blocks not written to the disk tier (its queue full, or every slot pinned)", "counter", &|s| s.kv_disk.dropped_total as f64);
+    gauge("zerolayer_kv_disk_blocks_restored_total", "KV blocks read back from the disk tier into RAM for a prompt that hit them", "counter", &|s| s.kv_disk.restored_total as f64);
     gauge("vllm:num_requests_running", "Number of requests in the running batch", "gauge", &|s| s.running as f64);
     gauge("vllm:num_requests_waiting", "Number of requests waiting", "gauge", &|s| s.waiting as f64);
     gauge("vllm:kv_cache_usage_perc", "KV cache usage, 1 = full", "gauge", &|s| {

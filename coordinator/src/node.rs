@@ -81,7 +81,8 @@ impl Node {
                 crate::cluster::rank::lead::open_group(&config, node_id, wc, loaded.model).await?
             };
             tracing::info!(worker = %wc.id, backend = %backend.describe(), "worker backend");
-            let engine = Engine::with_backend(backend, loaded.tokenizer, wc)?;
+            let mut engine = Engine::with_backend(backend, loaded.tokenizer, wc)?;
+            open_disk_tier(&mut engine, wc, &path, node_id)?;
             let room = engine.max_sequence_tokens();
             let f = fronts.entry(mc.id.clone()).or_insert((tokenizer, template, usize::MAX));
             f.2 = f.2.min(room);
@@ -125,8 +126,12 @@ impl Node {
         let (orchestrator, _) = ractor::Actor::spawn(None, Orchestrator, ctx).await.map_err(|e| anyhow::anyhow!("starting the node's orchestrator actor: {e}"))?;
         let node_id = node_id.to_string();
         // The secret under which cache scopes are named: the cluster CA's (every node derives
-        // the same one), or this process's own without a cluster.
-        let cache_secret = cluster.cache_secret().unwrap_or_else(rand::random);
+        // the same one); without a cluster, the one kept beside a disk tier (so its blocks keep
+        // their names across a restart), or this process's own.
+        let cache_secret = match cluster.cache_secret() {
+            Some(s) => s,
+            None => local_cache_secret(&node.workers)?,
+        };
         let policy = crate::frontend::policy::Policy::new(&config.policy).map_err(|e| anyhow::anyhow!(e))?;
         let frontend = Arc::new(Frontend {
             node_id,
@@ -249,4 +254,41 @@ impl crate::cluster::handle::PeerCalls for FrontendForPeers {
             }
         })
     }
+}
+
+/// A single node's cache secret: kept in the first disk tier's directory (`cache-secret`, made
+/// once, readable by this user only), or drawn afresh when no worker has a disk tier.
+fn local_cache_secret(workers: &[zerolayer_common::WorkerConfig]) -> anyhow::Result<[u8; 32]> {
+    let Some(dir) = workers.iter().filter(|w| w.kv_disk_mb > 0).find_map(|w| w.kv_disk_dir.as_ref()) else {
+        return Ok(rand::random());
+    };
+    let path = dir.join("cache-secret");
+    if let Ok(bytes) = std::fs::read(&path) {
+        if let Ok(s) = <[u8; 32]>::try_from(bytes.as_slice()) {
+            return Ok(s);
+        }
+        tracing::warn!(path = %path.display(), "the cache secret file is not 32 bytes; a new one is made (the disk tier's blocks go unused)");
+    }
+    let secret: [u8; 32] = rand::random();
+    std::fs::create_dir_all(dir)?;
+    let tmp = dir.join("cache-secret.tmp");
+    {
+        use std::io::Write;
+        use std::os::unix::fs::OpenOptionsExt;
+        let mut f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&tmp)?;
+        f.write_all(&secret)?;
+        f.sync_all()?;
+    }
+    std::fs::rename(&tmp, &path)?;
+    Ok(secret)
+}
+
+/// Gives `engine` the disk tier its worker's config asks for (`kv_disk_mb`), in a file named
+/// for the node and worker, identified by the model file at `model`.
+fn open_disk_tier(engine: &mut Engine, wc: &zerolayer_common::WorkerConfig, model: &std::path::Path, node_id: &str) -> anyhow::Result<()> {
+    let (true, Some(dir)) = (wc.kv_disk_mb > 0, &wc.kv_disk_dir) else { return Ok(()) };
+    let kv = engine.backend().kv();
+    let identity = zerolayer_worker::kv_disk::model_identity(model, &kv)?;
+    engine.set_disk(zerolayer_worker::kv_disk::DiskTier::open(dir, &format!("{node_id}-{}", wc.id), wc.kv_disk_mb, identity, &kv)?);
+    Ok(())
 }

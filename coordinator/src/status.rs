@@ -21,6 +21,14 @@ fn acceptance(w: &Value) -> String {
     }
 }
 
+/// A worker's disk tier: blocks on disk of its capacity, and blocks read back ("-" without one).
+fn disk(w: &Value) -> String {
+    match f(w, "kv_disk_capacity_blocks") {
+        c if c > 0.0 => format!("{}/{} ({})", f(w, "kv_disk_blocks"), c, f(w, "kv_disk_restored_total")),
+        _ => "-".into(),
+    }
+}
+
 /// The summary line and the table, ready to print.
 pub fn render(v: &Value) -> String {
     let nodes = v.get("nodes").and_then(Value::as_array).cloned().unwrap_or_default();
@@ -43,7 +51,7 @@ pub fn render(v: &Value) -> String {
     }
     let mut t = Table::new();
     t.load_style(UTF8_FULL_CONDENSED);
-    t.set_header(vec!["node", "state", "worker", "model", "device", "kv free/total", "cached/pinned", "frag", "prefix hit", "draft kept", "kv in/out", "run/wait", "tok/s", "http"]);
+    t.set_header(vec!["node", "state", "worker", "model", "device", "kv free/total", "cached/pinned", "frag", "prefix hit", "draft kept", "kv in/out", "disk (restored)", "run/wait", "tok/s", "http"]);
     let state = |n: &Value| match (s(n, "state"), f(n, "moving")) {
         ("draining", m) if m > 0.0 => format!("draining, {m} moving"),
         (st, _) => st.to_string(),
@@ -52,7 +60,7 @@ pub fn render(v: &Value) -> String {
         let id = s(n, "id");
         let ws: Vec<&Value> = workers.iter().filter(|w| s(w, "node") == id).collect();
         if ws.is_empty() {
-            t.add_row(vec![id, &state(n), "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", s(n, "http")]);
+            t.add_row(vec![id, &state(n), "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", s(n, "http")]);
         }
         for w in ws {
             // A worker whose backend is gone (a lost tensor-parallel rank) takes no work.
@@ -70,6 +78,7 @@ pub fn render(v: &Value) -> String {
                 Cell::new(acceptance(w)),
                 // KV blocks imported from other workers / served to them.
                 Cell::new(format!("{}/{}", f(w, "kv_blocks_imported_total"), f(w, "kv_blocks_served_total"))),
+                Cell::new(disk(w)),
                 Cell::new(format!("{}/{}", f(w, "running"), f(w, "waiting"))),
                 Cell::new(format!("{:.1}", f(w, "tokens_per_second"))),
                 Cell::new(s(n, "http")),
@@ -92,7 +101,8 @@ mod tests {
                       {"id": "c", "state": "draining", "moving": 3, "http": "127.0.0.1:3"}],
             "workers": [{"node": "a", "worker": "cpu0", "model": "qwen", "device": "cpu", "kv_blocks_free": 10, "kv_blocks_total": 12,
                          "kv_blocks_cached": 3, "kv_blocks_pinned": 2, "kv_fragmentation_ratio": 0.01, "prefix_hit_ratio": 0.25, "running": 1, "waiting": 0, "tokens_per_second": 80.5,
-                         "draft_tokens_total": 400, "draft_accepted_total": 250, "kv_blocks_imported_total": 96, "kv_blocks_served_total": 7},
+                         "draft_tokens_total": 400, "draft_accepted_total": 250, "kv_blocks_imported_total": 96, "kv_blocks_served_total": 7,
+                         "kv_disk_blocks": 40, "kv_disk_capacity_blocks": 5000, "kv_disk_restored_total": 12},
                         {"node": "a", "worker": "tp0", "unavailable": true}]
         });
         let out = super::render(&v);
@@ -102,6 +112,7 @@ mod tests {
         assert!(out.lines().any(|l| l == "models: qwen (max_model_len 32768), gemma-3-270m (max_model_len 8192)"), "{out}");
         assert!(out.lines().any(|l| l.contains("cpu0") && l.contains("62.5%")), "the acceptance rate: {out}");
         assert!(out.lines().any(|l| l.contains("cpu0") && l.contains("96/7")), "KV blocks in and out: {out}");
+        assert!(out.lines().any(|l| l.contains("cpu0") && l.contains("40/5000 (12)")), "the disk tier: {out}");
         assert!(out.lines().any(|l| l.contains(" b ") && l.contains("dead")), "{out}");
         assert!(out.lines().any(|l| l.contains("tp0") && l.contains("ready, worker unavailable")), "{out}");
         assert!(!out.lines().any(|l| l.contains("cpu0") && l.contains("unavailable")), "{out}");

@@ -17,91 +17,26 @@
 //! - Signals ([`WorkerSignals`]) are published on a watch channel at least every 100 ms, and
 //!   KV events on a bounded broadcast channel (a lagging reader resyncs from a snapshot).
 //!
+//! - A worker with a disk tier reads a submitted prompt's blocks back from it before the job
+//!   reaches the engine (`restore`); the engine thread's loop is `engine_thread`.
+//!
 //! The actor mailbox (ractor's) is unbounded by construction; it carries submit and cancel
 //! messages, whose number the node's in-flight limit bounds, and rare control messages, and it
 //! forwards each with `try_send` into the bounded engine channel (a full one refuses at once).
 
-use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender, TrySendError};
+use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::sync::{broadcast, mpsc, oneshot, watch};
-use zerolayer_common::{Job, KvEvent, SeqEvent, StopReason, Usage, WorkerSignals};
+use zerolayer_common::{Job, KvEvent, SeqEvent, StopReason, WorkerSignals};
 
 use crate::backend::KvGeometry;
 use crate::engine::{Engine, StepHook};
 use crate::migrate::{CachedChain, Export, ImportReport, KvImport};
 use crate::error::{WorkerError, Result};
 use crate::scheduler::SeqId;
-
-/// Capacity of each request's reply channel.
-pub const REPLY_CAPACITY: usize = 64;
-/// Capacity of the command channel into the engine thread.
-pub const COMMAND_CAPACITY: usize = 1024;
-/// Capacity of the KV event broadcast.
-pub const KV_EVENT_CAPACITY: usize = 4096;
-/// Signals are published at least this often.
-pub const SIGNAL_INTERVAL: Duration = Duration::from_millis(100);
-
-/// A [`Job`] on its way into the engine thread: the same value in the actor's mailbox and in
-/// the engine's command channel (the actor moves it on, it never rebuilds it).
-pub struct Submission {
-    id: SeqId,
-    job: Job,
-    reply: mpsc::Sender<SeqEvent>,
-    ack: oneshot::Sender<Result<()>>,
-}
-
-/// A sequence taken off this worker by [`WorkerHandle::export`]: what it carries, and its
-/// client's event channel, which the new owner's events will follow.
-pub struct Handover {
-    /// The sequence's id on the worker it left.
-    pub id: SeqId,
-    pub export: Export,
-    route: Option<Route>,
-}
-
-impl Handover {
-    /// Ends the sequence's stream here with `reason` (`Moved` once its KV is on the target,
-    /// `Lost` if the move failed and it must be replayed), after any events still held back.
-    pub async fn finish(mut self, reason: StopReason) {
-        let Some(r) = self.route.take() else { return };
-        let output_tokens = self.export.generated.len() as u32;
-        let fin = SeqEvent::Finished { reason, usage: Usage { output_tokens, ..Default::default() } };
-        for ev in r.pending.into_iter().chain(std::iter::once(fin)) {
-            if r.tx.send(ev).await.is_err() {
-                return; // the client is gone
-            }
-        }
-    }
-}
-
-/// A chain of cached blocks another worker asks for: the blocks `tokens` (a whole number of
-/// blocks) spell from `cache_root`, from block `from_block` on.
-#[derive(Clone, Debug)]
-pub struct CachedAsk {
-    pub cache_root: u64,
-    pub tokens: Vec<u32>,
-    pub from_block: usize,
-}
-
-enum EngineCmd {
-    Submit(Submission),
-    Cancel { id: SeqId },
-    /// A snapshot of every cached block hash (for a KV-event reader that lagged).
-    CachedHashes { reply: oneshot::Sender<Vec<u64>> },
-    SetStepHook { hook: Option<StepHook> },
-    Sequences { reply: oneshot::Sender<Vec<SeqId>> },
-    Export { ids: Vec<SeqId>, reply: oneshot::Sender<Vec<Handover>> },
-    PreCopy { ids: Vec<SeqId>, reply: oneshot::Sender<Vec<(SeqId, Export)>> },
-    Import { import: KvImport, reply: oneshot::Sender<Result<ImportReport>> },
-    ReadCached { ask: CachedAsk, reply: oneshot::Sender<CachedChain> },
-    HotChains { max: usize, reply: oneshot::Sender<Vec<(u64, Vec<u32>)>> },
-    Shutdown,
-}
 
 /// Every command to the worker: the actor receives them all and is the only sender into the
 /// engine thread.
@@ -134,6 +69,8 @@ struct WorkerActor;
 struct ActorState {
     engine_tx: SyncSender<EngineCmd>,
     thread: Option<std::thread::JoinHandle<()>>,
+    /// The worker's disk tier: a submitted prompt's blocks on it are read back first.
+    disk: Option<Arc<crate::kv_disk::DiskTier>>,
 }
 
 impl ActorState {
@@ -150,16 +87,18 @@ impl ActorState {
 impl Actor for WorkerActor {
     type Msg = WorkerMsg;
     type State = ActorState;
-    type Arguments = (SyncSender<EngineCmd>, std::thread::JoinHandle<()>);
+    type Arguments = (SyncSender<EngineCmd>, std::thread::JoinHandle<()>, Option<Arc<crate::kv_disk::DiskTier>>);
 
-    async fn pre_start(&self, _myself: ActorRef<Self::Msg>, (engine_tx, thread): Self::Arguments) -> std::result::Result<Self::State, ActorProcessingErr> {
-        Ok(ActorState { engine_tx, thread: Some(thread) })
+    async fn pre_start(&self, _myself: ActorRef<Self::Msg>, (engine_tx, thread, disk): Self::Arguments) -> std::result::Result<Self::State, ActorProcessingErr> {
+        Ok(ActorState { engine_tx, thread: Some(thread), disk })
     }
 
     async fn handle(&self, myself: ActorRef<Self::Msg>, msg: Self::Msg, state: &mut Self::State) -> std::result::Result<(), ActorProcessingErr> {
         match msg {
             WorkerMsg::Submit(sub) => {
-                if let Err(refused) = state.forward(EngineCmd::Submit(sub)) {
+                if let Some((disk, plan)) = state.disk.as_ref().and_then(|d| Some((d.clone(), restore::plan(d, &sub.job)?))) {
+                    restore::spawn(disk, state.engine_tx.clone(), plan, sub);
+                } else if let Err(refused) = state.forward(EngineCmd::Submit(sub)) {
                     if let (EngineCmd::Submit(sub), e) = *refused {
                         let _ = sub.ack.send(Err(e));
                     }
@@ -328,6 +267,7 @@ impl WorkerHandle {
         let mut engine = engine;
         let initial = engine.signals();
         let kv = engine.backend().kv();
+        let disk = engine.disk();
         let (sig_tx, sig_rx) = watch::channel(initial);
         let (kv_tx, _) = broadcast::channel(KV_EVENT_CAPACITY);
         let kv_tx2 = kv_tx.clone();
@@ -336,7 +276,7 @@ impl WorkerHandle {
             .spawn(move || engine_loop(engine, rx, sig_tx, kv_tx2))
             .map_err(WorkerError::Io)?;
         let (actor, _join) =
-            Actor::spawn(None, WorkerActor, (tx, thread)).await.map_err(|e| WorkerError::Model(format!("spawning worker actor: {e}")))?;
+            Actor::spawn(None, WorkerActor, (tx, thread, disk)).await.map_err(|e| WorkerError::Model(format!("spawning worker actor: {e}")))?;
         Ok(WorkerHandle {
             actor: actor.clone(),
             signals: sig_rx,
@@ -448,171 +388,9 @@ impl WorkerHandle {
     }
 }
 
-struct Route {
-    tx: mpsc::Sender<SeqEvent>,
-    /// Events that did not fit the channel, merged (at most a delta and a final event).
-    pending: VecDeque<SeqEvent>,
-}
-
-impl Route {
-    /// Delivers `ev` (after anything pending). Returns false if the receiver is gone.
-    fn deliver(&mut self, ev: Option<SeqEvent>) -> bool {
-        if let Some(ev) = ev {
-            match (self.pending.back_mut(), ev) {
-                (Some(SeqEvent::Delta { tokens, text, logprobs }), SeqEvent::Delta { tokens: t, text: x, logprobs: l }) => {
-                    tokens.extend(t);
-                    text.push_str(&x);
-                    logprobs.extend(l);
-                }
-                (_, ev) => self.pending.push_back(ev),
-            }
-        }
-        while let Some(ev) = self.pending.pop_front() {
-            match self.tx.try_send(ev) {
-                Ok(()) => {}
-                Err(mpsc::error::TrySendError::Full(ev)) => {
-                    self.pending.push_front(ev);
-                    return true;
-                }
-                Err(mpsc::error::TrySendError::Closed(_)) => return false,
-            }
-        }
-        true
-    }
-}
-
-/// Answers the commands that ask the engine something or hand it KV without touching a
-/// sequence's route (the rest come back).
-fn answer(engine: &mut Engine, cmd: EngineCmd) -> Option<EngineCmd> {
-    match cmd {
-        EngineCmd::CachedHashes { reply } => {
-            let _ = reply.send(engine.cached_hashes());
-        }
-        EngineCmd::SetStepHook { hook } => engine.set_step_hook(hook),
-        EngineCmd::Sequences { reply } => {
-            let _ = reply.send(engine.sequences());
-        }
-        EngineCmd::PreCopy { ids, reply } => {
-            let _ = reply.send(ids.into_iter().filter_map(|id| engine.pre_copy(id).map(|e| (id, e))).collect());
-        }
-        EngineCmd::Import { import, reply } => {
-            let _ = reply.send(engine.import(&import));
-        }
-        EngineCmd::HotChains { max, reply } => {
-            let _ = reply.send(engine.hot_chains(max));
-        }
-        EngineCmd::ReadCached { ask, reply } => {
-            let _ = reply.send(engine.read_cached(ask.cache_root, &ask.tokens, ask.from_block));
-        }
-        other => return Some(other),
-    }
-    None
-}
-
-fn engine_loop(mut engine: Engine, rx: Receiver<EngineCmd>, sig_tx: watch::Sender<WorkerSignals>, kv_tx: broadcast::Sender<KvEvent>) {
-    let mut routes: HashMap<SeqId, Route> = HashMap::new();
-    // Finished sequences whose last events are still waiting for channel room.
-    let mut draining: HashMap<SeqId, Route> = HashMap::new();
-    let mut last_signal = Instant::now();
-    let mut shutdown = false;
-    while !shutdown {
-        // Wait for work when idle; otherwise just drain what arrived.
-        let first = if engine.has_work() || !draining.is_empty() {
-            rx.try_recv().ok()
-        } else {
-            match rx.recv_timeout(SIGNAL_INTERVAL) {
-                Ok(c) => Some(c),
-                Err(RecvTimeoutError::Timeout) => None,
-                Err(RecvTimeoutError::Disconnected) => break,
-            }
-        };
-        let mut cmds: Vec<EngineCmd> = first.into_iter().collect();
-        while let Ok(c) = rx.try_recv() {
-            cmds.push(c);
-            if cmds.len() >= COMMAND_CAPACITY {
-                break;
-            }
-        }
-        for cmd in cmds {
-            let Some(cmd) = answer(&mut engine, cmd) else { continue };
-            match cmd {
-                EngineCmd::Submit(Submission { id, job, reply, ack }) => match engine.add(id, job) {
-                    Ok(()) => {
-                        routes.insert(id, Route { tx: reply, pending: VecDeque::new() });
-                        let _ = ack.send(Ok(()));
-                    }
-                    Err(e) => {
-                        let _ = ack.send(Err(e));
-                    }
-                },
-                EngineCmd::Cancel { id } => {
-                    if let Some(ev) = engine.cancel(id) {
-                        if let Some(mut r) = routes.remove(&id) {
-                            if r.deliver(Some(ev)) && !r.pending.is_empty() {
-                                draining.insert(id, r);
-                            }
-                        }
-                    }
-                }
-                EngineCmd::Export { ids, reply } => {
-                    let handovers = ids.into_iter().filter_map(|id| engine.export(id).map(|export| Handover { id, export, route: routes.remove(&id) })).collect();
-                    let _ = reply.send(handovers);
-                }
-                EngineCmd::Shutdown => shutdown = true,
-                // Answered by `answer`.
-                _ => {}
-            }
-        }
-        if shutdown {
-            break;
-        }
-        if engine.has_work() {
-            match engine.step() {
-                Ok(out) => {
-                    for (id, ev) in out.events {
-                        let fin = matches!(ev, SeqEvent::Finished { .. });
-                        let alive = routes.get_mut(&id).map(|r| r.deliver(Some(ev))).unwrap_or(false);
-                        if fin {
-                            if let Some(r) = routes.remove(&id) {
-                                if alive && !r.pending.is_empty() {
-                                    draining.insert(id, r);
-                                }
-                            }
-                        } else if !alive {
-                            // The client went away: free the sequence now.
-                            engine.cancel(id);
-                            routes.remove(&id);
-                        }
-                    }
-                }
-                Err(e) => {
-                    // Defensive: a step reports its own failures as error events of the
-                    // sequences it touched. Anything else fails every open sequence, and the
-                    // worker keeps serving.
-                    tracing::error!(error = %e, "engine step failed");
-                    let ids: Vec<SeqId> = routes.keys().copied().collect();
-                    for id in ids {
-                        engine.cancel(id);
-                        if let Some(mut r) = routes.remove(&id) {
-                            r.deliver(Some(SeqEvent::Finished { reason: StopReason::Error(e.to_string()), usage: Default::default() }));
-                        }
-                    }
-                }
-            }
-        }
-        draining.retain(|_, r| r.deliver(None) && !r.pending.is_empty());
-        for ev in engine.drain_kv_events() {
-            let _ = kv_tx.send(ev);
-        }
-        if last_signal.elapsed() >= SIGNAL_INTERVAL || !engine.has_work() {
-            let _ = sig_tx.send(engine.signals());
-            last_signal = Instant::now();
-        }
-    }
-    // Shutting down: every open sequence ends with an error event.
-    for (id, mut r) in routes.drain() {
-        engine.cancel(id);
-        r.deliver(Some(SeqEvent::Finished { reason: StopReason::Lost("worker shut down".into()), usage: Default::default() }));
-    }
-    let _ = sig_tx.send(engine.signals());
-}
+mod commands;
+mod engine_thread;
+mod restore;
+pub use commands::{CachedAsk, Handover, Submission, COMMAND_CAPACITY, KV_EVENT_CAPACITY, REPLY_CAPACITY, SIGNAL_INTERVAL};
+use commands::EngineCmd;
+use engine_thread::engine_loop;

@@ -31,6 +31,7 @@ use std::collections::HashMap;
 use zerolayer_common::KvEvent;
 
 mod free;
+mod spill;
 use free::FreeBlocks;
 
 pub type BlockId = u32;
@@ -56,6 +57,17 @@ pub struct BlockName<'a> {
     pub hash: u64,
     pub parent: u64,
     pub tokens: &'a [u32],
+}
+
+/// A block evicted from the prefix cache whose bytes are still in place.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Evicted {
+    pub block: BlockId,
+    pub hash: u64,
+    pub parent: u64,
+    pub tokens: Vec<u32>,
+    /// The pin it held until pool pressure ended it early (pool time; 0: none).
+    pub lapsed_pin: u64,
 }
 
 pub struct BlockPool {
@@ -87,6 +99,12 @@ pub struct BlockPool {
     /// Events dropped because nobody drained them (the consumer must resync from a snapshot).
     events_overflowed: bool,
     max_pending_events: usize,
+    /// Evicted blocks' names, for a disk tier that copies them out before they are reused
+    /// (`None`: not recorded). See `spill`.
+    evicted: Option<Vec<Evicted>>,
+    /// Per block: the pin [`Self::unpin_idle`] ended early (0: none), which its copy on disk
+    /// keeps.
+    lapsed_pin: Vec<u64>,
 }
 
 impl BlockPool {
@@ -115,6 +133,8 @@ impl BlockPool {
             events: Vec::new(),
             events_overflowed: false,
             max_pending_events: 4096,
+            evicted: None,
+            lapsed_pin: vec![0; num_blocks],
         }
     }
 
@@ -178,6 +198,7 @@ impl BlockPool {
         let mut n = 0;
         for i in 0..self.num_blocks() {
             if self.place[i] == Place::Pinned {
+                self.lapsed_pin[i] = self.pin_until[i];
                 self.pin_until[i] = 0;
                 self.pinned -= 1;
                 self.pinned_idle -= 1;
@@ -309,6 +330,7 @@ impl BlockPool {
         self.lru_unlink(b);
         let h = self.hash[b as usize].take().expect("LRU block has a hash");
         self.cached.remove(&h);
+        self.record_eviction(b, h);
         h
     }
 

@@ -24,6 +24,7 @@ use seq_state::SeqState;
 mod prompt_logprobs;
 mod seq_state;
 mod speculation;
+mod tiering;
 mod transfer;
 
 /// Output of one step: events per sequence, in order.
@@ -69,6 +70,8 @@ pub struct Engine {
     /// KV blocks imported into the prefix cache, and read out for other workers.
     pub(crate) imported_total: u64,
     pub(crate) served_total: u64,
+    /// The worker's disk tier, if it has one (see `tiering`).
+    disk: Option<Arc<crate::kv_disk::DiskTier>>,
     /// Finished sequences' outputs, by cache scope, for drafts.
     recent: RecentOutputs,
 }
@@ -148,6 +151,7 @@ impl Engine {
             accepted_total: 0,
             imported_total: 0,
             served_total: 0,
+            disk: None,
             recent: RecentOutputs::default(),
         })
     }
@@ -282,6 +286,8 @@ impl Engine {
     fn step_with(&mut self, bufs: &mut StepBufs) -> Result<StepOutput> {
         let prefill = self.stall_free.prefill_budget(&self.step_time, &self.sched.outlook());
         self.sched.schedule_into(&mut bufs.plan, prefill);
+        // Blocks the schedule evicted still hold their KV until the forward below.
+        self.spill_evicted();
         let plan = &bufs.plan;
         let mut out = StepOutput { events: std::mem::take(&mut self.pending), ..Default::default() };
         for &id in &plan.started {
@@ -518,7 +524,9 @@ impl Engine {
 
     /// Takes the KV events (block stored / evicted) since the last call.
     pub fn drain_kv_events(&mut self) -> Vec<KvEvent> {
-        std::mem::take(&mut self.kv_events)
+        let events = std::mem::take(&mut self.kv_events);
+        self.note_stored(&events);
+        events
     }
 
     /// A snapshot of this engine's signals.
@@ -562,6 +570,7 @@ impl Engine {
             draft_accepted_total: self.accepted_total,
             kv_blocks_imported_total: self.imported_total,
             kv_blocks_served_total: self.served_total,
+            kv_disk: self.disk_signals(),
             tokens_per_second: tps,
             // The step-time fit's terms per token and per 1,000 attended pairs, once it has seen
             // enough steps.

@@ -9,7 +9,9 @@
 //!   ranks, the hosted rank's shard and loop, and the star collective, over any transport that
 //!   gives [`ranks::RankChannels`] (the coordinator's QUIC link, or in-process channels).
 //! - [`tokenizer`], [`chat`]: text in and out (GGUF-embedded BPE, minijinja chat templates).
-//! - [`block_pool`]: paged KV blocks with reference counts and automatic prefix caching.
+//! - [`block_pool`]: paged KV blocks with reference counts and automatic prefix caching;
+//!   [`kv_disk`]: the worker's disk tier under it (evicted blocks kept on disk, read back on a
+//!   hit, reloaded after a restart).
 //! - [`scheduler`]: continuous batching with chunked prefill and preemption (sans-IO).
 //! - [`sampler`], [`stop`]: sampling and stop sequences.
 //! - [`synthetic`]: a small random-weight GGUF in every native format, for device checks.
@@ -31,6 +33,7 @@ pub mod device_check;
 pub mod engine;
 pub mod error;
 pub mod grammar;
+pub mod kv_disk;
 pub mod loader;
 pub mod migrate;
 pub mod model;

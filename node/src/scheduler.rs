@@ -294,6 +294,27 @@ impl Scheduler {
         self.pool.release(b);
     }
 
+    /// Starts recording evicted blocks for [`Self::take_evicted`] (a disk tier copies them).
+    pub fn record_evictions(&mut self, on: bool) {
+        self.pool.record_evictions(on);
+    }
+
+    /// Blocks evicted since the last call, whose bytes are still in place until the next
+    /// forward or import writes over them.
+    pub fn take_evicted(&mut self) -> Vec<crate::block_pool::Evicted> {
+        self.pool.take_evicted()
+    }
+
+    /// Every cached block, hottest first, as (block, hash, parent, pin expiry or 0).
+    pub fn cached_blocks_hot_first(&self) -> Vec<(BlockId, u64, u64, u64)> {
+        self.pool.cached_blocks_hot_first()
+    }
+
+    /// The tokens cached block `b` holds.
+    pub fn block_tokens(&self, b: BlockId) -> &[u32] {
+        self.pool.block_tokens(b)
+    }
+
     /// Checks the pool's invariants (tests).
     pub fn check_invariants(&self) {
         self.pool.check_invariants();

@@ -66,6 +66,7 @@ impl ClusterConfig {
                 if !(w.gpu_kv_share > 0.0 && w.gpu_kv_share <= 0.95) {
                     return bad(format!("worker {}/{}: gpu_kv_share must be in (0, 0.95]", n.id, w.id));
                 }
+                validate_disk_tier(&format!("worker {}/{}", n.id, w.id), w).map_err(ConfigError::Invalid)?;
                 if w.kv_cache_mb == 0 && !matches!(w.gpu(), Ok(Some(_))) {
                     return bad(format!("worker {}/{}: kv_cache_mb must be > 0 (0, a share of free memory, is for GPUs)", n.id, w.id));
                 }
@@ -162,4 +163,15 @@ impl ClusterConfig {
         }
         Ok(())
     }
+}
+
+/// A worker's disk tier: it needs a directory, and every rank of the worker on this node.
+fn validate_disk_tier(at: &str, w: &super::WorkerConfig) -> Result<(), String> {
+    if w.kv_disk_mb > 0 && w.kv_disk_dir.is_none() {
+        return Err(format!("{at}: kv_disk_mb needs kv_disk_dir (where the disk tier's file lives)"));
+    }
+    if w.kv_disk_mb > 0 && !w.rank_nodes.is_empty() {
+        return Err(format!("{at}: a disk tier needs every rank on this node (rank_nodes is set)"));
+    }
+    Ok(())
 }

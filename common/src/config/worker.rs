@@ -31,6 +31,15 @@ pub struct WorkerConfig {
     pub kv_cache_mb: usize,
     /// On a GPU with `kv_cache_mb = 0`: the share of free device memory the KV cache takes.
     pub gpu_kv_share: f64,
+    /// The disk tier under the KV cache, in MiB (0, the default: none). Blocks that RAM evicts
+    /// are written to it in the background (bounded: a full writer queue drops them), and a
+    /// later prompt whose prefix they hold reads them back instead of recomputing it. `cache_control`
+    /// pins carry down to disk, where nothing overwrites them until they expire.
+    pub kv_disk_mb: usize,
+    /// Where the disk tier's file lives (`<node>-<worker>.kv`; required with `kv_disk_mb`). A
+    /// restart with the same directory and the same model reloads it, so a restarted node
+    /// keeps its prefixes; another model, KV element type or size starts it afresh.
+    pub kv_disk_dir: Option<std::path::PathBuf>,
     /// Tokens per KV block. Small blocks waste few slots (a sequence's last block is on
     /// average half empty: ~1% of slots at 4 tokens against ~5% at 16 for short chats, measured)
     /// and share prefixes at a finer grain; the attention kernel gathers keys across blocks, so
@@ -142,6 +151,8 @@ impl Default for WorkerConfig {
             rank_nodes: Vec::new(),
             kv_cache_mb: 1024,
             gpu_kv_share: 0.9,
+            kv_disk_mb: 0,
+            kv_disk_dir: None,
             block_size: 4,
             kv_dtype: KvDtype::F32,
             max_batch_tokens: 512,

@@ -116,6 +116,8 @@ impl Engine {
                 report.skipped = imp.blocks.len() - i;
                 break;
             };
+            // The block it took may have been evicted: its KV goes to disk before it is overwritten.
+            self.spill_evicted();
             if let Err(e) = self.backend.write_block(b, bytes) {
                 // The block joins nothing: it goes back to the pool, and the chain stops here.
                 self.sched.unpin(b);

@@ -62,6 +62,9 @@ pub fn cluster_json(c: &Frontend) -> Value {
                 "draft_accepted_total": s.draft_accepted_total,
                 "kv_blocks_imported_total": s.kv_blocks_imported_total,
                 "kv_blocks_served_total": s.kv_blocks_served_total,
+                "kv_disk_blocks": s.kv_disk.blocks,
+                "kv_disk_capacity_blocks": s.kv_disk.capacity_blocks,
+                "kv_disk_restored_total": s.kv_disk.restored_total,
                 "unavailable": s.unavailable,
                 "signals": s,
             })
