@@ -33,6 +33,14 @@ pub fn chain_hash(parent: u64, tokens: &[u32]) -> u64 {
     mix(h ^ tokens.len() as u64) | 1
 }
 
+/// A block's name in a worker's prefix index when only its disk tier holds it. Block hashes are
+/// odd ([`chain_hash`] sets the low bit), so the even number below names the same block one
+/// tier down: a worker's one gossiped set says which of its blocks are in RAM (`h`) and which
+/// on disk (`disk_name(h)`), and placement prices each.
+pub fn disk_name(hash: u64) -> u64 {
+    hash & !1
+}
+
 /// Hashes of every *full* block of `tokens`, in order, in the unscoped namespace (root 0).
 pub fn block_hashes(tokens: &[u32], block_size: usize) -> Vec<u64> {
     block_hashes_from(0, tokens, block_size)

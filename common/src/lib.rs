@@ -12,7 +12,7 @@ pub mod types;
 pub mod wire;
 
 pub use config::{ClusterConfig, Tenant, TenantLimits, ClusterSection, ConfigError, NodeConfig, PlacementConfig, PlacementPolicy, WorkerConfig};
-pub use hash::{block_hashes, block_hashes_from, chain_hash, checksum, cluster_secret, scope_root};
+pub use hash::{block_hashes, block_hashes_from, chain_hash, checksum, cluster_secret, disk_name, scope_root};
 pub use job::{Job, TenantClaim};
 pub use signals::{DiskSignals, KvEvent, WorkerSignals};
 pub use types::*;

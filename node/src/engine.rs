@@ -524,8 +524,9 @@ impl Engine {
 
     /// Takes the KV events (block stored / evicted) since the last call.
     pub fn drain_kv_events(&mut self) -> Vec<KvEvent> {
-        let events = std::mem::take(&mut self.kv_events);
+        let mut events = std::mem::take(&mut self.kv_events);
         self.note_stored(&events);
+        events.extend(self.disk.iter().flat_map(|d| d.take_events()));
         events
     }
 
@@ -582,7 +583,9 @@ impl Engine {
 
     /// Every prefix hash currently cached (for a full resync of a cluster index).
     pub fn cached_hashes(&self) -> Vec<u64> {
-        self.sched.cached_hashes()
+        let mut all = self.sched.cached_hashes();
+        all.extend(self.disk.iter().flat_map(|d| d.disk_names()));
+        all
     }
 }
 

@@ -20,6 +20,11 @@
 //!   that stops copies its RAM cache to disk first ([`crate::Engine::spill_all`]), so a rolling
 //!   restart finds its prefixes on disk.
 //!
+//! - **Index.** Blocks that come onto the disk or leave it are KV events under their disk
+//!   names ([`zerolayer_common::disk_name`]), which the engine passes on with its own: the
+//!   cluster's prefix index knows which blocks each worker holds on disk, and placement prices
+//!   them between a RAM hit and a miss.
+//!
 //! Bounded throughout: the file has `kv_disk_mb` of slots, the queue a fixed byte budget, and
 //! at most [`RESTORES_AT_ONCE`] restores read at once.
 
@@ -37,6 +42,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use format::{Header, RecordHead, HEADER_BYTES, RECORD_HEAD, VERSION};
 use index::Index;
 
+use zerolayer_common::{disk_name, KvEvent};
+
 use crate::backend::KvGeometry;
 use crate::error::{Result, WorkerError};
 use crate::migrate::KvImport;
@@ -47,6 +54,10 @@ pub const QUEUE_BYTES: usize = 64 << 20;
 pub const RESTORE_CHUNK_BLOCKS: usize = 128;
 /// Restores reading at once, per worker.
 pub const RESTORES_AT_ONCE: usize = 2;
+/// Hashes of tier events waiting for the engine to take them; past this they are dropped (the
+/// cluster's index misses those disk blocks until its next resync, and placement prices them as
+/// misses meanwhile).
+pub const MAX_PENDING_EVENT_HASHES: usize = 1 << 16;
 
 /// A block on its way to disk.
 pub struct Spill {
@@ -95,6 +106,9 @@ struct Shared {
     file: File,
     header: Header,
     index: Mutex<Index>,
+    /// Blocks that came onto or left the disk, as KV events under their disk names, for the
+    /// worker's prefix index (bounded: see [`MAX_PENDING_EVENT_HASHES`]).
+    events: Mutex<(Vec<KvEvent>, usize)>,
     written: AtomicU64,
     dropped: AtomicU64,
     restored: AtomicU64,
@@ -161,16 +175,19 @@ impl DiskTier {
                 Index::new(header.slots as usize)
             }
         };
+        let reloaded: Vec<u64> = index.hashes().map(disk_name).collect();
         let shared = Arc::new(Shared {
             file,
             header,
             index: Mutex::new(index),
+            events: Mutex::new((Vec::new(), 0)),
             written: AtomicU64::new(0),
             dropped: AtomicU64::new(0),
             restored: AtomicU64::new(0),
             bad_reads: AtomicU64::new(0),
             pending: AtomicUsize::new(0),
         });
+        shared.tier_event(true, reloaded);
         let (tx, rx) = sync_channel((QUEUE_BYTES / kv.block_bytes.max(1)).max(4));
         let s = shared.clone();
         std::thread::Builder::new().name(format!("zl-kv-disk-{name}")).spawn(move || writer(s, rx)).map_err(WorkerError::Io)?;
@@ -297,7 +314,9 @@ impl DiskTier {
                     self.shared.bad_reads.fetch_add(1, Ordering::Relaxed);
                     let mut ix = self.index();
                     if ix.get(plan.hashes[pos]) == Some(slot) {
-                        ix.forget(slot);
+                        let gone = ix.forget(slot);
+                        drop(ix);
+                        self.shared.tier_event(false, gone.into_iter().map(disk_name).collect());
                     }
                     break;
                 }
@@ -305,6 +324,19 @@ impl DiskTier {
         }
         let root = if range.start == 0 { plan.root } else { plan.hashes[range.start - 1] };
         KvImport { block_size: bs, block_bytes, cache_root: root, tokens: plan.tokens[range.start * bs..range.end * bs].to_vec(), blocks }
+    }
+
+    /// The tier's KV events since the last call: blocks that came onto the disk (`Stored`) or
+    /// left it (`Evicted`), under their disk names ([`disk_name`]).
+    pub fn take_events(&self) -> Vec<KvEvent> {
+        let mut ev = self.shared.events.lock().unwrap_or_else(|p| p.into_inner());
+        ev.1 = 0;
+        std::mem::take(&mut ev.0)
+    }
+
+    /// Every block on disk, by its disk name (a resync's snapshot).
+    pub fn disk_names(&self) -> Vec<u64> {
+        self.index().hashes().map(disk_name).collect()
     }
 
     /// Counts blocks a restore imported.
@@ -322,6 +354,25 @@ impl DiskTier {
             dropped: s.dropped.load(Ordering::Relaxed),
             restored: s.restored.load(Ordering::Relaxed),
             bad_reads: s.bad_reads.load(Ordering::Relaxed),
+        }
+    }
+}
+
+impl Shared {
+    /// Records that `hashes` (disk names) came onto the disk, or left it.
+    fn tier_event(&self, stored: bool, hashes: Vec<u64>) {
+        if hashes.is_empty() {
+            return;
+        }
+        let mut ev = self.events.lock().unwrap_or_else(|p| p.into_inner());
+        if ev.1 + hashes.len() > MAX_PENDING_EVENT_HASHES {
+            return;
+        }
+        ev.1 += hashes.len();
+        match (ev.0.last_mut(), stored) {
+            (Some(KvEvent::Stored { hashes: h }), true) | (Some(KvEvent::Evicted { hashes: h }), false) => h.extend(hashes),
+            (_, true) => ev.0.push(KvEvent::Stored { hashes }),
+            (_, false) => ev.0.push(KvEvent::Evicted { hashes }),
         }
     }
 }
@@ -370,12 +421,13 @@ fn write_one(s: &Shared, spill: Spill, record_bytes: usize) {
         if ix.contains(spill.hash) {
             return;
         }
-        ix.claim(now_unix_ms()).map(|(slot, _)| slot)
+        ix.claim(now_unix_ms())
     };
-    let Some(slot) = slot else {
+    let Some((slot, old)) = slot else {
         s.dropped.fetch_add(1, Ordering::Relaxed);
         return;
     };
+    s.tier_event(false, old.into_iter().map(disk_name).collect());
     let head = RecordHead { hash: spill.hash, parent: spill.parent, pin_until_unix_ms: spill.pin_until_unix_ms };
     let rec = format::encode_record(head, &spill.tokens, &spill.kv, record_bytes);
     if let Err(e) = s.file.write_all_at(&rec, s.header.offset(slot)) {
@@ -384,6 +436,7 @@ fn write_one(s: &Shared, spill: Spill, record_bytes: usize) {
         return;
     }
     lock().fill(slot, spill.hash, spill.pin_until_unix_ms, spill.resident);
+    s.tier_event(true, vec![disk_name(spill.hash)]);
     s.written.fetch_add(1, Ordering::Relaxed);
 }
 

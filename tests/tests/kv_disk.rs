@@ -77,6 +77,14 @@ async fn a_flood_pushes_a_prefix_to_disk_and_a_hit_restores_it_even_after_a_rest
     assert!(cached * 10 >= input * 9, "with a disk tier at least 90% read from cache: {cached} of {input} ({d:?})");
     assert!(d.restored_total as u64 * 4 >= cached / 2, "the blocks came back from disk: {d:?}");
     assert!(d.written_total > 0 && d.blocks > 0 && d.capacity_blocks > d.blocks, "{d:?}");
+    // The node's prefix index knows which blocks sit on disk (their even disk names), for
+    // placement to price them.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let on_disk = || s.frontend.cluster.view().workers.iter().map(|w| w.cached.iter().filter(|&&h| h % 2 == 0).count()).sum::<usize>();
+    while on_disk() * 10 < d.blocks as usize * 9 {
+        assert!(Instant::now() < deadline, "the index shows {} of {} disk blocks", on_disk(), d.blocks);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     let page = reqwest::get(s.url("/metrics")).await.unwrap().text().await.unwrap();
     let restored = metric_with(&page, "zerolayer_kv_disk_blocks_restored_total", &[("worker", "cpu0")]);
     assert!(restored.is_some_and(|r| r >= d.restored_total as f64 / 2.0), "/metrics shows the restores: {restored:?}");

@@ -159,6 +159,10 @@ pub struct PlacementConfig {
     pub fetch_cost_prior: f64,
     /// The fewest blocks worth a fetch (a round trip costs a few milliseconds).
     pub min_fetch_blocks: u32,
+    /// What a prefix block on a worker's disk tier costs relative to computing it (it is read
+    /// back into RAM before the prompt runs): placement counts such a block as this share of
+    /// an uncached one, between a RAM hit (0) and a miss (1).
+    pub disk_hit_cost: f64,
 }
 
 impl Default for PlacementConfig {
@@ -178,6 +182,7 @@ impl Default for PlacementConfig {
             fetch: true,
             fetch_cost_prior: 0.1,
             min_fetch_blocks: 4,
+            disk_hit_cost: 0.2,
         }
     }
 }

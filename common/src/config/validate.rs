@@ -128,6 +128,9 @@ impl ClusterConfig {
         if !(p.overlap_weight >= 0.0 && p.queue_weight >= 0.0 && p.remote_hop_blocks >= 0.0 && p.balance_rel_threshold >= 1.0) {
             return Err("placement: weights must be >= 0 and balance_rel_threshold >= 1".into());
         }
+        if !(0.0..=1.0).contains(&p.disk_hit_cost) {
+            return Err(format!("placement.disk_hit_cost: {} is not in 0..=1", p.disk_hit_cost));
+        }
         if !(p.fetch_cost_prior.is_finite() && p.fetch_cost_prior > 0.0) {
             return Err(format!("placement.fetch_cost_prior: {} is not a positive number", p.fetch_cost_prior));
         }

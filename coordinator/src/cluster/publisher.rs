@@ -33,10 +33,8 @@ pub async fn run(cluster: Weak<Cluster>, mut kv_rx: Vec<broadcast::Receiver<KvEv
         None => return,
     };
     let mut digests: Vec<LocalDigest> = kv_rx.iter().map(|_| LocalDigest::default()).collect();
-    let mut remote = match cluster.upgrade().and_then(|c| c.net.as_ref().map(|n| n.ca.clone())) {
-        Some(ca) => Remote::new(ca),
-        None => return,
-    };
+    // A single node (no cluster) still keeps its workers' prefix sets, for placement among them.
+    let mut remote = cluster.upgrade().and_then(|c| c.net.as_ref().map(|n| Remote::new(n.ca.clone())));
     let mut signed = Signed::default();
     let mut described = false;
     let mut tick = tokio::time::interval(interval);
@@ -49,7 +47,7 @@ pub async fn run(cluster: Weak<Cluster>, mut kv_rx: Vec<broadcast::Receiver<KvEv
                 *c.local[i].cached.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(digests[i].set().clone());
             }
         }
-        let Some(net) = &c.net else { continue };
+        let (Some(net), Some(remote)) = (&c.net, remote.as_mut()) else { continue };
         let handle = net.chitchat.chitchat();
         let mut chitchat = handle.lock().await;
         publish(&c, &mut chitchat, &mut digests, &mut signed, !described);

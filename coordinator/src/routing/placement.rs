@@ -34,6 +34,12 @@
 //! the holder" is the holder's own cost, "recompute" the candidate's without a fetch; the least
 //! of all wins.
 //!
+//! **Disk tier.** A worker's set also names the blocks only its disk tier holds
+//! (`zerolayer_common::disk_name`). The prompt's blocks after its RAM prefix that the worker
+//! holds on disk are read back before it prefills, so each counts as `disk_hit_cost` of an
+//! uncached block: a disk hit is priced between a RAM hit and a miss. The KV-space filter still
+//! counts them as uncached (they need RAM blocks).
+//!
 //! The prefix overlap is exact: a worker's cached set holds the chained block hashes it caches
 //! (see `zerolayer_common::hash`), and a prompt's overlap is its longest prefix of blocks in it.
 
@@ -145,6 +151,13 @@ pub fn cached_prefix_blocks(w: &WorkerView, hashes: &[u64]) -> usize {
     hashes.iter().take_while(|h| w.cached.contains(h)).count()
 }
 
+/// Blocks of prompt after its first `from` that `w` holds in RAM or on its disk tier (named
+/// [`zerolayer_common::disk_name`]), up to the first it holds in neither: what a restore reads
+/// back instead of recomputing.
+pub fn disk_tail_blocks(w: &WorkerView, hashes: &[u64], from: usize) -> usize {
+    hashes.iter().skip(from).take_while(|&&h| w.cached.contains(&zerolayer_common::disk_name(h)) || w.cached.contains(&h)).count()
+}
+
 fn load(w: &WorkerView) -> u32 {
     w.signals.running.saturating_add(w.signals.waiting)
 }
@@ -185,7 +198,9 @@ fn filter(w: &WorkerView, req: &RequestSummary, cached: usize, cfg: &PlacementCo
 pub fn cost(w: &WorkerView, req: &RequestSummary, cached: usize, cfg: &PlacementConfig) -> f64 {
     let bs = w.signals.block_size.max(1) as f64;
     let prompt_blocks = (req.prompt_tokens as f64 / bs).ceil();
-    let uncached = (prompt_blocks - cached as f64).max(0.0);
+    // Blocks on the worker's disk tier are read back, at `disk_hit_cost` of a computed one.
+    let on_disk = if w.signals.kv_disk.blocks > 0 { disk_tail_blocks(w, &req.block_hashes, cached) as f64 } else { 0.0 };
+    let uncached = (prompt_blocks - cached as f64 - on_disk * (1.0 - cfg.disk_hit_cost)).max(0.0);
     let queued = w.signals.waiting_prefill_tokens as f64 / bs;
     let mut c = cfg.overlap_weight * uncached + w.signals.active_decode_blocks as f64 + cfg.queue_weight * queued;
     if !w.local {
@@ -269,6 +284,8 @@ fn place_among(view: &ClusterView, req: &RequestSummary, cfg: &PlacementConfig, 
                 "prefix_fetch"
             } else if c > 0 {
                 "prefix_hit"
+            } else if view.workers[i].signals.kv_disk.blocks > 0 && disk_tail_blocks(&view.workers[i], &req.block_hashes, 0) > 0 {
+                "disk_hit"
             } else {
                 "lowest_cost"
             };
@@ -384,6 +401,36 @@ mod tests {
         let mut holes = w("b", false);
         holes.cached = Arc::new([1u64, 2, 4, 5, 6].into_iter().collect());
         assert_eq!(cached_prefix_blocks(&holes, &r.block_hashes), 2);
+    }
+
+    #[test]
+    fn a_disk_hit_is_priced_between_a_ram_hit_and_a_miss() {
+        let c = PlacementConfig { fetch: false, ..cfg(PlacementPolicy::CacheAware) };
+        // Real block hashes are odd; their disk names even.
+        let hashes: Vec<u64> = (0..40u64).map(|i| 2 * i + 1).collect();
+        let r = RequestSummary { block_hashes: hashes.clone(), ..req(40) };
+        let on_disk = |v: WorkerView, ram: usize| {
+            let mut v = v;
+            v.signals.kv_disk.blocks = 100;
+            v.cached = Arc::new(hashes[..ram].iter().copied().chain(hashes[ram..].iter().map(|&h| zerolayer_common::disk_name(h))).collect());
+            v
+        };
+        let (miss, disk) = (w("a", true), on_disk(w("b", true), 0));
+        let mut ram = w("c", true);
+        ram.cached = Arc::new(hashes.iter().copied().collect());
+        // 41 prompt blocks; 40 on disk at 0.2 of a computed one: 41 − 40 × 0.8 = 9.
+        let costs = [cost(&miss, &r, 0, &c), cost(&disk, &r, 0, &c), cost(&ram, &r, 40, &c)];
+        assert_eq!(costs.map(|x| (x * 1e6).round() / 1e6), [41.0, 9.0, 1.0]);
+        let mixed = on_disk(w("d", true), 25);
+        assert_eq!((cached_prefix_blocks(&mixed, &hashes), disk_tail_blocks(&mixed, &hashes, 25)), (25, 15));
+        assert!((cost(&mixed, &r, 25, &c) - (16.0 - 15.0 * 0.8)).abs() < 1e-9);
+        // Without a disk tier in its signals, a worker's even names are not read as disk hits.
+        let mut silent = disk.clone();
+        silent.signals.kv_disk.blocks = 0;
+        assert_eq!(cost(&silent, &r, 0, &c), 41.0);
+        let d = place(&ClusterView { workers: vec![miss.clone(), disk.clone()] }, &r, &c, 0);
+        assert!(matches!(d, Decision::Place { index: 1, reason: "disk_hit", .. }), "{d:?}");
+        assert_eq!(chosen(&place(&ClusterView { workers: vec![miss, disk, ram] }, &r, &c, 0)), 2, "RAM beats disk");
     }
 
     #[test]

@@ -41,6 +41,11 @@ impl Index {
         self.by_hash.is_empty()
     }
 
+    /// Every block held.
+    pub fn hashes(&self) -> impl Iterator<Item = u64> + '_ {
+        self.by_hash.keys().copied()
+    }
+
     pub fn capacity(&self) -> usize {
         self.slots.len()
     }
@@ -111,13 +116,16 @@ impl Index {
         self.slots[s as usize] = Slot { hash, pin_until_unix_ms, referenced: false, resident };
     }
 
-    /// Forgets slot `s`'s block (a record found torn or stale).
-    pub fn forget(&mut self, s: u32) {
+    /// Forgets slot `s`'s block (a record found torn or stale); returns it if there was one.
+    pub fn forget(&mut self, s: u32) -> Option<u64> {
         let slot = &mut self.slots[s as usize];
+        let mut gone = None;
         if slot.hash != 0 && self.by_hash.get(&slot.hash) == Some(&s) {
             self.by_hash.remove(&slot.hash);
+            gone = Some(slot.hash);
         }
         *slot = Slot::default();
+        gone
     }
 }
 
@@ -172,7 +180,7 @@ mod tests {
         let (t, _) = ix.claim(0).unwrap();
         ix.fill(t, 5, 0, false);
         assert_eq!(ix.len(), 1, "a block is held once");
-        ix.forget(s);
+        assert_eq!(ix.forget(s), Some(5));
         assert!(ix.is_empty());
     }
 }

@@ -108,3 +108,30 @@ fn the_disk_is_bounded_and_turns_over() {
     assert!(std::fs::metadata(t.path()).unwrap().len() <= HEADER_BYTES + (1 << 20));
     let _ = std::fs::remove_dir_all(&d);
 }
+
+#[test]
+fn blocks_coming_onto_and_leaving_the_disk_are_events_under_disk_names() {
+    let d = dir("events");
+    let t = DiskTier::open(&d, "w", 1, [1; 32], &geometry()).unwrap();
+    let cap = t.stats().capacity;
+    let (tokens, hashes, kv) = chain(cap + 2);
+    spill_all(&t, &tokens, &hashes, &kv, |_| true);
+    let (mut on, mut off) = (std::collections::HashSet::new(), std::collections::HashSet::new());
+    for ev in t.take_events() {
+        match ev {
+            KvEvent::Stored { hashes } => on.extend(hashes),
+            KvEvent::Evicted { hashes } => off.extend(hashes),
+        }
+    }
+    let names: std::collections::HashSet<u64> = hashes.iter().map(|&h| disk_name(h)).collect();
+    assert_eq!(on, names, "every block written is announced");
+    assert_eq!(off, hashes[..2].iter().map(|&h| disk_name(h)).collect::<std::collections::HashSet<u64>>(), "the two overwritten are withdrawn");
+    assert!(on.iter().all(|h| h % 2 == 0), "disk names are even, RAM names odd");
+    assert!(t.take_events().is_empty());
+    assert_eq!(t.disk_names().len(), cap);
+    drop(t);
+    let again = DiskTier::open(&d, "w", 1, [1; 32], &geometry()).unwrap();
+    let reloaded: usize = again.take_events().iter().map(|e| if let KvEvent::Stored { hashes } = e { hashes.len() } else { 0 }).sum();
+    assert_eq!(reloaded, cap, "a reloaded tier announces what it holds");
+    let _ = std::fs::remove_dir_all(&d);
+}
