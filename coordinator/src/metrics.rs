@@ -127,6 +127,15 @@ pub fn render(node: &str, model: &str, workers: &[(String, WorkerSignals)], peer
     gauge("zerolayer_kv_disk_blocks_written_total", "KV blocks evicted from RAM and written to the disk tier", "counter", &|s| s.kv_disk.written_total as f64);
     gauge("zerolayer_kv_disk_spills_dropped_total", "Evicted KV blocks not written to the disk tier (its queue full, or every slot pinned)", "counter", &|s| s.kv_disk.dropped_total as f64);
     gauge("zerolayer_kv_disk_blocks_restored_total", "KV blocks read back from the disk tier into RAM for a prompt that hit them", "counter", &|s| s.kv_disk.restored_total as f64);
+    // Hit ratio per tier since the start: prompt tokens found in RAM (computed here, or brought
+    // by a drain or a fetch) and read back from disk, over prompt tokens looked up.
+    let tier_ratio = |s: &WorkerSignals, disk: bool| {
+        let restored = (s.kv_disk.restored_total * s.block_size as u64).min(s.prefix_cache_hits_total);
+        let hits = if disk { restored } else { s.prefix_cache_hits_total - restored };
+        if s.prefix_cache_queries_total == 0 { 0.0 } else { hits as f64 / s.prefix_cache_queries_total as f64 }
+    };
+    gauge("zerolayer_prefix_hit_ratio_ram", "Prompt tokens found in the RAM cache / prompt tokens looked up, since the start", "gauge", &|s| tier_ratio(s, false));
+    gauge("zerolayer_prefix_hit_ratio_disk", "Prompt tokens read back from the disk tier / prompt tokens looked up, since the start", "gauge", &|s| tier_ratio(s, true));
     gauge("vllm:num_requests_running", "Number of requests in the running batch", "gauge", &|s| s.running as f64);
     gauge("vllm:num_requests_waiting", "Number of requests waiting", "gauge", &|s| s.waiting as f64);
     gauge("vllm:kv_cache_usage_perc", "KV cache usage, 1 = full", "gauge", &|s| {

@@ -35,13 +35,15 @@ pub fn render(v: &Value) -> String {
     let workers = v.get("workers").and_then(Value::as_array).cloned().unwrap_or_default();
     let ready = nodes.iter().filter(|n| s(n, "state") == "ready").count();
     let mut out = format!(
-        "cluster seen from node {}: {} node{}, {} ready; placement {}; cluster prefix-hit ratio {:.1}%\n",
+        "cluster seen from node {}: {} node{}, {} ready; placement {}; cluster prefix-hit ratio {:.1}% (from disk {:.1}%, brought from other workers {:.1}%)\n",
         s(v, "node"),
         nodes.len(),
         if nodes.len() == 1 { "" } else { "s" },
         ready,
         s(v, "policy"),
         100.0 * f(v, "prefix_hit_ratio"),
+        100.0 * f(v, "restored_ratio"),
+        100.0 * f(v, "imported_ratio"),
     );
     // Each model with the most tokens one request may hold (prompt and output).
     let models = v.get("models").and_then(Value::as_array).cloned().unwrap_or_default();
@@ -95,7 +97,7 @@ mod tests {
     #[test]
     fn one_row_per_worker_and_dead_nodes_show() {
         let v = serde_json::json!({
-            "node": "a", "policy": "cache_aware", "prefix_hit_ratio": 0.5,
+            "node": "a", "policy": "cache_aware", "prefix_hit_ratio": 0.5, "restored_ratio": 0.125, "imported_ratio": 0.25,
             "models": [{"id": "qwen", "max_model_len": 32768}, {"id": "gemma-3-270m", "max_model_len": 8192}],
             "nodes": [{"id": "a", "state": "ready", "http": "127.0.0.1:1"}, {"id": "b", "state": "dead", "http": "127.0.0.1:2"},
                       {"id": "c", "state": "draining", "moving": 3, "http": "127.0.0.1:3"}],
@@ -107,7 +109,7 @@ mod tests {
         });
         let out = super::render(&v);
         assert!(out.lines().any(|l| l.contains(" c ") && l.contains("draining, 3 moving")), "{out}");
-        assert!(out.starts_with("cluster seen from node a: 3 nodes, 1 ready; placement cache_aware; cluster prefix-hit ratio 50.0%"), "{out}");
+        assert!(out.starts_with("cluster seen from node a: 3 nodes, 1 ready; placement cache_aware; cluster prefix-hit ratio 50.0% (from disk 12.5%, brought from other workers 25.0%)"), "{out}");
         assert!(out.contains("cpu0") && out.contains("qwen") && out.contains("10/12") && out.contains("3/2") && out.contains("80.5") && out.contains("25.0%"), "{out}");
         assert!(out.lines().any(|l| l == "models: qwen (max_model_len 32768), gemma-3-270m (max_model_len 8192)"), "{out}");
         assert!(out.lines().any(|l| l.contains("cpu0") && l.contains("62.5%")), "the acceptance rate: {out}");

@@ -159,6 +159,13 @@ impl BlockPool {
     pub fn refcount(&self, b: BlockId) -> u32 {
         self.refcount[b as usize]
     }
+    /// Whether block `b` is cached, unreferenced and evictable (on the LRU list): counted in
+    /// [`Self::num_free`], so taking a reference to it leaves one block fewer free (an idle
+    /// pinned block is not free to begin with).
+    pub fn is_evictable(&self, b: BlockId) -> bool {
+        self.place[b as usize] == Place::Lru
+    }
+
     /// Blocks holding a live pin.
     pub fn num_pinned(&self) -> usize {
         self.pinned

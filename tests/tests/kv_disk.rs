@@ -88,6 +88,8 @@ async fn a_flood_pushes_a_prefix_to_disk_and_a_hit_restores_it_even_after_a_rest
     let page = reqwest::get(s.url("/metrics")).await.unwrap().text().await.unwrap();
     let restored = metric_with(&page, "zerolayer_kv_disk_blocks_restored_total", &[("worker", "cpu0")]);
     assert!(restored.is_some_and(|r| r >= d.restored_total as f64 / 2.0), "/metrics shows the restores: {restored:?}");
+    let tier = |t: &str| metric_with(&page, &format!("zerolayer_prefix_hit_ratio_{t}"), &[("worker", "cpu0")]).unwrap_or(-1.0);
+    assert!(tier("disk") > 0.0 && tier("ram") >= 0.0 && tier("disk") + tier("ram") <= 1.0, "hit ratio per tier: ram {}, disk {}", tier("ram"), tier("disk"));
     s.stop().await.unwrap();
 
     // The restart: the file's header matches (same model, same geometry), so its index reloads.

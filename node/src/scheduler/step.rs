@@ -148,7 +148,10 @@ impl Scheduler {
         }
         let matched_tokens = matched.len() * bs;
         let remaining = s.tokens.len() - matched_tokens;
-        let idle_matched = matched.iter().filter(|&&b| self.pool.refcount(b) == 0).count();
+        // Matched blocks that count as free now (evictable) stop counting once acquired; idle
+        // pinned ones never counted (counting them too left a prompt whose prefix is pinned
+        // waiting forever on an idle worker once the pins held as many blocks as were free).
+        let idle_matched = matched.iter().filter(|&&b| self.pool.is_evictable(b)).count();
         let free = self.pool.num_free();
         if free < idle_matched {
             return false;

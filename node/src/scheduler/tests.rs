@@ -224,6 +224,27 @@ fn admission_reserves_room_for_output() {
     assert_eq!(s.num_waiting(), 1, "no room for 2's prompt and reserved output beside 1's reservation");
 }
 
+/// A prompt whose prefix is pinned and idle is admitted on an idle worker even when the pins
+/// hold as many blocks as are free: the pinned blocks it reuses were never counted as free.
+/// (They were subtracted from the free blocks anyway, and the prompt waited forever.)
+#[test]
+fn a_prompt_reusing_idle_pinned_blocks_is_admitted() {
+    let mut s = Scheduler::new(cfg(6, 64));
+    s.set_max_pinned(3);
+    let prompt: Vec<u32> = (0..13).collect(); // 3 full blocks of 4, and one token
+    s.add(1, Entry::new(prompt.clone(), 1)).unwrap();
+    step(&mut s);
+    assert_eq!(s.pin_prefix(1, 12, 1_000), Some(3));
+    s.remove(1);
+    assert_eq!(s.kv_blocks().free, 3, "6 blocks, 3 pinned and idle");
+    let mut longer = prompt[..12].to_vec();
+    longer.extend(100..105); // 17 tokens: the 3 pinned blocks and 2 more
+    s.add(2, Entry::new(longer, 1)).unwrap();
+    let p = step(&mut s);
+    assert_eq!(p.items, vec![ScheduledItem { seq: 2, start: 12, len: 5, completes: true }], "admitted over its pinned prefix");
+    assert_eq!(s.get(2).unwrap().cached_prompt_tokens, 12);
+}
+
 /// A computed prompt prefix pinned for a TTL stays pinned until its pin expires; a later
 /// request's pin on the same prefix refreshes it.
 #[test]

@@ -7,10 +7,12 @@
 //! cached on one node before the others start). Run through `scripts/bench-agents` on an idle
 //! machine.
 //!
-//! For each configuration, on a fresh cluster: `cache_aware` with remote prefix fetch,
-//! `cache_aware` without it, and `round_robin`: the cluster prefix-hit ratio (prompt tokens read
-//! from cache over prompt tokens), the tokens that came by fetch, time to first token p50/p99,
-//! and output tokens/s over the workload.
+//! For each configuration, on a fresh cluster: `cache_aware` with remote prefix fetch, with fetch
+//! and a disk tier per worker, without fetch, and `round_robin`, each with 448 MiB of KV per
+//! worker; then fetch with and without the disk tier again with 320 MiB of KV (RAM pressure: a
+//! session's prefix is evicted between its turns; `--tight-mb`, `--only tight`). For each: the cluster prefix-hit ratio
+//! (prompt tokens read from cache over prompt tokens), the tokens that came by fetch and from
+//! disk, time to first token p50/p99, and output tokens/s over the workload.
 
 use std::time::{Duration, Instant};
 
@@ -107,16 +109,43 @@ async fn fetched_tokens(cluster: &TestCluster) -> f64 {
     ["a", "b", "c"].iter().map(|n| metric_with(&page, "zerolayer_kv_fetched_tokens_total", &[("node", n)]).unwrap_or(0.0)).sum()
 }
 
-async fn run(name: &str, policy: PlacementPolicy, fetch: bool, threads: usize) -> Value {
+/// Prompt tokens read back from the workers' disk tiers.
+/// (Each node's `/metrics` shows its own workers' signals.)
+async fn restored_tokens(cluster: &TestCluster) -> f64 {
+    let mut blocks = 0.0;
+    for n in &cluster.nodes {
+        let page = reqwest::get(n.url("/metrics")).await.unwrap().text().await.unwrap();
+        blocks += metric_with(&page, "zerolayer_kv_disk_blocks_restored_total", &[("node", &n.id)]).unwrap_or(0.0);
+    }
+    4.0 * blocks
+}
+
+/// One configuration: placement `policy`, remote `fetch` on or off, `kv_mb` of RAM cache per
+/// worker and a 1 GiB disk tier under it if `disk`.
+struct Setup {
+    name: &'static str,
+    policy: PlacementPolicy,
+    fetch: bool,
+    disk: bool,
+    kv_mb: usize,
+}
+
+async fn run(setup: &Setup, threads: usize) -> Value {
+    let disk_dir = zerolayer_tests::temp_dir("bench-kv-disk");
     let cluster = TestCluster::start(3, |c| {
-        c.placement.policy = policy;
-        c.placement.fetch = fetch;
+        c.placement.policy = setup.policy;
+        c.placement.fetch = setup.fetch;
         for n in &mut c.nodes {
             n.workers[0].threads = threads;
-            n.workers[0].kv_cache_mb = 448;
+            n.workers[0].kv_cache_mb = setup.kv_mb;
+            if setup.disk {
+                n.workers[0].kv_disk_mb = 1024;
+                n.workers[0].kv_disk_dir = Some(disk_dir.clone());
+            }
         }
     })
     .await;
+    let name = setup.name;
     cluster.wait_converged(&[0, 1, 2], Duration::from_secs(15)).await;
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let busy = keep_busy(&cluster, stop.clone());
@@ -165,10 +194,12 @@ async fn run(name: &str, policy: PlacementPolicy, fetch: bool, threads: usize) -
         "config": name, "requests": turns.len(), "secs": secs,
         "hit_ratio": cached as f64 / prompt as f64, "prompt_tokens": prompt, "cached_tokens": cached,
         "fetched_tokens": fetched_tokens(&cluster).await - fetched_before,
+        "restored_tokens": restored_tokens(&cluster).await, "kv_mb": setup.kv_mb,
         "ttft_p50_s": pct(&mut ttft, 0.5), "ttft_p99_s": pct(&mut ttft, 0.99),
         "output_tokens_per_s": output as f64 / secs,
     });
     eprintln!("{r}");
+    let _ = std::fs::remove_dir_all(&disk_dir);
     r
 }
 
@@ -178,14 +209,37 @@ async fn main() {
     let json_out = args.iter().position(|a| a == "--json").map(|i| args[i + 1].clone());
     let threads: usize = args.iter().position(|a| a == "--threads").map(|i| args[i + 1].parse().unwrap()).unwrap_or(1);
     let mut runs = vec![];
-    for (name, policy, fetch) in [("cache_aware + fetch", PlacementPolicy::CacheAware, true), ("cache_aware, no fetch", PlacementPolicy::CacheAware, false), ("round_robin", PlacementPolicy::RoundRobin, false)] {
-        runs.push(run(name, policy, fetch, threads).await);
+    // `--tight-mb N`: the RAM cache of the last two runs (320); `--only tight`: only those two.
+    let tight: usize = args.iter().position(|a| a == "--tight-mb").map(|i| args[i + 1].parse().unwrap()).unwrap_or(320);
+    let only_tight = args.windows(2).any(|w| w[0] == "--only" && w[1] == "tight");
+    let ca = PlacementPolicy::CacheAware;
+    let setups = [
+        Setup { name: "cache_aware + fetch", policy: ca, fetch: true, disk: false, kv_mb: 448 },
+        Setup { name: "cache_aware + fetch + disk", policy: ca, fetch: true, disk: true, kv_mb: 448 },
+        Setup { name: "cache_aware, no fetch", policy: ca, fetch: false, disk: false, kv_mb: 448 },
+        Setup { name: "round_robin", policy: PlacementPolicy::RoundRobin, fetch: false, disk: false, kv_mb: 448 },
+        Setup { name: "cache_aware + fetch", policy: ca, fetch: true, disk: false, kv_mb: tight },
+        Setup { name: "cache_aware + fetch + disk", policy: ca, fetch: true, disk: true, kv_mb: tight },
+    ];
+    for setup in setups.iter().filter(|s| !only_tight || s.kv_mb == tight) {
+        runs.push(run(setup, threads).await);
     }
-    println!("| placement | cluster hit ratio | tokens fetched | TTFT p50 / p99 (s) | output tok/s | wall (s) |");
-    println!("|---|---|---|---|---|---|");
+    println!("| placement | KV RAM (MiB) | cluster hit ratio | tokens fetched | tokens from disk | TTFT p50 / p99 (s) | output tok/s | wall (s) |");
+    println!("|---|---|---|---|---|---|---|---|");
     for r in &runs {
         let f = |k: &str| r[k].as_f64().unwrap();
-        println!("| {} | {:.3} | {} | {:.2} / {:.2} | {:.2} | {:.0} |", r["config"].as_str().unwrap(), f("hit_ratio"), f("fetched_tokens"), f("ttft_p50_s"), f("ttft_p99_s"), f("output_tokens_per_s"), f("secs"));
+        println!(
+            "| {} | {} | {:.3} | {} | {} | {:.2} / {:.2} | {:.2} | {:.0} |",
+            r["config"].as_str().unwrap(),
+            f("kv_mb"),
+            f("hit_ratio"),
+            f("fetched_tokens"),
+            f("restored_tokens"),
+            f("ttft_p50_s"),
+            f("ttft_p99_s"),
+            f("output_tokens_per_s"),
+            f("secs")
+        );
     }
     if let Some(p) = json_out {
         std::fs::write(p, serde_json::to_string_pretty(&json!({"threads_per_worker": threads, "runs": runs})).unwrap()).unwrap();

@@ -33,7 +33,7 @@ pub async fn cluster(State(c): State<AppState>) -> Json<Value> {
 pub fn cluster_json(c: &Frontend) -> Value {
     let view = c.cluster.view();
     let nodes = c.cluster.nodes();
-    let (mut hits, mut queries) = (0u64, 0u64);
+    let (mut hits, mut queries, mut restored, mut imported) = (0u64, 0u64, 0u64, 0u64);
     let workers: Vec<Value> = view
         .workers
         .iter()
@@ -41,6 +41,8 @@ pub fn cluster_json(c: &Frontend) -> Value {
             let s = &w.signals;
             hits = hits.saturating_add(s.prefix_cache_hits_total);
             queries = queries.saturating_add(s.prefix_cache_queries_total);
+            restored = restored.saturating_add(s.kv_disk.restored_total.saturating_mul(s.block_size as u64));
+            imported = imported.saturating_add(s.kv_blocks_imported_total.saturating_mul(s.block_size as u64));
             json!({
                 "node": w.node,
                 "worker": w.worker,
@@ -80,6 +82,12 @@ pub fn cluster_json(c: &Frontend) -> Value {
         "prefix_cache_hits_total": hits,
         "prefix_cache_queries_total": queries,
         "prefix_hit_ratio": if queries == 0 { 0.0 } else { hits as f64 / queries as f64 },
+        // Of the tokens looked up: those read back from disk tiers, and those other workers'
+        // KV brought (fetches, drains, warm-ups), each a share of the hits above at most.
+        "restored_tokens_total": restored,
+        "imported_tokens_total": imported,
+        "restored_ratio": if queries == 0 { 0.0 } else { restored.min(hits) as f64 / queries as f64 },
+        "imported_ratio": if queries == 0 { 0.0 } else { imported.min(hits) as f64 / queries as f64 },
     })
 }
 
