@@ -33,10 +33,9 @@ async fn claude(bin: &str, dir: &Path, base: &str, args: &[&str]) -> (bool, Stri
             .env("DISABLE_AUTOUPDATER", "1")
             .env("DISABLE_ERROR_REPORTING", "1")
             .env("API_TIMEOUT_MS", "900000")
-            // Bounds each answer (the 0.5B model rambles, and Claude Code samples at its default
-            // temperature, so a run of 64 tokens sometimes hit the limit, which Claude Code
-            // reports as an API error): this test is about the protocol and the cache, not the
-            // prose.
+            // Bounds each answer: this test is about the protocol and the cache, not the prose.
+            // An answer that reaches the limit is an API error to Claude Code, so the node
+            // samples as the model's authors recommend (below).
             .env("CLAUDE_CODE_MAX_OUTPUT_TOKENS", "256")
             .kill_on_drop(true)
             .output(),
@@ -63,6 +62,14 @@ async fn claude_code_runs_two_turns_against_qwen() {
         c.model.path = qwen_model_path();
         c.model.id = "qwen".into();
         c.model.aliases = vec![];
+        // Claude Code sends no sampling parameters. At the API's default (temperature 1, no
+        // cut) the 0.5B model sometimes rambled past the output limit, and greedy it repeats
+        // itself until the limit; Qwen2.5's own generation config (what vLLM applies) ends its
+        // answers.
+        c.model.default_temperature = Some(0.7);
+        c.model.default_top_p = Some(0.8);
+        c.model.default_top_k = Some(20);
+        c.model.default_repetition_penalty = Some(1.05);
         c.nodes[0].workers[0].kv_cache_mb = 1536;
     })
     .await;

@@ -219,13 +219,25 @@ pub struct ModelSection {
     /// APIs' own default, 1, when unset). 0 makes such requests greedy: agents that never send
     /// a temperature (OpenAI's Codex) then get exact, repeatable answers.
     pub default_temperature: Option<f32>,
+    /// The `top_p` of a request that sets none, in (0, 1] (unset: no nucleus cut). With the
+    /// three below, the sampling a model's authors recommend (its `generation_config.json`,
+    /// which vLLM applies by default), for clients that send none: Qwen2.5's is
+    /// `default_temperature = 0.7`, `default_top_p = 0.8`, `default_top_k = 20`,
+    /// `default_repetition_penalty = 1.05`.
+    pub default_top_p: Option<f32>,
+    /// The `top_k` of a request that sets none, at least 1 (unset: no cut).
+    pub default_top_k: Option<u32>,
+    /// The `min_p` of a request that sets none, in [0, 1] (unset: none).
+    pub default_min_p: Option<f32>,
+    /// The `repetition_penalty` of a request that sets none, in (0, 2] (unset: none).
+    pub default_repetition_penalty: Option<f32>,
 }
 
 /// Empty: what a `[[models]]` entry's missing fields are (a `display_name` left empty is the
 /// id). `[model]`'s missing fields come from [`ModelSection::default_model`] instead.
 impl Default for ModelSection {
     fn default() -> Self {
-        ModelSection { path: PathBuf::new(), tokenizer: None, id: String::new(), aliases: vec![], display_name: String::new(), special_tokens_in_content: false, fallback: None, default_temperature: None }
+        ModelSection { path: PathBuf::new(), tokenizer: None, id: String::new(), aliases: vec![], display_name: String::new(), special_tokens_in_content: false, fallback: None, default_temperature: None, default_top_p: None, default_top_k: None, default_min_p: None, default_repetition_penalty: None }
     }
 }
 
@@ -426,9 +438,19 @@ impl ClusterConfig {
         out
     }
 
-    /// The temperature of `id`'s requests that set none (1 unless configured).
-    pub fn default_temperature(&self, id: &str) -> f32 {
-        self.all_models().find(|m| m.id == id).and_then(|m| m.default_temperature).unwrap_or(1.0)
+    /// Fills in what a request for model `id` left unset with the model's sampling defaults:
+    /// the temperature (1 unless configured) when `temperature_set` is false, and `top_p`,
+    /// `top_k`, `min_p` and `repetition_penalty` where they are `None`.
+    pub fn apply_sampling_defaults(&self, id: &str, params: &mut crate::types::SamplingParams, temperature_set: bool) {
+        let m = self.all_models().find(|m| m.id == id);
+        if !temperature_set {
+            params.temperature = m.and_then(|m| m.default_temperature).unwrap_or(1.0);
+        }
+        let Some(m) = m else { return };
+        params.top_p = params.top_p.or(m.default_top_p);
+        params.top_k = params.top_k.or(m.default_top_k);
+        params.min_p = params.min_p.or(m.default_min_p);
+        params.repetition_penalty = params.repetition_penalty.or(m.default_repetition_penalty);
     }
 
     /// The model worker `w` loads.

@@ -197,3 +197,24 @@ fn fallbacks_chain_without_loops() {
     assert!(cfg(&[("a", "a")]).unwrap_err().to_string().contains("loop"));
     assert!(cfg(&[("a", "zz")]).unwrap_err().to_string().contains("not a model id"));
 }
+
+/// A model's sampling defaults fill in only what a request left unset, and only values a
+/// request could send are accepted.
+#[test]
+fn sampling_defaults_fill_what_a_request_left_unset() {
+    let toml = "[[models]]\npath='q.gguf'\nid='qwen'\ndefault_temperature=0.7\ndefault_top_p=0.8\ndefault_top_k=20\ndefault_repetition_penalty=1.05\n";
+    let c = ClusterConfig::from_toml(toml).unwrap();
+    let mut p = crate::types::SamplingParams::default();
+    c.apply_sampling_defaults("qwen", &mut p, false);
+    assert_eq!((p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty), (0.7, Some(0.8), Some(20), None, Some(1.05)));
+    let mut sent = crate::types::SamplingParams { temperature: 0.0, top_p: Some(0.5), top_k: Some(3), ..Default::default() };
+    c.apply_sampling_defaults("qwen", &mut sent, true);
+    assert_eq!((sent.temperature, sent.top_p, sent.top_k, sent.repetition_penalty), (0.0, Some(0.5), Some(3), Some(1.05)));
+    let mut other = crate::types::SamplingParams::default();
+    c.apply_sampling_defaults("smollm2-135m-instruct", &mut other, false);
+    assert_eq!((other.temperature, other.top_p, other.top_k), (1.0, None, None), "the APIs' defaults");
+    for (field, value) in [("default_temperature", "2.5"), ("default_top_p", "0"), ("default_top_k", "0"), ("default_min_p", "1.5"), ("default_repetition_penalty", "0")] {
+        let e = ClusterConfig::from_toml(&format!("[[models]]\npath='q.gguf'\nid='qwen'\n{field}={value}\n")).unwrap_err().to_string();
+        assert!(e.contains(field), "{field} = {value}: {e}");
+    }
+}

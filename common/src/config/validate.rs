@@ -122,7 +122,6 @@ impl ClusterConfig {
         super::access::validate(&self.auth, &self.limits).map_err(ConfigError::Invalid)
     }
 
-    /// Each model's `default_temperature` is one a request could send.
     fn validate_placement(&self) -> Result<(), String> {
         let p = &self.placement;
         if !(p.overlap_weight >= 0.0 && p.queue_weight >= 0.0 && p.remote_hop_blocks >= 0.0 && p.balance_rel_threshold >= 1.0) {
@@ -137,11 +136,26 @@ impl ClusterConfig {
         Ok(())
     }
 
+    /// Each model's sampling defaults are values a request could send.
     fn validate_sampling_defaults(&self) -> Result<(), String> {
-        match self.all_models().find(|m| m.default_temperature.is_some_and(|t| !(0.0..=2.0).contains(&t))) {
-            Some(m) => Err(format!("model {:?}: default_temperature must be in [0, 2]", m.id)),
-            None => Ok(()),
+        for m in self.all_models() {
+            let out = |v: Option<f32>, ok: fn(f32) -> bool| v.is_some_and(|x| !ok(x));
+            let bad = if out(m.default_temperature, |t| (0.0..=2.0).contains(&t)) {
+                "default_temperature must be in [0, 2]"
+            } else if out(m.default_top_p, |p| p > 0.0 && p <= 1.0) {
+                "default_top_p must be in (0, 1]"
+            } else if m.default_top_k == Some(0) {
+                "default_top_k must be at least 1"
+            } else if out(m.default_min_p, |p| (0.0..=1.0).contains(&p)) {
+                "default_min_p must be in [0, 1]"
+            } else if out(m.default_repetition_penalty, |r| r > 0.0 && r <= 2.0) {
+                "default_repetition_penalty must be in (0, 2]"
+            } else {
+                continue;
+            };
+            return Err(format!("model {:?}: {bad}", m.id));
         }
+        Ok(())
     }
 
     /// Each `fallback` names another model, and following them never loops nor runs past

@@ -56,12 +56,13 @@ pub struct Accepted {
     pub model: String,
     /// What the prompt was made of, for `diagnostics.previous_message_id` later.
     pub fingerprint: Arc<Fingerprint>,
-    /// The key's concurrency slot and the handle its output tokens are charged through.
-    pub ticket: Ticket,
+    /// The key's concurrency slot and the handle its output tokens are charged through (shared
+    /// by the choices of one request).
+    pub ticket: Arc<Ticket>,
     /// Where the request's cache breakpoints fall in its prompt (tokens), for `usage`.
     pub breakpoints: Vec<(usize, CacheTtl)>,
-    /// Released when the response is done (the node's in-flight cap).
-    pub _permit: OwnedSemaphorePermit,
+    /// Released when the response is done (the node's in-flight cap; shared by its choices).
+    pub _permit: Arc<OwnedSemaphorePermit>,
 }
 
 /// A request let in: its key's slot (and, for a generation, one request charged) and the node's
@@ -213,9 +214,7 @@ impl Frontend {
         let scope = tenant.cache_scope_name(req.cache_salt.as_deref());
         let fingerprint = Arc::new(Fingerprint::of(&req, &model.id, &ids).in_scope(&scope));
         let mut params = req.params;
-        if !req.temperature_set {
-            params.temperature = self.config.default_temperature(&model.id);
-        }
+        self.config.apply_sampling_defaults(&model.id, &mut params, req.temperature_set);
         params.max_tokens = resolve_max_tokens(req.max_tokens, ids.len(), model.context_length)?;
         if params.temperature > 0.0 {
             // Fixed here, so that a continuation on another worker samples what this one would.
@@ -241,9 +240,38 @@ impl Frontend {
             request_id: request_id.to_string(),
             model,
             fingerprint,
-            ticket,
+            ticket: Arc::new(ticket),
             breakpoints,
-            _permit: permit,
+            _permit: Arc::new(permit),
+        })
+    }
+
+    /// Choice `index` (from 1) of the request `first` started: the same prompt and parameters
+    /// under the choice's own seed ([`choice_seed`]), submitted to the worker serving `first`
+    /// first, so that once `first` has computed the prompt this one reads it from the prefix
+    /// cache. It shares `first`'s key slot, in-flight slot and quota charge: the prompt is
+    /// charged once, each choice's output as it comes.
+    pub async fn fork(&self, first: &Accepted, index: u32) -> Result<Accepted, ApiError> {
+        let mut job = first.stream.request();
+        job.params.seed = job.params.seed.map(|s| choice_seed(s, index));
+        let (node, worker) = first.stream.at();
+        let placed = self.dispatch.submit(&job, &[], Some((node, worker))).await?;
+        let served_by = Serving { worker: placed.served_by(), fallback_from: first.served_by.fallback_from.clone() };
+        let now = Instant::now();
+        Ok(Accepted {
+            stream: LiveSequence::new(self.dispatch.clone(), job, placed),
+            prompt_tokens: first.prompt_tokens,
+            served_by,
+            started_at: now,
+            timing: Timing::new(now, now),
+            guard: self.policy.output(&first.tenant),
+            tenant: first.tenant.clone(),
+            request_id: first.request_id.clone(),
+            model: first.model.clone(),
+            fingerprint: first.fingerprint.clone(),
+            ticket: first.ticket.clone(),
+            breakpoints: first.breakpoints.clone(),
+            _permit: first._permit.clone(),
         })
     }
 
@@ -327,4 +355,18 @@ impl Frontend {
         metrics::counter!("zerolayer_cache_miss_diagnoses_total", "node" => self.node_id.clone(), "reason" => reason).increment(1);
         Some(d)
     }
+}
+
+/// The seed of choice `index` of a request sampled at `seed`: choice 0 keeps it (one choice is
+/// what it always was); the others get distinct, fixed seeds (a SplitMix64 step of the seed and
+/// the index), so `n` choices at a seed are `n` different samples, the same ones on every run,
+/// and each stays exact when it moves.
+pub fn choice_seed(seed: u64, index: u32) -> u64 {
+    if index == 0 {
+        return seed;
+    }
+    let mut z = seed ^ (index as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
 }

@@ -128,9 +128,6 @@ impl Dispatcher {
         }
     }
 
-    /// Places `job` (continuing after its `resume` tokens, if any) on a worker of a node not in
-    /// `exclude` and submits it. With `prefer`, that worker is tried first (the target a drain
-    /// moved the sequence's KV to).
     /// Whether some worker of `model` in the cluster can take a request of this size now: the
     /// placement decision over the published snapshot, without placing anything.
     pub fn can_take(&self, model: &str, prompt_tokens: usize, max_tokens: usize) -> bool {
@@ -140,6 +137,9 @@ impl Dispatcher {
         matches!(placement::place(&view, &summary, &self.config.placement, 0), Decision::Place { .. })
     }
 
+    /// Places `job` (continuing after its `resume` tokens, if any) on a worker of a node not in
+    /// `exclude` and submits it. With `prefer`, that worker is tried first (the target a drain
+    /// moved the sequence's KV to, or the worker holding a sibling choice's prompt).
     pub async fn submit(&self, job: &Job, exclude: &[String], prefer: Option<(&str, &str)>) -> Result<Placed, ApiError> {
         let tokens = job.tokens();
         let summary = RequestSummary {

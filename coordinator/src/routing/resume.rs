@@ -56,6 +56,17 @@ impl LiveSequence {
         self.at.served_by()
     }
 
+    /// The node and worker serving the sequence now.
+    pub fn at(&self) -> (&str, &str) {
+        (&self.at.node, &self.at.worker)
+    }
+
+    /// The request as it was submitted (its `resume` empty: what a new sequence of the same
+    /// request starts from).
+    pub fn request(&self) -> Job {
+        Job { resume: Vec::new(), ..self.job.clone() }
+    }
+
     /// How many times the sequence continued elsewhere.
     pub fn moves(&self) -> u32 {
         self.moves

@@ -187,6 +187,8 @@ pub struct Following {
     /// text the rules hold back. They leave with the rest of the text at the end, or never
     /// when a rule stops the answer.
     held_logprobs: Vec<TokenLogprob>,
+    /// What [`Following::until_first_token`] read ahead, answered before anything new.
+    early: std::collections::VecDeque<Next>,
 }
 
 /// Sets the `server-timing` header: a whole response's [`Split::header`], or a stream's
@@ -230,7 +232,26 @@ impl Following {
         let hard_stop = c.hard_stop.clone();
         let mut acc = acc;
         let guard = acc.guard.take();
-        Following { c, acc, hard_stop, timer, guard, pending: None, held_logprobs: Vec::new() }
+        Following { c, acc, hard_stop, timer, guard, pending: None, held_logprobs: Vec::new(), early: Default::default() }
+    }
+
+    /// The sequence it follows.
+    pub fn accepted(&self) -> &Accepted {
+        &self.acc
+    }
+
+    /// Reads ahead until the prompt is computed: the first generated text, or the end (which
+    /// [`Following::next`] then answers in order). A request's other choices start after this,
+    /// so they find the prompt in the prefix cache.
+    pub async fn until_first_token(&mut self) {
+        loop {
+            let next = self.next_fresh(None).await;
+            let more = matches!(next, Next::Event(SeqEvent::Started { .. } | SeqEvent::PromptLogprobs { .. }) | Next::Idle);
+            self.early.push_back(next);
+            if !more {
+                return;
+            }
+        }
     }
 
     /// Where the request's time went, up to now (or its end, once finished).
@@ -240,6 +261,13 @@ impl Following {
 
     /// The next thing to answer: an event, an idle `ping` interval, or the end.
     pub async fn next(&mut self, ping: Option<std::time::Duration>) -> Next {
+        match self.early.pop_front() {
+            Some(next) => next,
+            None => self.next_fresh(ping).await,
+        }
+    }
+
+    async fn next_fresh(&mut self, ping: Option<std::time::Duration>) -> Next {
         let ev = match self.pending.take() {
             Some(ev) => Some(ev),
             None => tokio::select! {
@@ -365,7 +393,11 @@ pub struct Collected {
 
 /// Collects a whole sequence (non-streaming responses).
 pub async fn collect(c: &AppState, acc: Accepted) -> Result<Collected, ApiError> {
-    let mut f = Following::new(c.clone(), acc);
+    collect_following(Following::new(c.clone(), acc)).await
+}
+
+/// Collects the rest of a followed sequence.
+pub async fn collect_following(mut f: Following) -> Result<Collected, ApiError> {
     let (mut text, mut logprobs, mut prompt_logprobs) = (String::new(), Vec::new(), Vec::new());
     loop {
         match f.next(None).await {

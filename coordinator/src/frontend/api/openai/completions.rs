@@ -14,16 +14,18 @@ use axum::response::sse::Event;
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use serde_json::{json, Value};
-use zerolayer_common::{SeqEvent, StopReason, TokenLogprob};
+use zerolayer_common::{SeqEvent, StopReason, TokenLogprob, Usage};
 use zerolayer_worker::tokenizer::Tokenizer;
 
 use super::logprobs::{self, Namer};
+use super::choices;
 use super::request::{bad, model_name, sampling, Sampling};
-use super::response::{no_such_model, usage_json, Chunks};
+use super::chunks::{usage_json, Chunks};
+use super::response::no_such_model;
 use crate::auth::Caller;
 use crate::clock::unix_now;
 use crate::error::ApiError;
-use crate::frontend::api::shared::{self, collect, failed, finish, json_body, new_id, shut_down, AppState, Following, Next, RequestId, SseStep};
+use crate::frontend::api::shared::{self, failed, finish, json_body, new_id, shut_down, AppState, Following, Next, RequestId, SseStep};
 use crate::frontend::request::{GenerationRequest, RawPrompt};
 use crate::frontend::tools::ToolChoice;
 
@@ -39,7 +41,16 @@ pub struct CompletionRequest {
     pub echo: bool,
     /// `return_tokens_as_token_ids`: logprobs name tokens by id.
     pub token_ids: bool,
+    /// `n`: how many choices.
+    pub n: u32,
 }
+
+/// Completions' fields, as OpenAI documents them (`user` is accepted and has no effect;
+/// `suffix` is refused by name).
+const COMPLETION_FIELDS: &[&str] = &[
+    "model", "prompt", "best_of", "echo", "frequency_penalty", "logit_bias", "logprobs", "max_tokens", "n", "presence_penalty", "stop",
+    "stream", "stream_options", "suffix", "temperature", "top_p", "user",
+];
 
 /// `prompt`: a string, token ids, or a list holding one of either (one prompt per request).
 fn parse_prompt(v: Option<&Value>) -> Result<RawPrompt, ApiError> {
@@ -66,17 +77,18 @@ fn parse_prompt(v: Option<&Value>) -> Result<RawPrompt, ApiError> {
 /// Parses and validates a Completions request body.
 pub fn parse(body: &Value) -> Result<CompletionRequest, ApiError> {
     let Some(obj) = body.as_object() else { return bad("request body must be a JSON object") };
+    super::fields::known_only(obj, &[COMPLETION_FIELDS, super::fields::EXTENSIONS])?;
     let model = model_name(obj)?;
     let raw = parse_prompt(obj.get("prompt"))?;
-    let Sampling { max_tokens, mut params, stream, include_usage } = sampling(obj)?;
+    let Sampling { max_tokens, mut params, stream, include_usage, n } = sampling(obj)?;
     params.logprobs = super::logprobs::completion(obj)?;
     let echo = super::fields::flag(obj, "echo", false)?;
     params.prompt_logprobs = echo && params.logprobs.is_some();
     if obj.get("suffix").is_some_and(|s| !s.is_null()) {
         return bad("suffix: not supported");
     }
-    if obj.get("best_of").is_some_and(|b| !b.is_null() && b.as_u64() != Some(1)) {
-        return bad("best_of: only best_of = 1 is supported");
+    if obj.get("best_of").is_some_and(|b| !b.is_null() && b.as_u64() != Some(n as u64)) {
+        return bad("best_of: only best_of = n is supported (every choice is returned)");
     }
     let generation = GenerationRequest {
         model,
@@ -94,7 +106,7 @@ pub fn parse(body: &Value) -> Result<CompletionRequest, ApiError> {
         cache_salt: crate::frontend::request::parse_cache_salt(obj.get("cache_salt"))?,
         temperature_set: obj.get("temperature").is_some_and(|v| !v.is_null()),
     };
-    Ok(CompletionRequest { generation, include_usage, echo, token_ids: logprobs::as_token_ids(obj)? })
+    Ok(CompletionRequest { generation, include_usage, echo, token_ids: logprobs::as_token_ids(obj)?, n })
 }
 
 fn finish_reason(r: &StopReason) -> &'static str {
@@ -115,33 +127,37 @@ pub async fn completions(
         let req = parse(&json_body(body, c.config.server.max_body_bytes)?)?;
         let names = (req.generation.params.logprobs.is_some(), req.token_ids);
         let echo = req.echo.then(|| req.generation.raw.clone()).flatten();
-        Ok((req.generation, (req.include_usage, names, echo)))
+        Ok((req.generation, (req.include_usage, names, echo, req.n)))
     });
-    let shared::Started { acc, model, stream, extra: (include_usage, (with_logprobs, ids), echo) } = match started.await {
+    let shared::Started { acc, model, stream, extra: (include_usage, (with_logprobs, ids), echo, n) } = match started.await {
         Ok(a) => a,
         Err(e) => return finish(&c, "completions", e.into_openai(), None),
     };
     let namer = Namer::of(&c, &model, with_logprobs, ids);
     let echo = echo.map(|raw| Echo::of(raw, acc.stream.prompt(), c.served(&model).map(|s| &*s.tokenizer)));
     let served_by = acc.served_by.clone();
-    let (id, created) = (new_id("cmpl-"), unix_now());
+    let head = Chunks { id: new_id("cmpl-"), object: "text_completion", created: unix_now(), model, include_usage };
+    let timing = shared::stream_timing(&acc);
+    let all = match choices::follow(&c, acc, n).await {
+        Ok(all) => all,
+        Err(e) => return finish(&c, "completions", e.into_openai(), Some(&served_by)),
+    };
     if stream {
-        let timing = shared::stream_timing(&acc);
-        let head = Chunks { id, object: "text_completion", created, model, include_usage };
-        let s = TextStream { seq: Following::new(c.clone(), acc), head, namer, logprobs: Vec::new(), offset: 0, echo };
-        return finish(&c, "completions", shared::server_timing(shared::sse_response(s, TextStream::step), &timing), Some(&served_by));
+        let each: Vec<TextStream> = all.into_iter().enumerate().map(|(i, f)| TextStream::new(f, head.clone(), i, n == 1, namer.clone(), echo.clone())).collect();
+        let sse = match n {
+            1 => shared::sse_response(each.into_iter().next().unwrap(), TextStream::step),
+            _ => shared::sse_response(choices::Merged::new(each, head), choices::Merged::step),
+        };
+        return finish(&c, "completions", shared::server_timing(sse, &timing), Some(&served_by));
     }
-    let resp = match collect(&c, acc).await {
-        Ok(shared::Collected { text, reason, usage, split, logprobs, prompt_logprobs }) => shared::outcome_headers(
-            Json(json!({
-                "id": id, "object": "text_completion", "created": created, "model": model,
-                "choices": [whole_choice(namer.as_ref(), echo, text, &prompt_logprobs, &logprobs, &reason)],
-                "usage": usage_json(&usage),
-            }))
-            .into_response(),
-            &split,
-            &reason,
-        ),
+    let resp = match choices::collect(all).await {
+        Ok(whole) => {
+            let out: Vec<Value> =
+                whole.iter().enumerate().map(|(i, w)| whole_choice(i, namer.as_ref(), echo.clone(), w.text.clone(), &w.prompt_logprobs, &w.logprobs, &w.reason)).collect();
+            let usage = choices::total_usage(whole.iter().map(|w| &w.usage));
+            let body = json!({"id": head.id, "object": "text_completion", "created": head.created, "model": head.model, "choices": out, "usage": usage_json(&usage)});
+            shared::outcome_headers(Json(body).into_response(), &whole[0].split, &whole[0].reason)
+        }
         Err(e) => e.into_openai(),
     };
     finish(&c, "completions", resp, Some(&served_by))
@@ -154,6 +170,7 @@ fn choice_logprobs(namer: Option<&Namer>, lps: &[TokenLogprob], offset: usize) -
 
 /// What `echo` puts before the completion: the prompt's text (as sent, or its token ids
 /// decoded), and its first token (which has no logprob: nothing comes before it).
+#[derive(Clone)]
 struct Echo {
     text: String,
     first: Option<u32>,
@@ -174,8 +191,8 @@ impl Echo {
     }
 }
 
-/// The one choice of a whole (non-streamed) completion, the prompt first when echoed.
-fn whole_choice(namer: Option<&Namer>, echo: Option<Echo>, text: String, prompt: &[TokenLogprob], generated: &[TokenLogprob], reason: &StopReason) -> Value {
+/// Choice `index` of a whole (non-streamed) completion, the prompt first when echoed.
+fn whole_choice(index: usize, namer: Option<&Namer>, echo: Option<Echo>, text: String, prompt: &[TokenLogprob], generated: &[TokenLogprob], reason: &StopReason) -> Value {
     let (text, lps) = match echo {
         None => (text, choice_logprobs(namer, generated, 0)),
         Some(e) => {
@@ -185,13 +202,18 @@ fn whole_choice(namer: Option<&Namer>, echo: Option<Echo>, text: String, prompt:
             (e.text + &text, lps)
         }
     };
-    json!({"index": 0, "text": text, "logprobs": lps, "finish_reason": finish_reason(reason)})
+    json!({"index": index, "text": text, "logprobs": lps, "finish_reason": finish_reason(reason)})
 }
 
-/// The chunks of one streamed completion.
+/// The chunks of one streamed choice.
 struct TextStream {
     seq: Following,
     head: Chunks,
+    /// The choice's `index`; `solo`: the request's only choice, whose end is the stream's (else
+    /// its usage waits in `end` for [`choices::Merged`]).
+    index: usize,
+    solo: bool,
+    end: Option<(Usage, Value)>,
     /// Names logprobs' tokens when the request asked for them; those whose text is still held
     /// back wait in `logprobs`; `offset` is where the next chunk's text begins (characters).
     namer: Option<Namer>,
@@ -203,11 +225,15 @@ struct TextStream {
 }
 
 impl TextStream {
+    fn new(seq: Following, head: Chunks, index: usize, solo: bool, namer: Option<Namer>, echo: Option<Echo>) -> Self {
+        TextStream { seq, head, index, solo, end: None, namer, logprobs: Vec::new(), offset: 0, echo }
+    }
+
     fn chunk(&mut self, text: &str, finish: Value) -> Event {
         let lps = std::mem::take(&mut self.logprobs);
         let lps = choice_logprobs(self.namer.as_ref(), &lps, self.offset);
         self.offset += text.chars().count();
-        self.head.event(json!([{"index": 0, "text": text, "logprobs": lps, "finish_reason": finish}]))
+        self.head.event(json!([{"index": self.index, "text": text, "logprobs": lps, "finish_reason": finish}]))
     }
 
     /// The echoed prompt's chunk, once: before the first generated text, or the end.
@@ -216,7 +242,7 @@ impl TextStream {
         let prompt = std::mem::take(&mut self.logprobs);
         let lps = e.logprobs(self.namer.as_ref(), &prompt);
         self.offset = e.text.chars().count();
-        out.push(self.head.event(json!([{"index": 0, "text": e.text, "logprobs": lps, "finish_reason": null}])));
+        out.push(self.head.event(json!([{"index": self.index, "text": e.text, "logprobs": lps, "finish_reason": null}])));
     }
 
     async fn step(mut self) -> SseStep<Self> {
@@ -249,12 +275,26 @@ impl TextStream {
                     self.echoed(&mut out);
                     let lps = std::mem::take(&mut self.logprobs);
                     let lps = if lps.is_empty() { Value::Null } else { choice_logprobs(self.namer.as_ref(), &lps, self.offset) };
-                    out.push(self.head.finish_event(json!([{"index": 0, "text": "", "logprobs": lps, "finish_reason": finish_reason(&reason)}]), &reason));
+                    out.push(self.head.finish_event(json!([{"index": self.index, "text": "", "logprobs": lps, "finish_reason": finish_reason(&reason)}]), &reason));
+                    if !self.solo {
+                        self.end = Some((usage, self.seq.split().json()));
+                        return (out, Some(self));
+                    }
                     self.head.end(&usage, self.seq.split().json(), &mut out);
                     return (out, None);
                 }
             }
         }
+    }
+}
+
+impl choices::ChoiceStream for TextStream {
+    fn step(self) -> impl std::future::Future<Output = SseStep<Self>> + Send {
+        TextStream::step(self)
+    }
+
+    fn take_end(&mut self) -> Option<(Usage, Value)> {
+        self.end.take()
     }
 }
 
@@ -276,7 +316,9 @@ mod tests {
             (json!({"model": "m", "prompt": ["a", "b"]}), "prompt"),
             (json!({"model": "m", "prompt": [-1]}), "prompt"),
             (json!({"model": "m", "prompt": 5}), "prompt"),
-            (json!({"model": "m", "prompt": "a", "n": 2}), "n"),
+            (json!({"model": "m", "prompt": "a", "n": 9}), "n"),
+            (json!({"model": "m", "prompt": "a", "n": 0}), "n"),
+            (json!({"model": "m", "prompt": "a", "n": 2, "best_of": 3}), "best_of"),
             (json!({"model": "m", "prompt": "a", "temperature": 3}), "temperature"),
             (json!({"prompt": "a"}), "model"),
         ] {

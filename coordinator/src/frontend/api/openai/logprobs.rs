@@ -55,6 +55,7 @@ pub fn as_token_ids(obj: &Map<String, Value>) -> Result<bool, ApiError> {
 
 /// How a response names the tokens of its logprobs: by their text in the serving model's
 /// vocabulary, or by id.
+#[derive(Clone)]
 pub struct Namer {
     pub tokenizer: Arc<Tokenizer>,
     pub ids: bool,

@@ -18,9 +18,37 @@ pub struct ChatRequest {
     pub include_usage: bool,
     /// `return_tokens_as_token_ids`: logprobs name tokens by id.
     pub token_ids: bool,
+    /// `n`: how many choices.
+    pub n: u32,
 }
 
 pub(super) use super::fields::{bad, flag};
+use super::fields::{known_only, unsupported, EXTENSIONS};
+
+/// Chat Completions' fields, as OpenAI documents them. Those that only tune what we do not do
+/// (`metadata`, `store`, `user`, `service_tier`, `prompt_cache_key`, `prompt_cache_retention`,
+/// `safety_identifier`, `reasoning_effort`, `verbosity`, `prediction`) are accepted and have no
+/// effect; `audio`, `web_search_options` and the deprecated `functions`/`function_call` are
+/// refused by name, and `modalities` may only be `["text"]`.
+const CHAT_FIELDS: &[&str] = &[
+    "messages", "model", "audio", "frequency_penalty", "function_call", "functions", "logit_bias", "logprobs", "max_completion_tokens",
+    "max_tokens", "metadata", "modalities", "n", "parallel_tool_calls", "prediction", "presence_penalty", "prompt_cache_key",
+    "prompt_cache_retention", "reasoning_effort", "response_format", "safety_identifier", "service_tier", "stop", "store", "stream",
+    "stream_options", "temperature", "tool_choice", "tools", "top_logprobs", "top_p", "user", "verbosity", "web_search_options",
+];
+
+/// The Chat Completions fields we know but cannot honour.
+fn refused_chat_fields(obj: &serde_json::Map<String, Value>) -> Result<(), ApiError> {
+    unsupported(obj, "audio", "audio output is not supported")?;
+    unsupported(obj, "web_search_options", "web search is not supported")?;
+    unsupported(obj, "functions", "the deprecated functions API is not supported; send tools")?;
+    unsupported(obj, "function_call", "the deprecated functions API is not supported; send tool_choice")?;
+    match obj.get("modalities") {
+        None | Some(Value::Null) => Ok(()),
+        Some(m) if *m == serde_json::json!(["text"]) => Ok(()),
+        Some(_) => bad("modalities: only [\"text\"] is supported"),
+    }
+}
 
 fn content_text(v: Option<&Value>, at: &str) -> Result<String, ApiError> {
     match v {
@@ -226,9 +254,11 @@ pub(super) struct Sampling {
     pub stream: bool,
     /// `stream_options.include_usage`: a last chunk carries the usage.
     pub include_usage: bool,
+    /// `n`: how many choices.
+    pub n: u32,
 }
 
-/// The fields of [`Sampling`] (and `n`, which must be 1).
+/// The fields of [`Sampling`].
 pub(super) fn sampling(obj: &serde_json::Map<String, Value>) -> Result<Sampling, ApiError> {
     let int = |k: &str| -> Result<Option<u64>, ApiError> {
         match obj.get(k) {
@@ -259,15 +289,11 @@ pub(super) fn sampling(obj: &serde_json::Map<String, Value>) -> Result<Sampling,
     let stream = flag(obj, "stream", false)?;
     let ignore_eos = flag(obj, "ignore_eos", false)?;
     let include_usage = obj.get("stream_options").and_then(|o| o.get("include_usage")).and_then(Value::as_bool).unwrap_or(false);
-    if let Some(n) = int("n")? {
-        if n != 1 {
-            return bad("n: only n = 1 is supported");
-        }
-    }
+    let n = super::choices::parse_n(obj)?;
     // `ignore_eos` is vLLM's extension: keep generating past end tokens (benchmarks).
     let mut params = SamplingParams { temperature, top_p, seed, max_tokens: 0, stop_sequences: stop, ignore_eos, ..SamplingParams::default() };
     adjustments(obj, &mut params)?;
-    Ok(Sampling { max_tokens, params, stream, include_usage })
+    Ok(Sampling { max_tokens, params, stream, include_usage, n })
 }
 
 /// Most `logit_bias` entries in one request.
@@ -324,9 +350,11 @@ fn logit_bias(v: Option<&Value>) -> Result<Vec<(u32, f32)>, ApiError> {
 /// Parses and validates a Chat Completions request body.
 pub fn parse(body: &Value) -> Result<ChatRequest, ApiError> {
     let Some(obj) = body.as_object() else { return bad("request body must be a JSON object") };
+    known_only(obj, &[CHAT_FIELDS, EXTENSIONS])?;
+    refused_chat_fields(obj)?;
     let model = model_name(obj)?;
     let (system, turns) = parse_messages(obj.get("messages"))?;
-    let Sampling { max_tokens, mut params, stream, include_usage } = sampling(obj)?;
+    let Sampling { max_tokens, mut params, stream, include_usage, n } = sampling(obj)?;
     params.logprobs = super::logprobs::chat(obj)?;
     let tools = parse_tools(obj.get("tools"))?;
     let tool_choice = parse_tool_choice(obj.get("tool_choice"), &tools)?;
@@ -340,6 +368,7 @@ pub fn parse(body: &Value) -> Result<ChatRequest, ApiError> {
         generation: GenerationRequest { model, system, turns, max_tokens, params, stream, tools, tool_choice, parallel_tool_calls, format, breakpoints: vec![], raw: None, cache_salt, temperature_set: obj.get("temperature").is_some_and(|v| !v.is_null()) },
         include_usage,
         token_ids: super::logprobs::as_token_ids(obj)?,
+        n,
     })
 }
 

@@ -12,11 +12,11 @@ use serde_json::{json, Value};
 use zerolayer_common::{SeqEvent, StopReason, TokenLogprob, Usage};
 
 use super::logprobs::{self, Namer};
-use super::request;
-use crate::frontend::api::shared::{self, collect, failed, finish, json_body, new_id, shut_down, AppState, Following, Next, RequestId, SseStep};
+use super::chunks::{usage_json, Chunks};
+use super::{choices, request};
+use crate::frontend::api::shared::{self, failed, finish, json_body, new_id, shut_down, AppState, Following, Next, RequestId, SseStep};
 use crate::auth::Caller;
 use crate::clock::unix_now;
-use crate::frontend::service::Accepted;
 use crate::error::ApiError;
 use crate::frontend::tools::{split_calls, CallParser, Calls, Piece};
 
@@ -61,14 +61,6 @@ pub(super) fn no_such_model(model: &str) -> ApiError {
     ApiError::NotFound(format!("The model `{model}` does not exist"))
 }
 
-pub(super) fn usage_json(u: &Usage) -> Value {
-    json!({
-        "prompt_tokens": u.prompt_tokens(), "completion_tokens": u.output_tokens,
-        "total_tokens": u.prompt_tokens() + u.output_tokens,
-        "prompt_tokens_details": {"cached_tokens": u.prompt_tokens_cached},
-    })
-}
-
 pub async fn chat_completions(
     State(c): State<AppState>,
     Extension(rid): Extension<RequestId>,
@@ -77,83 +69,58 @@ pub async fn chat_completions(
 ) -> Response {
     let started = shared::admit_and_start(&c, &caller, &rid.0, no_such_model, move |c| {
         let req = request::parse(&json_body(body, c.config.server.max_body_bytes)?)?;
-        let extra = (req.generation.calls(), req.include_usage, (req.generation.params.logprobs.is_some(), req.token_ids));
+        let extra = (req.generation.calls(), req.include_usage, (req.generation.params.logprobs.is_some(), req.token_ids), req.n);
         Ok((req.generation, extra))
     });
-    let shared::Started { acc, model, stream, extra: (offered, include_usage, (with_logprobs, ids)) } = match started.await {
+    let shared::Started { acc, model, stream, extra: (offered, include_usage, (with_logprobs, ids), n) } = match started.await {
         Ok(a) => a,
         Err(e) => return finish(&c, "chat_completions", e.into_openai(), None),
     };
     // The model that serves it (a fallback, if it fell back) names the tokens of its logprobs.
     let namer = Namer::of(&c, &model, with_logprobs, ids);
     let served_by = acc.served_by.clone();
-    let id = new_id("chatcmpl-");
-    let created = unix_now();
+    let head = Chunks { id: new_id("chatcmpl-"), object: "chat.completion.chunk", created: unix_now(), model, include_usage };
+    let timing = shared::stream_timing(&acc);
+    let all = match choices::follow(&c, acc, n).await {
+        Ok(all) => all,
+        Err(e) => return finish(&c, "chat_completions", e.into_openai(), Some(&served_by)),
+    };
     if stream {
-        let timing = shared::stream_timing(&acc);
-        let s = ChunkStream::new(c.clone(), acc, Chunks { id, object: "chat.completion.chunk", created, model, include_usage }, &offered, namer);
-        return finish(&c, "chat_completions", shared::server_timing(shared::sse_response(s, ChunkStream::step), &timing), Some(&served_by));
+        let sse = match all.len() {
+            1 => shared::sse_response(ChunkStream::new(all.into_iter().next().unwrap(), head, 0, true, &offered, namer), ChunkStream::step),
+            _ => {
+                let each = all.into_iter().enumerate().map(|(i, f)| ChunkStream::new(f, head.clone(), i, false, &offered, namer.clone())).collect();
+                shared::sse_response(choices::Merged::new(each, head), choices::Merged::step)
+            }
+        };
+        return finish(&c, "chat_completions", shared::server_timing(sse, &timing), Some(&served_by));
     }
-    let resp = match collect(&c, acc).await {
-        Ok(shared::Collected { text, reason, usage, split, logprobs: lps, .. }) => {
-            let (message, calls) = message(&offered, text);
-            let lps = namer.as_ref().map_or(Value::Null, |n| logprobs::chat_choice(n, &lps));
-            let body = json!({
-                "id": id, "object": "chat.completion", "created": created, "model": model,
-                "choices": [{"index": 0, "message": message, "finish_reason": finish_reason(&reason, calls), "logprobs": lps}],
-                "usage": usage_json(&usage),
-            });
-            shared::outcome_headers(Json(body).into_response(), &split, &reason)
+    let resp = match choices::collect(all).await {
+        Ok(whole) => {
+            let mut out = Vec::with_capacity(whole.len());
+            for (i, w) in whole.iter().enumerate() {
+                let (message, calls) = message(&offered, w.text.clone());
+                let lps = namer.as_ref().map_or(Value::Null, |n| logprobs::chat_choice(n, &w.logprobs));
+                out.push(json!({"index": i, "message": message, "finish_reason": finish_reason(&w.reason, calls), "logprobs": lps}));
+            }
+            let usage = choices::total_usage(whole.iter().map(|w| &w.usage));
+            let body = json!({"id": head.id, "object": "chat.completion", "created": head.created, "model": head.model, "choices": out, "usage": usage_json(&usage)});
+            shared::outcome_headers(Json(body).into_response(), &whole[0].split, &whole[0].reason)
         }
         Err(e) => e.into_openai(),
     };
     finish(&c, "chat_completions", resp, Some(&served_by))
 }
 
-/// What every chunk of one OpenAI stream repeats, and how the stream ends.
-pub struct Chunks {
-    pub id: String,
-    /// `chat.completion.chunk` or `text_completion`.
-    pub object: &'static str,
-    pub created: i64,
-    pub model: String,
-    /// `stream_options.include_usage`: a last chunk carries the usage.
-    pub include_usage: bool,
-}
-
-impl Chunks {
-    /// One chunk with these `choices`.
-    pub fn event(&self, choices: Value) -> Event {
-        Event::default().data(json!({"id": self.id, "object": self.object, "created": self.created, "model": self.model, "choices": choices}).to_string())
-    }
-
-    /// The chunk with `finish_reason` (and, when an output rule stopped the answer, `policy`:
-    /// the rule and its audit id).
-    pub fn finish_event(&self, choices: Value, reason: &StopReason) -> Event {
-        let mut body = json!({"id": self.id, "object": self.object, "created": self.created, "model": self.model, "choices": choices});
-        if let Some(p) = super::super::shared::policy_json(reason) {
-            body["policy"] = p;
-        }
-        Event::default().data(body.to_string())
-    }
-
-    /// The stream's end: the usage chunk when it was asked for (with where the request's time
-    /// went, `usage.server_timing`), then `[DONE]`.
-    pub fn end(&self, usage: &Usage, timing: Value, out: &mut Vec<Event>) {
-        if self.include_usage {
-            let mut usage = usage_json(usage);
-            usage["server_timing"] = timing;
-            let body = json!({"id": self.id, "object": self.object, "created": self.created, "model": self.model, "choices": [], "usage": usage});
-            out.push(Event::default().data(body.to_string()));
-        }
-        out.push(Event::default().data("[DONE]"));
-    }
-}
-
-/// The chunks of one streamed completion, one step at a time.
+/// The chunks of one streamed choice, one step at a time.
 struct ChunkStream {
     seq: Following,
     head: Chunks,
+    /// The choice's `index`; `solo`: the request's only choice, whose end is the stream's (else
+    /// its usage waits in `end` for [`choices::Merged`]).
+    index: usize,
+    solo: bool,
+    end: Option<(Usage, Value)>,
     opened: bool,
     /// Finds calls in the text when the request offered tools.
     parser: Option<CallParser>,
@@ -164,9 +131,9 @@ struct ChunkStream {
 }
 
 impl ChunkStream {
-    fn new(c: AppState, acc: Accepted, head: Chunks, calls: &Calls, namer: Option<Namer>) -> Self {
+    fn new(seq: Following, head: Chunks, index: usize, solo: bool, calls: &Calls, namer: Option<Namer>) -> Self {
         let parser = calls.parser();
-        ChunkStream { seq: Following::new(c, acc), head, opened: false, parser, namer, logprobs: Vec::new() }
+        ChunkStream { seq, head, index, solo, end: None, opened: false, parser, namer, logprobs: Vec::new() }
     }
 
     /// The next chunk's `logprobs`: the tokens not sent yet (null when the request asked none).
@@ -200,7 +167,7 @@ impl ChunkStream {
     }
 
     fn chunk(&self, delta: Value, finish: Value, logprobs: Value) -> Event {
-        self.head.event(json!([{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]))
+        self.head.event(json!([{"index": self.index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]))
     }
 
     fn error(e: ApiError) -> Event {
@@ -246,11 +213,25 @@ impl ChunkStream {
                     self.pieces(rest, &mut out);
                     let calls = self.parser.as_ref().map_or(0, |p| p.calls);
                     let lps = if self.logprobs.is_empty() { Value::Null } else { self.take_logprobs() };
-                    out.push(self.head.finish_event(json!([{"index": 0, "delta": {}, "finish_reason": finish_reason(&reason, calls), "logprobs": lps}]), &reason));
+                    out.push(self.head.finish_event(json!([{"index": self.index, "delta": {}, "finish_reason": finish_reason(&reason, calls), "logprobs": lps}]), &reason));
+                    if !self.solo {
+                        self.end = Some((usage, self.seq.split().json()));
+                        return (out, Some(self));
+                    }
                     self.head.end(&usage, self.seq.split().json(), &mut out);
                     return (out, None);
                 }
             }
         }
+    }
+}
+
+impl choices::ChoiceStream for ChunkStream {
+    fn step(self) -> impl std::future::Future<Output = SseStep<Self>> + Send {
+        ChunkStream::step(self)
+    }
+
+    fn take_end(&mut self) -> Option<(Usage, Value)> {
+        self.end.take()
     }
 }

@@ -4,9 +4,9 @@
 //! `previous_response_id` (the stored conversation it continues comes in already found) into
 //! the neutral [`GenerationRequest`], and the fields the response object echoes.
 //!
-//! Lenient, as the other OpenAI routes are, about fields that only tune what we do not do
-//! (`include`, `prompt_cache_key`, `service_tier`, `reasoning`, Codex's `client_metadata`);
-//! strict about the ones we would get wrong. Built-in tools (`web_search`, `file_search`,
+//! Like every route, it refuses a field it does not know ([`RESPONSES_FIELDS`]); it accepts
+//! those that only tune what we do not do (`include`, `prompt_cache_key`, `service_tier`,
+//! `reasoning`, Codex's `client_metadata`), and is strict about the ones we would get wrong. Built-in tools (`web_search`, `file_search`,
 //! `namespace`, `custom`, …) are not offered to the model: only functions are.
 
 use serde_json::{json, Map, Value};
@@ -14,9 +14,22 @@ use serde_json::{json, Map, Value};
 use zerolayer_common::SamplingParams;
 
 use crate::error::ApiError;
+use crate::frontend::api::openai::fields::{known_only, unsupported, EXTENSIONS};
 use crate::frontend::api::openai::request::{bad, content_parts, flag, function_tool, message_role, model_name};
 use crate::frontend::request::{push_turn, GenerationRequest, Role, Turn};
 use crate::frontend::tools::{valid_name, Tool, ToolCall, ToolChoice, MAX_TOOLS};
+
+/// The Responses API's fields, as OpenAI documents them, and Codex's `client_metadata`. Those
+/// that only tune what we do not do (`include`, `prompt_cache_key`, `prompt_cache_retention`,
+/// `service_tier`, `reasoning`, `safety_identifier`, `user`, `truncation`, `max_tool_calls`,
+/// `top_logprobs`, `context_management`, `client_metadata`) are accepted and have no effect;
+/// `background`, `conversation` and `prompt` (a stored prompt template) are refused by name.
+const RESPONSES_FIELDS: &[&str] = &[
+    "background", "client_metadata", "context_management", "conversation", "include", "input", "instructions", "max_output_tokens",
+    "max_tool_calls", "metadata", "model", "parallel_tool_calls", "previous_response_id", "prompt", "prompt_cache_key",
+    "prompt_cache_retention", "reasoning", "safety_identifier", "service_tier", "store", "stream", "stream_options", "temperature", "text",
+    "tool_choice", "tools", "top_logprobs", "top_p", "truncation", "user",
+];
 
 /// Most `metadata` pairs, and their key and value lengths (the official limits).
 const MAX_METADATA: usize = 16;
@@ -47,10 +60,13 @@ pub fn previous_id(body: &Value) -> Result<Option<String>, ApiError> {
 /// Parses a body; `previous` is the stored response it continues (`{"response", "input"}`).
 pub fn parse(body: &Value, previous: Option<&Value>) -> Result<ResponsesRequest, ApiError> {
     let Some(obj) = body.as_object() else { return bad("request body must be a JSON object") };
+    known_only(obj, &[RESPONSES_FIELDS, EXTENSIONS])?;
     let model = model_name(obj)?;
     if obj.get("background").and_then(Value::as_bool) == Some(true) {
         return bad("background: background responses are not supported; stream instead");
     }
+    unsupported(obj, "conversation", "conversations are not supported; continue with previous_response_id")?;
+    unsupported(obj, "prompt", "stored prompt templates are not supported; send instructions and input")?;
     let mut input = previous.map(continued_items).unwrap_or_default();
     input.extend(input_items(obj.get("input"))?);
     let instructions = match obj.get("instructions") {
