@@ -9,7 +9,9 @@
 //!   prompt token's logprob within 1e-3, the first null, even when the prompt sits in the
 //!   prefix cache, and over a prompt longer than one 64-position chunk;
 //! - streamed and whole answers agree; Chat Completions' shape (`logprobs.content`, `bytes`
-//!   that add up to the text, `top_logprobs`); bad values are a 400 in OpenAI's shape.
+//!   that add up to the text, `top_logprobs`); bad values are a 400 in OpenAI's shape;
+//! - the Responses API's (`include: ["message.output_text.logprobs"]`) equal Chat's, whole and
+//!   streamed.
 
 use std::collections::HashMap;
 
@@ -150,7 +152,8 @@ async fn logprobs_and_echo_equal_llama_cpp() {
     let fx = fixture();
     let server = TestServer::qwen().await;
     check_model(&server, "qwen", fx["models"]["qwen"]["cases"].as_array().unwrap()).await;
-    chat_logprobs(&server).await;
+    let chat = chat_logprobs(&server).await;
+    responses_logprobs(&server, &chat).await;
     server.stop().await.unwrap();
     let server = TestServer::start(|c| c.model.default_temperature = Some(0.0)).await;
     check_model(&server, "smollm2-135m-instruct", fx["models"]["smollm2"]["cases"].as_array().unwrap()).await;
@@ -176,7 +179,7 @@ async fn default_temperature(server: &TestServer) {
 /// Chat Completions: `logprobs.content` names each token with its `bytes` (which add up to the
 /// answer), the chosen token of a greedy answer is its own likeliest alternative, streamed and
 /// whole agree, and bad values are refused.
-async fn chat_logprobs(server: &TestServer) {
+async fn chat_logprobs(server: &TestServer) -> Vec<Value> {
     let http = http_client(300);
     let url = server.url("/v1/chat/completions");
     let body = json!({"model": "qwen", "messages": [{"role": "user", "content": "Name three colors."}], "max_tokens": 12, "temperature": 0, "logprobs": true, "top_logprobs": 3});
@@ -210,6 +213,35 @@ async fn chat_logprobs(server: &TestServer) {
         let v: Value = r.json().await.unwrap();
         assert!(v["error"]["message"].as_str().unwrap().contains("top_logprobs"), "{v}");
     }
+    content
+}
+
+/// The Responses API: `include: ["message.output_text.logprobs"]` with `top_logprobs` gives the
+/// same greedy answer's entries as Chat (`chat`), on the `output_text` part; streamed, the text
+/// deltas' entries add up to them, and `output_text.done` holds them all. Without `include`,
+/// none.
+async fn responses_logprobs(server: &TestServer, chat: &[Value]) {
+    let http = http_client(300);
+    let url = server.url("/v1/responses");
+    let body = json!({"model": "qwen", "input": "Name three colors.", "max_output_tokens": 12, "temperature": 0,
+        "include": ["message.output_text.logprobs"], "top_logprobs": 3});
+    let r = post(&http, &url, &body).await;
+    assert_eq!(r["top_logprobs"], 3, "{r}");
+    let part = &r["output"][0]["content"][0];
+    assert_eq!(part["logprobs"].as_array().unwrap(), chat, "Responses' entries are Chat's: {r}");
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let raw = http.post(&url).json(&streamed).send().await.unwrap().text().await.unwrap();
+    let events = parse_sse(&raw);
+    let deltas: Vec<Value> = events.iter().filter(|(e, _)| e == "response.output_text.delta").flat_map(|(_, d)| d["logprobs"].as_array().unwrap().clone()).collect();
+    assert_eq!(deltas, chat, "the deltas' entries add up to the whole answer's");
+    let done = events.iter().find(|(e, _)| e == "response.output_text.done").expect("output_text.done");
+    assert_eq!(done.1["logprobs"].as_array().unwrap(), chat);
+    let mut plain = body.clone();
+    plain.as_object_mut().unwrap().remove("include");
+    plain["top_logprobs"] = json!(0);
+    let r = post(&http, &url, &plain).await;
+    assert_eq!(r["output"][0]["content"][0]["logprobs"], json!([]), "{r}");
 }
 
 /// Our entries against llama.cpp's `want` (`{token, logprob, top}`), within `bound`.

@@ -2,10 +2,11 @@
 //! in. Chat Completions: `logprobs: true` and `top_logprobs` (0–20), answered as
 //! `choices[].logprobs.content: [{token, logprob, bytes, top_logprobs}]`. Completions:
 //! `logprobs: k` (0–20 alternatives), answered as `{tokens, token_logprobs, top_logprobs,
-//! text_offset}`. The values are the worker's ([`TokenLogprob`]: the log-softmax of the model's
-//! raw logits, as llama.cpp reports them); a token's text is its piece in the model's
-//! vocabulary, special tokens included, or `token_id:<id>` with vLLM's
-//! `return_tokens_as_token_ids`.
+//! text_offset}`. Responses: `include: ["message.output_text.logprobs"]` and `top_logprobs`,
+//! answered in Chat's entry shape on each `output_text` part and text delta. The values are the
+//! worker's ([`TokenLogprob`]: the log-softmax of the model's raw logits, as llama.cpp reports
+//! them); a token's text is its piece in the model's vocabulary, special tokens included, or
+//! `token_id:<id>` with vLLM's `return_tokens_as_token_ids`.
 
 use std::sync::Arc;
 
@@ -46,6 +47,33 @@ pub fn completion(obj: &Map<String, Value>) -> Result<Option<u32>, ApiError> {
         },
     }
 }
+
+/// The Responses API's `include: ["message.output_text.logprobs"]` and `top_logprobs` (0 to
+/// 20): the alternatives to return per output token, or None. `top_logprobs` alone asks for
+/// them too (it names how many); `include` must be a list of strings, and its other values
+/// (reasoning content, tool outputs we do not make) change nothing.
+pub fn responses(obj: &Map<String, Value>) -> Result<Option<u32>, ApiError> {
+    let included = match obj.get("include") {
+        None | Some(Value::Null) => false,
+        Some(Value::Array(a)) if a.iter().all(Value::is_string) => a.iter().any(|v| v == RESPONSES_INCLUDE),
+        Some(_) => return bad("include: expected an array of strings"),
+    };
+    let top = match obj.get("top_logprobs") {
+        None | Some(Value::Null) => None,
+        Some(v) => match v.as_u64() {
+            Some(k) if k <= TokenLogprob::MAX_TOP as u64 => Some(k as u32),
+            _ => return bad(format!("top_logprobs: expected an integer between 0 and {}", TokenLogprob::MAX_TOP)),
+        },
+    };
+    Ok(match (included, top) {
+        (true, top) => Some(top.unwrap_or(0)),
+        (false, Some(k)) if k > 0 => Some(k),
+        _ => None,
+    })
+}
+
+/// The `include` value that asks the Responses API for output logprobs.
+pub const RESPONSES_INCLUDE: &str = "message.output_text.logprobs";
 
 /// vLLM's `return_tokens_as_token_ids`: name tokens `token_id:<id>` (what evaluation harnesses
 /// use to tell apart tokens that decode alike).
@@ -164,5 +192,13 @@ mod tests {
         assert_eq!(completion(&o(json!({"logprobs": null}))).unwrap(), None);
         assert!(completion(&o(json!({"logprobs": 21}))).is_err());
         assert!(completion(&o(json!({"logprobs": true}))).is_err());
+        assert_eq!(responses(&o(json!({"include": ["reasoning.encrypted_content"]}))).unwrap(), None);
+        assert_eq!(responses(&o(json!({"include": [RESPONSES_INCLUDE]}))).unwrap(), Some(0));
+        assert_eq!(responses(&o(json!({"include": [RESPONSES_INCLUDE], "top_logprobs": 4}))).unwrap(), Some(4));
+        assert_eq!(responses(&o(json!({"top_logprobs": 2}))).unwrap(), Some(2));
+        assert_eq!(responses(&o(json!({"top_logprobs": 0}))).unwrap(), None);
+        for bad in [json!({"include": "x"}), json!({"include": [1]}), json!({"top_logprobs": 21})] {
+            assert!(responses(&o(bad.clone())).is_err(), "{bad}");
+        }
     }
 }

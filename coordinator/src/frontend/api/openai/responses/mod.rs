@@ -22,6 +22,7 @@ use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use serde_json::{json, Value};
 
+use super::logprobs::{chat_content, Namer};
 use super::response::no_such_model;
 use crate::auth::Caller;
 use crate::clock::unix_now;
@@ -58,20 +59,23 @@ async fn respond(c: &AppState, rid: &RequestId, caller: &Caller, body: Result<By
     let previous = previous(c, &body, &tenant).await?;
     let started = shared::admit_and_start(c, caller, &rid.0, no_such_model, move |_| {
         let r = request::parse(&body, previous.as_ref())?;
-        let extra = (r.generation.calls(), r.echo, Keep { tenant, store: r.store, input: r.input });
+        let names = (r.generation.params.logprobs.is_some(), r.token_ids);
+        let extra = (r.generation.calls(), r.echo, Keep { tenant, store: r.store, input: r.input }, names);
         Ok((r.generation, extra))
     });
-    let shared::Started { acc, model, stream, extra: (offered, echo, keep) } = started.await?;
+    let shared::Started { acc, model, stream, extra: (offered, echo, keep, (asked, ids)) } = started.await?;
     let served_by = acc.served_by.clone();
+    let namer = Namer::of(c, &model, asked, ids);
     let head = Head { id: ResponseId::new(&c.node_id).id, created_at: unix_now(), model, echo };
     if stream {
         let timing = shared::stream_timing(&acc);
-        let s = stream::ResponseStream::new(c.clone(), acc, head, keep, &offered);
+        let s = stream::ResponseStream::new(c.clone(), acc, head, keep, &offered, namer);
         return Ok((shared::server_timing(shared::sse_response(s, stream::ResponseStream::step), &timing), served_by));
     }
-    let shared::Collected { text, reason, usage, split, .. } = collect(c, acc).await?;
+    let shared::Collected { text, reason, usage, split, logprobs, .. } = collect(c, acc).await?;
     let (state, incomplete) = output::status(&reason);
-    let mut response = head.object(state, incomplete, output::items(&offered, &text), Some(&usage));
+    let logprobs = namer.map(|n| chat_content(&n, &logprobs)).unwrap_or_default();
+    let mut response = head.object(state, incomplete, output::items(&offered, &text, logprobs), Some(&usage));
     if let Some(p) = shared::policy_json(&reason) {
         response["policy"] = p;
     }

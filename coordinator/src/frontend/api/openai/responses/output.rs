@@ -40,8 +40,10 @@ pub fn new_call(name: &str, arguments: &Value) -> Value {
 }
 
 /// The output items of a finished generation: its text as one message (when there is any),
-/// then its calls, in the order the model wrote them.
-pub fn items(calls: &Calls, text: &str) -> Vec<Value> {
+/// then its calls, in the order the model wrote them. `logprobs` (the entries of every output
+/// token, when asked for) go on the message's text when it is the only item: tokens that
+/// became a call have no text part to go on.
+pub fn items(calls: &Calls, text: &str, logprobs: Vec<Value>) -> Vec<Value> {
     let (pieces, _) = split_calls(calls, text);
     let mut out = Vec::new();
     let mut texts: Vec<String> = Vec::new();
@@ -59,6 +61,11 @@ pub fn items(calls: &Calls, text: &str) -> Vec<Value> {
     }
     if !texts.is_empty() || out.is_empty() {
         out.push(message_item(&new_id("msg_"), &texts.join("\n\n"), "completed"));
+    }
+    if let [only] = out.as_mut_slice() {
+        if only["type"] == "message" {
+            only["content"][0]["logprobs"] = Value::Array(logprobs);
+        }
     }
     out
 }
@@ -110,14 +117,17 @@ mod tests {
     #[test]
     fn text_and_calls_become_items_in_order() {
         let calls = Calls { tools: vec![Tool { name: "f".into(), description: None, parameters: json!({"type": "object"}), deferred: false }], bare: true };
-        let out = items(&calls, "Let me look.\n<tool_call>\n{\"name\": \"f\", \"arguments\": {\"x\": 1}}\n</tool_call>");
+        let lp = vec![json!({"token": "Let", "logprob": -0.5})];
+        let out = items(&calls, "Let me look.\n<tool_call>\n{\"name\": \"f\", \"arguments\": {\"x\": 1}}\n</tool_call>", lp.clone());
         assert_eq!(out.len(), 2);
         assert_eq!(out[0]["content"][0]["text"], "Let me look.");
         assert_eq!(out[1]["type"], "function_call");
         assert_eq!(out[1]["arguments"], "{\"x\":1}");
         assert!(out[1]["call_id"].as_str().unwrap().starts_with("call_"));
-        let plain = items(&Calls::default(), "Hi");
+        assert_eq!(out[0]["content"][0]["logprobs"], json!([]), "a call's tokens are not the message's");
+        let plain = items(&Calls::default(), "Hi", lp.clone());
         assert_eq!(plain[0]["content"][0]["text"], "Hi");
+        assert_eq!(plain[0]["content"][0]["logprobs"], json!(lp));
         assert_eq!(status(&StopReason::MaxTokens).0, "incomplete");
     }
 }

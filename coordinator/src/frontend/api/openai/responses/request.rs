@@ -5,8 +5,9 @@
 //! the neutral [`GenerationRequest`], and the fields the response object echoes.
 //!
 //! Like every route, it refuses a field it does not know ([`RESPONSES_FIELDS`]); it accepts
-//! those that only tune what we do not do (`include`, `prompt_cache_key`, `service_tier`,
-//! `reasoning`, Codex's `client_metadata`), and is strict about the ones we would get wrong. Built-in tools (`web_search`, `file_search`,
+//! those that only tune what we do not do (`prompt_cache_key`, `service_tier`, `reasoning`,
+//! Codex's `client_metadata`), and is strict about the ones we would get wrong. `include`
+//! and `top_logprobs` ask for output logprobs (`logprobs::responses`). Built-in tools (`web_search`, `file_search`,
 //! `namespace`, `custom`, …) are not offered to the model: only functions are.
 
 use serde_json::{json, Map, Value};
@@ -15,14 +16,16 @@ use zerolayer_common::SamplingParams;
 
 use crate::error::ApiError;
 use crate::frontend::api::openai::fields::{known_only, unsupported, EXTENSIONS};
+use crate::frontend::api::openai::logprobs;
 use crate::frontend::api::openai::request::{bad, content_parts, flag, function_tool, message_role, model_name};
 use crate::frontend::request::{push_turn, GenerationRequest, Role, Turn};
 use crate::frontend::tools::{valid_name, Tool, ToolCall, ToolChoice, MAX_TOOLS};
 
 /// The Responses API's fields, as OpenAI documents them, and Codex's `client_metadata`. Those
-/// that only tune what we do not do (`include`, `prompt_cache_key`, `prompt_cache_retention`,
+/// that only tune what we do not do (`prompt_cache_key`, `prompt_cache_retention`,
 /// `service_tier`, `reasoning`, `safety_identifier`, `user`, `truncation`, `max_tool_calls`,
-/// `top_logprobs`, `context_management`, `client_metadata`) are accepted and have no effect;
+/// `context_management`, `client_metadata`, and `include` values other than output logprobs)
+/// are accepted and have no effect;
 /// `background`, `conversation` and `prompt` (a stored prompt template) are refused by name.
 const RESPONSES_FIELDS: &[&str] = &[
     "background", "client_metadata", "context_management", "conversation", "include", "input", "instructions", "max_output_tokens",
@@ -46,6 +49,8 @@ pub struct ResponsesRequest {
     /// The request's fields as the response object echoes them.
     pub echo: Map<String, Value>,
     pub store: bool,
+    /// `return_tokens_as_token_ids`: logprobs name tokens by id.
+    pub token_ids: bool,
 }
 
 /// `previous_response_id`, if the body names one (read before the rest, to find it first).
@@ -87,6 +92,7 @@ pub fn parse(body: &Value, previous: Option<&Value>) -> Result<ResponsesRequest,
     g.system = (!system.is_empty()).then(|| system.join("\n\n"));
     g.max_tokens = max_tokens;
     g.params = params;
+    g.params.logprobs = logprobs::responses(obj)?;
     g.stream = flag(obj, "stream", false)?;
     g.parallel_tool_calls = flag(obj, "parallel_tool_calls", true)?;
     g.tools = tools;
@@ -95,7 +101,7 @@ pub fn parse(body: &Value, previous: Option<&Value>) -> Result<ResponsesRequest,
     g.cache_salt = crate::frontend::request::parse_cache_salt(obj.get("cache_salt"))?;
     let store = flag(obj, "store", true)?;
     let echo = echo(obj, &g, store)?;
-    Ok(ResponsesRequest { generation: g, input, echo, store })
+    Ok(ResponsesRequest { generation: g, input, echo, store, token_ids: logprobs::as_token_ids(obj)? })
 }
 
 /// A stored response's conversation: its input items, then its output (reasoning left out).
@@ -318,6 +324,7 @@ fn echo(obj: &Map<String, Value>, g: &GenerationRequest, store: bool) -> Result<
     e.insert("tool_choice".into(), tool_choice);
     e.insert("tools".into(), Value::Array(tools));
     e.insert("top_p".into(), json!(g.params.top_p.unwrap_or(1.0)));
+    e.insert("top_logprobs".into(), json!(g.params.logprobs.unwrap_or(0)));
     e.insert("truncation".into(), json!("disabled"));
     e.insert("user".into(), get("user"));
     Ok(e)

@@ -13,16 +13,19 @@ use zerolayer_common::{SeqEvent, StopReason, Usage};
 
 use super::output::{call_item, message_item, output_text, status, Head};
 use super::kept::Keep;
+use crate::frontend::api::openai::logprobs::{chat_content, Namer};
 use crate::frontend::api::shared::{failed, new_id, shut_down, AppState, Following, Next, SseStep};
 use crate::frontend::service::Accepted;
 use crate::error::ApiError;
 use crate::frontend::tools::{CallParser, Calls, Piece};
 
-/// The message item being written: its index among the output items, id and text so far.
+/// The message item being written: its index among the output items, id, and text and
+/// logprob entries so far.
 struct Open {
     index: usize,
     id: String,
     text: String,
+    logprobs: Vec<Value>,
 }
 
 /// One streamed response, one step at a time.
@@ -37,11 +40,16 @@ pub struct ResponseStream {
     /// The finished output items.
     items: Vec<Value>,
     open: Option<Open>,
+    /// How logprobs name tokens, when the request asked for them.
+    namer: Option<Namer>,
+    /// Logprob entries of tokens whose text is not out yet (the call parser may hold it).
+    pending: Vec<Value>,
 }
 
 impl ResponseStream {
-    pub fn new(c: AppState, acc: Accepted, head: Head, keep: Keep, calls: &Calls) -> Self {
-        ResponseStream { seq: Following::new(c, acc), head, keep, parser: calls.parser(), sent: 0, started: false, items: Vec::new(), open: None }
+    pub fn new(c: AppState, acc: Accepted, head: Head, keep: Keep, calls: &Calls, namer: Option<Namer>) -> Self {
+        let parser = calls.parser();
+        ResponseStream { seq: Following::new(c, acc), head, keep, parser, sent: 0, started: false, items: Vec::new(), open: None, namer, pending: Vec::new() }
     }
 
     fn event(&mut self, ty: &str, mut body: Value) -> Event {
@@ -63,7 +71,7 @@ impl ResponseStream {
         item["content"] = json!([]);
         out.push(self.event("response.output_item.added", json!({"output_index": index, "item": item})));
         out.push(self.event("response.content_part.added", json!({"item_id": id, "output_index": index, "content_index": 0, "part": output_text("")})));
-        self.open = Some(Open { index, id, text: String::new() });
+        self.open = Some(Open { index, id, text: String::new(), logprobs: Vec::new() });
     }
 
     fn text(&mut self, t: String, out: &mut Vec<Event>) {
@@ -73,23 +81,36 @@ impl ResponseStream {
         if self.open.is_none() {
             self.open_message(out);
         }
-        let open = self.open.as_mut().expect("opened above");
+        self.delta(t, out);
+    }
+
+    /// A text delta of the open message, with the logprob entries of the tokens it shows.
+    fn delta(&mut self, t: String, out: &mut Vec<Event>) {
+        let logprobs = std::mem::take(&mut self.pending);
+        let open = self.open.as_mut().expect("a message is open");
         open.text.push_str(&t);
+        open.logprobs.extend(logprobs.iter().cloned());
         let (id, index) = (open.id.clone(), open.index);
-        out.push(self.event("response.output_text.delta", json!({"item_id": id, "output_index": index, "content_index": 0, "delta": t, "logprobs": []})));
+        out.push(self.event("response.output_text.delta", json!({"item_id": id, "output_index": index, "content_index": 0, "delta": t, "logprobs": logprobs})));
     }
 
     /// Ends the open message item, if any.
     fn close(&mut self, out: &mut Vec<Event>) {
-        let Some(Open { index, id, text }) = self.open.take() else { return };
-        out.push(self.event("response.output_text.done", json!({"item_id": id, "output_index": index, "content_index": 0, "text": text, "logprobs": []})));
-        out.push(self.event("response.content_part.done", json!({"item_id": id, "output_index": index, "content_index": 0, "part": output_text(&text)})));
-        let item = message_item(&id, &text, "completed");
+        let Some(Open { index, id, text, logprobs }) = self.open.take() else { return };
+        let logprobs = Value::Array(logprobs);
+        out.push(self.event("response.output_text.done", json!({"item_id": id, "output_index": index, "content_index": 0, "text": text, "logprobs": logprobs})));
+        let mut part = output_text(&text);
+        part["logprobs"] = logprobs;
+        out.push(self.event("response.content_part.done", json!({"item_id": id, "output_index": index, "content_index": 0, "part": part.clone()})));
+        let mut item = message_item(&id, &text, "completed");
+        item["content"] = json!([part]);
         out.push(self.event("response.output_item.done", json!({"output_index": index, "item": item})));
         self.items.push(item);
     }
 
     fn call(&mut self, name: String, arguments: Value, out: &mut Vec<Event>) {
+        // The tokens not shown as text yet wrote this call.
+        self.pending.clear();
         self.close(out);
         let (index, id, call_id, args) = (self.items.len(), new_id("fc_"), new_id("call_"), arguments.to_string());
         out.push(self.event("response.output_item.added", json!({"output_index": index, "item": call_item(&id, &call_id, &name, "", "in_progress")})));
@@ -112,12 +133,16 @@ impl ResponseStream {
     fn finish(&mut self, reason: &StopReason, usage: &Usage, out: &mut Vec<Event>) {
         let rest = self.parser.as_mut().map(CallParser::finish).unwrap_or_default();
         self.pieces(rest, out);
-        self.close(out);
-        if self.items.is_empty() {
+        if self.items.is_empty() && self.open.is_none() {
             // A reply with no text at all is still one (empty) message, as when not streamed.
             self.open_message(out);
-            self.close(out);
         }
+        // Tokens with no text of their own (an end token) still belong to the message: a last,
+        // empty delta carries them, as Chat's last chunk does.
+        if self.open.is_some() && !self.pending.is_empty() {
+            self.delta(String::new(), out);
+        }
+        self.close(out);
         let (state, incomplete) = status(reason);
         let mut response = self.head.object(state, incomplete, std::mem::take(&mut self.items), Some(usage));
         self.keep.keep(&self.seq.c, &response);
@@ -153,7 +178,10 @@ impl ResponseStream {
             let mut out = Vec::new();
             match ev {
                 SeqEvent::Started { .. } | SeqEvent::PromptLogprobs { .. } => continue,
-                SeqEvent::Delta { text, .. } => {
+                SeqEvent::Delta { text, logprobs, .. } => {
+                    if let Some(namer) = &self.namer {
+                        self.pending.extend(chat_content(namer, &logprobs));
+                    }
                     let pieces = match &mut self.parser {
                         Some(p) => p.push(&text),
                         None => vec![Piece::Text(text)],
