@@ -1,7 +1,10 @@
 //! Helpers shared by the integration tests: the real model's location, loading, and a lock
 //! that keeps model-heavy tests from running at once on a 2-core machine.
 
+pub mod agents;
 pub mod bench;
+
+pub use agents::{answered, assert_none_refused, counter, install_agent, metrics_page, run_agent, AgentRun};
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -155,11 +158,17 @@ impl TestServer {
     /// A single node serving Qwen2.5-Coder-0.5B-Instruct as `qwen` (a model whose template
     /// renders tools), with 512 MB of KV.
     pub async fn qwen() -> TestServer {
+        TestServer::qwen_with(|_| {}).await
+    }
+
+    /// [`TestServer::qwen`] with `tweak` applied after.
+    pub async fn qwen_with(tweak: impl FnOnce(&mut zerolayer_common::ClusterConfig)) -> TestServer {
         TestServer::start(|c| {
             c.model.path = qwen_model_path();
             c.model.id = "qwen".into();
             c.model.aliases = vec![];
             c.nodes[0].workers[0].kv_cache_mb = 512;
+            tweak(c);
         })
         .await
     }
