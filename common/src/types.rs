@@ -82,8 +82,42 @@ impl Default for SamplingParams {
 }
 
 impl SamplingParams {
+    /// Most stop sequences, and the longest one (bytes), on every API.
+    pub const MAX_STOP_SEQUENCES: usize = 16;
+    pub const MAX_STOP_SEQUENCE_BYTES: usize = 256;
+    /// Most `logit_bias` entries.
+    pub const MAX_LOGIT_BIAS: usize = 1024;
+
     pub fn greedy(max_tokens: u32) -> Self {
         SamplingParams { temperature: 0.0, max_tokens, ..Default::default() }
+    }
+
+    /// Whether every field is within what the APIs accept (their widest bounds: OpenAI's
+    /// temperature up to 2, the penalties of [-2, 2], `repetition_penalty` in (0, 2], biases
+    /// of [-100, 100], no NaN anywhere). The worker checks every job with it, so a job that a
+    /// peer made up, not only a client's request, is held to the same bounds. Token ids are
+    /// checked against the model's vocabulary by the worker.
+    pub fn check(&self) -> Result<(), String> {
+        let within = |v: f32, lo: f32, hi: f32| v.is_finite() && (lo..=hi).contains(&v);
+        let fields = [
+            ("temperature", within(self.temperature, 0.0, 2.0)),
+            ("top_p", self.top_p.is_none_or(|p| within(p, 0.0, 1.0) && p > 0.0)),
+            ("min_p", self.min_p.is_none_or(|m| within(m, 0.0, 1.0))),
+            ("presence_penalty", within(self.presence_penalty, -2.0, 2.0)),
+            ("frequency_penalty", within(self.frequency_penalty, -2.0, 2.0)),
+            ("repetition_penalty", self.repetition_penalty.is_none_or(|r| within(r, 0.0, 2.0) && r > 0.0)),
+            ("logit_bias", self.logit_bias.len() <= Self::MAX_LOGIT_BIAS && self.logit_bias.iter().all(|&(_, b)| within(b, -100.0, 100.0))),
+            ("logprobs", self.logprobs.is_none_or(|k| k <= TokenLogprob::MAX_TOP)),
+            (
+                "stop_sequences",
+                self.stop_sequences.len() <= Self::MAX_STOP_SEQUENCES
+                    && self.stop_sequences.iter().all(|s| !s.is_empty() && s.len() <= Self::MAX_STOP_SEQUENCE_BYTES),
+            ),
+        ];
+        match fields.iter().find(|(_, ok)| !ok) {
+            Some((name, _)) => Err(format!("sampling parameter {name} is outside its bounds")),
+            None => Ok(()),
+        }
     }
 }
 
@@ -253,4 +287,37 @@ pub enum SeqEvent {
     PromptLogprobs { from: u32, logprobs: Vec<TokenLogprob> },
     /// The sequence is over. No event follows.
     Finished { reason: StopReason, usage: Usage },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sampling_params_outside_the_apis_bounds_are_named() {
+        let ok = SamplingParams { temperature: 2.0, top_p: Some(1.0), min_p: Some(0.0), presence_penalty: -2.0, frequency_penalty: 2.0, repetition_penalty: Some(2.0), ..Default::default() };
+        assert_eq!(ok.check(), Ok(()));
+        assert_eq!(SamplingParams::greedy(1).check(), Ok(()));
+        let base = SamplingParams::default;
+        for (p, name) in [
+            (SamplingParams { temperature: f32::NAN, ..base() }, "temperature"),
+            (SamplingParams { temperature: 2.5, ..base() }, "temperature"),
+            (SamplingParams { temperature: -0.5, ..base() }, "temperature"),
+            (SamplingParams { top_p: Some(0.0), ..base() }, "top_p"),
+            (SamplingParams { top_p: Some(f32::INFINITY), ..base() }, "top_p"),
+            (SamplingParams { min_p: Some(f32::NAN), ..base() }, "min_p"),
+            (SamplingParams { presence_penalty: 3.0, ..base() }, "presence_penalty"),
+            (SamplingParams { frequency_penalty: f32::NEG_INFINITY, ..base() }, "frequency_penalty"),
+            (SamplingParams { repetition_penalty: Some(0.0), ..base() }, "repetition_penalty"),
+            (SamplingParams { logit_bias: vec![(1, 101.0)], ..base() }, "logit_bias"),
+            (SamplingParams { logit_bias: vec![(1, 0.0); SamplingParams::MAX_LOGIT_BIAS + 1], ..base() }, "logit_bias"),
+            (SamplingParams { logprobs: Some(TokenLogprob::MAX_TOP + 1), ..base() }, "logprobs"),
+            (SamplingParams { stop_sequences: vec![String::new()], ..base() }, "stop_sequences"),
+            (SamplingParams { stop_sequences: vec!["x".repeat(257)], ..base() }, "stop_sequences"),
+            (SamplingParams { stop_sequences: vec!["x".into(); 17], ..base() }, "stop_sequences"),
+        ] {
+            let e = p.check().unwrap_err();
+            assert!(e.contains(name), "{name}: {e}");
+        }
+    }
 }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use zerolayer_common::config::Speculative;
-use zerolayer_common::{CachePin, Job, WorkerConfig, KvEvent, SeqEvent, StopReason, TokenLogprob, Usage, WorkerSignals};
+use zerolayer_common::{CachePin, Job, WorkerConfig, KvEvent, SeqEvent, StopReason, Usage, WorkerSignals};
 
 use crate::error::{Result, WorkerError};
 use crate::backend::{self, Backend};
@@ -203,9 +203,7 @@ impl Engine {
         if let Some(why) = &self.unavailable {
             return Err(WorkerError::Unavailable(why.clone()));
         }
-        if params.logprobs.is_some_and(|k| k > TokenLogprob::MAX_TOP) {
-            return Err(WorkerError::Invalid(format!("logprobs: at most {} alternatives", TokenLogprob::MAX_TOP)));
-        }
+        params.check().map_err(WorkerError::Invalid)?;
         if !CachePin::all_valid(&pins, prompt.len()) {
             return Err(WorkerError::Invalid(format!("cache pins {pins:?} are outside the limits")));
         }

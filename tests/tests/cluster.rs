@@ -312,7 +312,9 @@ async fn admin_calls_for_another_node_go_over_the_cluster_link() {
 
 /// A job forwarded to a node runs under that node's terms for the tenant it claims: the cache
 /// root the sender set is replaced by the claim's own scope (so a job claimed for alice with
-/// bob's root reads nothing of bob's cache), and a tenant the node does not know is refused.
+/// bob's root reads nothing of bob's cache), and a tenant the node does not know is refused, as
+/// are sampling parameters outside every API's bounds (a NaN, a huge penalty, a 1 MiB stop
+/// sequence, a biased token outside the vocabulary).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_forwarded_job_runs_under_the_receivers_terms() {
     use zerolayer_common::config::KeyConfig;
@@ -332,8 +334,8 @@ async fn a_forwarded_job_runs_under_the_receivers_terms() {
     let conn = client.connect(b.frontend.cluster.quic_addr().unwrap(), tls::SERVER_NAME).unwrap().await.unwrap();
     let prompt: Vec<u32> = (0..64).map(|i| 100 + i * 7).collect();
     // As node a would send it: the claim, and the root the sender computed.
-    let submit = |tenant: &str, root_scope: &str, id: &str| {
-        let job = Job { request_id: id.into(), ..Job::new(prompt.clone(), SamplingParams::greedy(1)) }
+    let submit_with = |params: SamplingParams, tenant: &str, root_scope: &str, id: &str| {
+        let job = Job { request_id: id.into(), ..Job::new(prompt.clone(), params) }
             .claimed(TenantClaim { tenant: tenant.into(), cache_salt: None })
             .scoped(zerolayer_common::scope_root(&secret, root_scope));
         let conn = conn.clone();
@@ -349,6 +351,7 @@ async fn a_forwarded_job_runs_under_the_receivers_terms() {
             }
         }
     };
+    let submit = |tenant: &str, root_scope: &str, id: &str| submit_with(SamplingParams::greedy(1), tenant, root_scope, id);
     let first = submit("bob", "key:bob", "req_bob_1").await.unwrap();
     assert_eq!(first.prompt_tokens_cached, 0);
     let again = submit("bob", "key:bob", "req_bob_2").await.unwrap();
@@ -357,6 +360,19 @@ async fn a_forwarded_job_runs_under_the_receivers_terms() {
     assert_eq!(forged.prompt_tokens_cached, 0, "a job claimed for alice reads nothing of bob's cache, whatever root it came with");
     let unknown = submit("mallory", "key:bob", "req_mallory").await.unwrap_err();
     assert!(unknown.contains("not configured"), "{unknown}");
+    // Sampling parameters no API accepts are refused as a client's would be, and b serves on.
+    let bad = [
+        (SamplingParams { temperature: f32::NAN, ..SamplingParams::greedy(1) }, "temperature"),
+        (SamplingParams { presence_penalty: 1e30, ..SamplingParams::greedy(1) }, "presence_penalty"),
+        (SamplingParams { top_p: Some(0.0), temperature: 1.0, ..SamplingParams::greedy(1) }, "top_p"),
+        (SamplingParams { stop_sequences: vec!["x".repeat(1 << 20)], ..SamplingParams::greedy(1) }, "stop_sequences"),
+        (SamplingParams { logit_bias: vec![(u32::MAX, 1.0)], ..SamplingParams::greedy(1) }, "vocabulary"),
+    ];
+    for (i, (params, says)) in bad.into_iter().enumerate() {
+        let refused = submit_with(params, "bob", "key:bob", &format!("req_bad_{i}")).await.unwrap_err();
+        assert!(refused.contains(says), "{says}: {refused}");
+    }
+    assert!(submit("bob", "key:bob", "req_bob_3").await.is_ok(), "b still serves");
 }
 
 mod mtls {

@@ -28,6 +28,8 @@
 
 pub mod frame;
 pub mod rank;
+#[doc(hidden)]
+pub mod samples;
 
 use crate::job::Job;
 #[cfg(doc)]
@@ -206,65 +208,22 @@ pub fn decode_reply(body: &[u8]) -> Result<Reply, WireError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::types::{CachePin, SamplingParams, Share, StopReason, TokenLogprob, Usage};
 
     #[test]
     fn frames_round_trip_and_garbage_is_refused() {
-        let job = Job {
-            request_id: "req_1".into(),
-            model: "m".into(),
-            prompt: (0..700).collect(),
-            params: SamplingParams { stop_sequences: vec!["\n\n".into()], seed: Some(7), ..SamplingParams::greedy(9) },
-            share: Share::of("team-a", 2.0),
-            resume: vec![5, 6],
-            pins: vec![CachePin { tokens: 640, ttl_secs: 300 }],
-            cache_root: 0x1234_5678_9abc_def1,
-            claim: crate::job::TenantClaim { tenant: "team-a".into(), cache_salt: Some("s".into()) },
-        };
-        let s = Submit { origin_node: "a".into(), worker: "cpu0".into(), job, fetch: Some(FetchFrom { node: "b".into(), worker: "cpu1".into(), have: 2, blocks: 40 }) };
-        let f = encode_open(&Open::Submit(s.clone())).unwrap();
-        let n = frame_len(f[..4].try_into().unwrap()).unwrap();
-        assert_eq!(n, f.len() - 4);
-        assert_eq!(decode_open(&f[4..]).unwrap(), Open::Submit(s));
-        let h = ImportHeader {
-            request_id: "req_2".into(),
-            origin_node: "a".into(),
-            worker: "cpu0".into(),
-            block_size: 4,
-            block_bytes: 1024,
-            tokens: (0..8).collect(),
-            cache_root: 9,
-            blocks: vec![BlockHeader { hash: 1, checksum: 2, sent: false }, BlockHeader { hash: 3, checksum: 4, sent: true }],
-        };
+        for o in samples::opens() {
+            let f = encode_open(&o).unwrap();
+            let n = frame_len(f[..4].try_into().unwrap()).unwrap();
+            assert_eq!(n, f.len() - 4);
+            assert_eq!(decode_open(&f[4..]).unwrap(), o);
+        }
+        let Open::Import(h) = &samples::opens()[1] else { panic!("the second sample is an import") };
         assert_eq!(h.payload_bytes(), 1024);
-        let f = encode_open(&Open::Import(h.clone())).unwrap();
-        assert_eq!(decode_open(&f[4..]).unwrap(), Open::Import(h.clone()));
-        let ask = FetchAsk { origin_node: "a".into(), request_id: "req_3".into(), worker: "cpu0".into(), cache_root: 9, tokens: (0..64).collect(), from_block: 2 };
-        let f = encode_open(&Open::Fetch(ask.clone())).unwrap();
-        assert_eq!(decode_open(&f[4..]).unwrap(), Open::Fetch(ask));
-        for r in [
-            Reply::Accepted,
-            Reply::Refused { overloaded: true, message: "full".into() },
-            Reply::Imported { blocks: 7 },
-            Reply::Found { found: true, body: b"{}".to_vec() },
-            Reply::Done { status: 401, body: b"{}".to_vec() },
-            Reply::Blocks(h),
-            Reply::Event(SeqEvent::Delta { tokens: vec![1, 2], text: "hé".into(), logprobs: vec![TokenLogprob { token: 2, logprob: -0.5, top: vec![(2, -0.5), (7, -1.25)] }] }),
-            Reply::Event(SeqEvent::Finished { reason: StopReason::StopSequence("x".into()), usage: Usage { output_tokens: 3, ..Default::default() } }),
-            Reply::Event(SeqEvent::Finished { reason: StopReason::Moved { node: "b".into(), worker: "cpu0".into(), kv_tokens: 96 }, usage: Usage::default() }),
-        ] {
+        for r in samples::replies() {
             let f = encode_reply(&r).unwrap();
             assert_eq!(decode_reply(&f[4..]).unwrap(), r);
         }
-        let j = RankJoin { origin_node: "a".into(), worker: "tp0".into(), rank: 1, size: 2, block_size: 16, num_blocks: 64, nccl_id: vec![7; 128] };
-        let f = encode_open(&Open::Rank(j.clone())).unwrap();
-        assert_eq!(decode_open(&f[4..]).unwrap(), Open::Rank(j));
-        let a = AdminCall { origin_node: "a".into(), action: "drain".into(), key: "k".into(), arg: String::new() };
-        let f = encode_open(&Open::Admin(a.clone())).unwrap();
-        assert_eq!(decode_open(&f[4..]).unwrap(), Open::Admin(a));
-        let l = Lookup { origin_node: "a".into(), id: "resp_1".into(), tenant: "alice".into(), delete: false };
-        let f = encode_open(&Open::Lookup(l.clone())).unwrap();
-        assert_eq!(decode_open(&f[4..]).unwrap(), Open::Lookup(l));
+        let f = encode_open(samples::opens().last().unwrap()).unwrap();
         assert!(decode_open(&[0xff; 37]).is_err());
         assert!(decode_reply(&f[4..f.len() - 3]).is_err());
         assert!(matches!(frame_len((MAX_FRAME_BYTES as u32 + 1).to_le_bytes()), Err(WireError::TooLarge(..))));

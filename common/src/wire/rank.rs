@@ -111,20 +111,8 @@ mod tests {
 
     #[test]
     fn rank_frames_round_trip_and_bad_batches_are_refused() {
-        let items = vec![RankItem { tokens: 3, table: 2, start_pos: 0, logits: 1 }, RankItem { tokens: 1, table: 1, start_pos: 9, logits: 0 }];
-        for m in [
-            RankMsg::Joining,
-            RankMsg::Ready { num_blocks: 64, weight_bytes: 1 << 30 },
-            RankMsg::Failed { message: "no".into() },
-            RankMsg::Forward { tokens: vec![1, 2, 3, 4], tables: vec![0, 1, 2], items: items.clone() },
-            RankMsg::Partial(vec![1.5, -0.0, f32::MIN_POSITIVE]),
-            RankMsg::Sum(vec![]),
-            RankMsg::Done { error: Some("x".into()) },
-            RankMsg::Read { block: 3 },
-            RankMsg::Block { bytes: vec![1, 2, 3], error: None },
-            RankMsg::Write { block: 4, bytes: vec![9; 10] },
-            RankMsg::Written { error: None },
-        ] {
+        let items = crate::wire::samples::rank_items();
+        for m in crate::wire::samples::ranks() {
             let f = encode_rank(&m).unwrap();
             assert_eq!(crate::wire::frame::frame_len_within(f[..4].try_into().unwrap(), MAX_RANK_FRAME_BYTES).unwrap(), f.len() - 4);
             assert_eq!(decode_rank(&f[4..]).unwrap(), m);

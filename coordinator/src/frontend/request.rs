@@ -14,8 +14,8 @@ use crate::frontend::tools::{Tool, ToolCall, ToolChoice};
 pub const DEFAULT_MAX_TOKENS: usize = 4096;
 
 /// Most stop sequences per request, and the longest one (bytes), for both APIs.
-pub const MAX_STOP_SEQUENCES: usize = 16;
-pub const MAX_STOP_SEQUENCE_BYTES: usize = 256;
+pub const MAX_STOP_SEQUENCES: usize = zerolayer_common::SamplingParams::MAX_STOP_SEQUENCES;
+pub const MAX_STOP_SEQUENCE_BYTES: usize = zerolayer_common::SamplingParams::MAX_STOP_SEQUENCE_BYTES;
 
 /// A role in the conversation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -297,7 +297,7 @@ pub(super) fn sampling(obj: &serde_json::Map<String, Value>) -> Result<Sampling,
 }
 
 /// Most `logit_bias` entries in one request.
-pub const MAX_LOGIT_BIAS: usize = 1024;
+pub const MAX_LOGIT_BIAS: usize = SamplingParams::MAX_LOGIT_BIAS;
 
 /// The sampling fields beyond OpenAI's core, as vLLM names them: `top_k` (0 or -1: off),
 /// `min_p` in [0, 1], `presence_penalty` and `frequency_penalty` in [-2, 2],
