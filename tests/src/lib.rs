@@ -3,6 +3,7 @@
 
 pub mod agents;
 pub mod bench;
+pub mod hostile;
 
 pub use agents::{answered, assert_none_refused, counter, install_agent, metrics_page, run_agent, AgentRun};
 

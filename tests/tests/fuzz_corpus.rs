@@ -73,37 +73,6 @@ fn gossip_corpus_reads_and_the_screen_refuses_the_hostile_seeds() {
     assert!(n >= 6, "{n} gossip seeds");
 }
 
-/// xorshift64*: the mutation pass's randomness, the same on every run.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-}
-
-/// `frame` with a few bytes changed: random values, or a 4-byte window set to a length or an
-/// offset a decoder must not trust (rkyv's relative pointers and lengths are 4 bytes).
-fn mutate(frame: &[u8], rng: &mut Rng) -> Vec<u8> {
-    let mut f = frame.to_vec();
-    for _ in 0..1 + rng.below(4) {
-        let at = 1 + rng.below(f.len() - 1);
-        if rng.below(2) == 0 || at + 4 > f.len() {
-            f[at] = rng.next() as u8;
-        } else {
-            let v: u32 = [u32::MAX, 0x7fff_ffff, 0x8000_0000, f.len() as u32, rng.next() as u32][rng.below(5)];
-            f[at..at + 4].copy_from_slice(&v.to_le_bytes());
-        }
-    }
-    f
-}
-
 /// Every decoder of a peer's frames (a node's `Open` and `Reply`, a rank's messages) reads or
 /// refuses, and never panics: the committed seeds (`fuzz/corpus/frames`, one frame of every
 /// kind), every truncation of every kind, and 400 mutations of each. What reads encodes back
@@ -111,6 +80,7 @@ fn mutate(frame: &[u8], rng: &mut Rng) -> Vec<u8> {
 #[test]
 fn frame_decoders_read_or_refuse_every_mutation() {
     use zerolayer_common::wire::samples::{exercise, inputs};
+    use zerolayer_tests::hostile::{mutate, Rng};
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz/corpus/frames");
     let seeds: Vec<Vec<u8>> = std::fs::read_dir(&dir).unwrap_or_else(|e| panic!("fuzz/corpus/frames must exist: {e}")).map(|e| std::fs::read(e.unwrap().path()).unwrap()).collect();
     assert!(seeds.len() >= inputs().len(), "a seed of every kind ({} of {})", seeds.len(), inputs().len());

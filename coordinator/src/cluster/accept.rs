@@ -10,7 +10,7 @@ use std::net::SocketAddr;
 use rustls::pki_types::CertificateDer;
 use zerolayer_common::wire::{self, Open, Reply};
 
-use super::frames::{read_frame, write_reply};
+use super::frames::{read_opening, write_reply};
 use super::identity::cert_names;
 use super::handle::Cluster;
 use super::{admin, fetch, forward, lookup, migrate, rank};
@@ -48,7 +48,8 @@ pub async fn run(cluster: Arc<Cluster>) {
                 conn.close(1u32.into(), b"not a node of this cluster");
                 return;
             }
-            let peer = Arc::new(Peer { addr: remote, cert, node });
+            let opening = c.openings.of(&node);
+            let peer = Arc::new(Peer { addr: remote, cert, node, opening });
             loop {
                 tokio::select! {
                     uni = conn.accept_uni() => {
@@ -76,6 +77,8 @@ pub struct Peer {
     pub cert: CertificateDer<'static>,
     /// The configured node its certificate names (`None` only when joining is allowed).
     pub node: Option<String>,
+    /// Its budget for opening frames being read ([`super::frames::OpeningBudgets`]).
+    opening: Arc<tokio::sync::Semaphore>,
 }
 
 impl Peer {
@@ -85,13 +88,13 @@ impl Peer {
     }
 }
 
-/// Reads a bi-stream's opening frame (within [`forward::ACCEPT_TIMEOUT`]) and hands the stream
-/// to the side that serves it, after checking that the peer is the node the frame says it
-/// comes from.
+/// Reads a bi-stream's opening frame (within [`forward::ACCEPT_TIMEOUT`] and the peer's budget
+/// of opening bytes) and hands the stream to the side that serves it, after checking that the
+/// peer is the node the frame says it comes from.
 async fn serve_bi(cluster: Arc<Cluster>, send: quinn::SendStream, mut recv: quinn::RecvStream, peer: Arc<Peer>) {
-    let first = tokio::time::timeout(forward::ACCEPT_TIMEOUT, read_frame(&mut recv)).await;
+    let first = tokio::time::timeout(forward::ACCEPT_TIMEOUT, read_opening(&mut recv, &peer.opening)).await;
     let open = match first {
-        Ok(Ok(Some(body))) => wire::decode_open(&body).map_err(anyhow::Error::from),
+        Ok(Ok(Some((body, _held)))) => wire::decode_open(&body).map_err(anyhow::Error::from),
         Ok(Ok(None)) => Err(anyhow::anyhow!("stream closed before its first frame")),
         Ok(Err(e)) => Err(e),
         Err(_) => Err(anyhow::anyhow!("no first frame within {:?}", forward::ACCEPT_TIMEOUT)),

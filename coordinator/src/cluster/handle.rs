@@ -112,6 +112,8 @@ pub struct Cluster {
     /// KV bytes each peer has in transfers to this node now (see `migrate::serve`); an entry
     /// goes when its transfers end, so there are at most as many as transfers running.
     pub(super) imports_in_flight: Mutex<std::collections::HashMap<String, u64>>,
+    /// Each peer's budget of opening frames being read (see `accept::serve_bi`).
+    pub(super) openings: super::frames::OpeningBudgets,
     /// Fetches of this node's cached blocks being served now (see `fetch::serve`).
     pub(super) fetches_served: tokio::sync::Semaphore,
     /// What answers peers' calls (set once by the front end; until then they are refused).
@@ -180,6 +182,7 @@ impl Cluster {
             quota,
             hosted_ranks: Mutex::new(std::collections::HashMap::new()),
             imports_in_flight: Mutex::new(std::collections::HashMap::new()),
+            openings: Default::default(),
             fetches_served: tokio::sync::Semaphore::new(FETCHES_SERVED_AT_ONCE),
             peer_calls: std::sync::OnceLock::new(),
         }
@@ -283,6 +286,12 @@ impl Cluster {
     pub async fn own_gossip_for_tests(&self, key: &str) -> Option<String> {
         let net = self.net.as_ref()?;
         net.chitchat.with_chitchat(|c| c.self_node_state().get(key).map(str::to_string)).await
+    }
+
+    /// Bytes of peers' opening frames this node holds being read now (at most
+    /// [`super::frames::OPENING_BYTES_PER_PEER`] per peer).
+    pub fn opening_bytes_held(&self) -> usize {
+        self.openings.held()
     }
 
     /// What the link holds about peers now.
